@@ -1,0 +1,8 @@
+"""client: the trainer-side library. ``from client import RemoteLoader``."""
+
+from .batch import Batch
+from .config import LoaderConfig
+from .errors import LoaderError, LoaderTimeout
+from .loader import LoaderStats, RemoteLoader
+
+__all__ = ["RemoteLoader", "Batch", "LoaderConfig", "LoaderError", "LoaderTimeout", "LoaderStats"]

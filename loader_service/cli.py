@@ -1,0 +1,113 @@
+"""``loader-service``: serve datasets, run the demo, talk to a running service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import List, Optional
+
+from .config import ServiceConfig
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="loader-service", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the service (every option also reads LOADER_<NAME> from the environment)")
+    _service_options(serve)
+
+    demo = sub.add_parser("demo", help="serve the embedded demo dataset and stream it into a consumer that "
+                                       "prints throughput (no dataset or GPU needed)")
+    _service_options(demo, demo_default=True)
+    demo.add_argument("--epochs", type=int, default=2)
+    demo.add_argument("--batch-size", type=int, default=64)
+    demo.add_argument("--image-size", type=int, default=224)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=(args.log_level or "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.command == "serve":
+        return _serve(config)
+    return _demo(config, args)
+
+
+def _service_options(p: argparse.ArgumentParser, demo_default: bool = False) -> None:
+    src = p.add_mutually_exclusive_group(required=False)
+    src.add_argument("--data", action="append", metavar="DIR",
+                     help="dataset folder (ImageFolder layout or packed); repeat for several (env LOADER_DATA)")
+    src.add_argument("--demo", action="store_true", default=None, help="serve the embedded demo dataset")
+    p.add_argument("--demo-size", type=int, help="images in the demo dataset (default 2000)")
+    p.add_argument("--workers", type=int, help="decode worker processes (default: CPU count)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in containers)")
+    p.add_argument("--data-port", type=int, help="ZeroMQ data port (default 5555; 0 = any free port)")
+    p.add_argument("--http-port", type=int, help="REST port (default 8080; 0 = any free port)")
+    p.add_argument("--max-shm-mb", type=int, help="cap on batch slots in shared memory (default 4096)")
+    p.add_argument("--on-error", choices=["raise", "skip"], help="a sample that fails to decode: fail the "
+                   "client's epoch with the reason (raise, default) or deliver the batch without it (skip)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(demo_default=demo_default)
+
+
+def _config(args) -> ServiceConfig:
+    overrides = dict(
+        data=tuple(args.data) if args.data else None, demo=args.demo, demo_size=args.demo_size,
+        workers=args.workers, host=args.host, data_port=args.data_port, http_port=args.http_port,
+        max_shm_mb=args.max_shm_mb, on_error=args.on_error, log_level=args.log_level,
+    )
+    if args.demo_default:  # `demo` runs everything in one process on free ports
+        overrides.update(demo=True, data=())
+        overrides["data_port"] = args.data_port if args.data_port is not None else 0
+        overrides["http_port"] = args.http_port if args.http_port is not None else 0
+    return ServiceConfig.from_env(**overrides)
+
+
+def _serve(config: ServiceConfig) -> int:
+    from .service import Service
+
+    svc = Service(config)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if not stop.is_set():
+            stop.set()
+            logging.getLogger("loader_service").info("%s: stopping", signal.Signals(signum).name)
+            threading.Thread(target=svc.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        svc.start()
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"loader-service: {exc}", file=sys.stderr)
+        return 2
+    names = ", ".join(f"{n} ({len(s)} samples)" for n, s in svc.sources.items())
+    print(f"loader-service ready: data {svc.endpoint}  REST {svc.http_url}  datasets: {names}  "
+          f"workers: {config.workers}", flush=True)
+    assert svc._thread is not None
+    while svc._thread.is_alive():
+        svc._thread.join(timeout=None if stop.is_set() else 3600)
+    svc.stop()
+    return 0
+
+
+def _demo(config: ServiceConfig, args) -> int:
+    from client.demo import consume
+
+    from .service import Service
+
+    with Service(config) as svc:
+        print(f"demo: service on {svc.endpoint} (REST {svc.http_url}) with {config.workers} workers, "
+              f"{len(svc.sources['demo'])} demo images", flush=True)
+        consume(svc.endpoint, epochs=args.epochs, batch_size=args.batch_size, image_size=args.image_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Service configuration: one frozen dataclass, validated on construction.
+
+Every field can come from the command line or from a ``LOADER_<FIELD>`` environment variable
+(the command line wins), which is how containers configure the service.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Optional, Tuple
+
+from .sources.demo import DEFAULT_COUNT
+
+ON_ERROR = ("raise", "skip")
+START_METHODS = ("spawn", "forkserver", "fork")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    data: Tuple[str, ...] = ()  # dataset folders: ImageFolder layout, or packed datasets
+    demo: bool = False  # serve the embedded demo dataset
+    demo_size: int = DEFAULT_COUNT
+    workers: int = max(1, os.cpu_count() or 1)
+    max_workers: int = 256
+    host: str = "127.0.0.1"
+    data_port: int = 5555  # 0: pick a free port
+    http_port: int = 8080  # 0: pick a free port
+    max_shm_mb: int = 4096  # cap on batch slots in shared memory, all clients together
+    on_error: str = "raise"  # a sample that fails to decode: fail the stream, or skip it
+    heartbeat_s: float = 2.0  # ZMTP heartbeat; silent peers are dropped after 3 intervals
+    stop_timeout_s: float = 10.0
+    start_method: str = "spawn"
+    io_threads: int = 1
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.data and not self.demo:
+            raise ValueError("no dataset: give --data DIR (ImageFolder or packed) or --demo")
+        if not 0 <= self.workers <= self.max_workers:
+            raise ValueError(f"workers must be in [0, {self.max_workers}], got {self.workers}")
+        for name in ("data_port", "http_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {self.start_method!r}")
+        if self.max_shm_mb < 1 or self.demo_size < 1 or self.heartbeat_s <= 0 or self.stop_timeout_s <= 0:
+            raise ValueError("max_shm_mb, demo_size, heartbeat_s and stop_timeout_s must be positive")
+
+    @property
+    def max_shm_bytes(self) -> int:
+        return self.max_shm_mb << 20
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict] = None, **overrides) -> "ServiceConfig":
+        """Defaults, then ``LOADER_*`` variables, then ``overrides`` (those not None)."""
+        env = os.environ if environ is None else environ
+        values: dict = {}
+        for f in fields(cls):
+            raw = env.get(f"LOADER_{f.name.upper()}")
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f.name, f.type, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(name: str, typ, raw: str):
+    typ = str(typ)
+    try:
+        if "Tuple" in typ:
+            return tuple(p for p in raw.split(os.pathsep) if p)
+        if typ == "bool":
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if typ == "int":
+            return int(raw)
+        if typ == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"LOADER_{name.upper()}={raw!r} is not a valid {typ}") from None
+    return raw

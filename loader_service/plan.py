@@ -1,0 +1,121 @@
+"""The epoch plan: which dataset indices each rank gets, in which batches.
+
+A pure function of (dataset length, seed, epoch, rank, world_size, batch_size, shuffle,
+drop_last). Client and service compute it independently and always agree; nothing about a
+plan is ever stored, which is why a restarted service or a resumed client loses nothing.
+
+Rules (the same as ``torch.utils.data.DistributedSampler`` + ``DataLoader``):
+
+* shuffle: one permutation of ``range(n)`` per (seed, epoch), shared by all ranks.
+* drop_last=False: the permutation is padded by wrapping around to a multiple of world_size,
+  so every rank gets ``ceil(n / world_size)`` samples; the last batch may be short. Padding
+  repeats at most ``world_size - 1`` samples, always in the last position of a rank, and is
+  flagged in :attr:`RankPlan.padding`.
+* drop_last=True: the tail is dropped to a multiple of world_size, and each rank drops its
+  incomplete last batch, so every batch is full.
+
+Every rank gets the same number of batches either way, so DDP ranks never wait on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["PlanSpec", "RankPlan", "make_plan", "num_batches"]
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """Everything the plan depends on. Validated on construction."""
+
+    length: int
+    batch_size: int
+    seed: int = 0
+    epoch: int = 0
+    rank: int = 0
+    world_size: int = 1
+    shuffle: bool = True
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.length < 1:
+            raise ValueError(f"dataset length must be >= 1, got {self.length}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.seed < 0 or self.epoch < 0:
+            raise ValueError(f"seed and epoch must be >= 0, got seed={self.seed} epoch={self.epoch}")
+        if self.drop_last and self.length < self.world_size:
+            raise ValueError(
+                f"drop_last with {self.length} samples and world_size {self.world_size} leaves "
+                "every rank empty"
+            )
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share of one epoch: ``indices`` split into consecutive batches."""
+
+    spec: PlanSpec
+    indices: np.ndarray  # int64, this rank's samples in delivery order
+    padding: np.ndarray  # bool, True where the sample repeats one to even out ranks
+
+    @property
+    def num_batches(self) -> int:
+        n, b = len(self.indices), self.spec.batch_size
+        return n // b if self.spec.drop_last else -(-n // b)
+
+    @property
+    def num_samples(self) -> int:
+        return min(len(self.indices), self.num_batches * self.spec.batch_size)
+
+    def batch(self, i: int) -> np.ndarray:
+        """Dataset indices of batch ``i``."""
+        if not 0 <= i < self.num_batches:
+            raise IndexError(f"batch {i} out of range [0, {self.num_batches})")
+        b = self.spec.batch_size
+        return self.indices[i * b : (i + 1) * b]
+
+    def batch_padding(self, i: int) -> np.ndarray:
+        b = self.spec.batch_size
+        return self.padding[i * b : (i + 1) * b]
+
+
+def epoch_permutation(length: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(length, dtype=np.int64)
+    rng = np.random.Generator(np.random.PCG64([seed, epoch, 0x706C616E]))  # "plan"
+    return rng.permutation(length).astype(np.int64)
+
+
+def make_plan(spec: PlanSpec) -> RankPlan:
+    """Compute ``spec.rank``'s plan for ``spec.epoch``."""
+    order = epoch_permutation(spec.length, spec.seed, spec.epoch, spec.shuffle)
+    n, w = spec.length, spec.world_size
+    if spec.drop_last:
+        total = (n // w) * w
+        order = order[:total]
+        padded = np.zeros(total, dtype=bool)
+    else:
+        total = -(-n // w) * w
+        order = np.resize(order, total)  # wraps around, as many times as n < w needs
+        padded = np.zeros(total, dtype=bool)
+        padded[n:] = True
+    mine = slice(spec.rank, total, w)
+    indices, padding = order[mine], padded[mine]
+    if spec.drop_last:
+        keep = (len(indices) // spec.batch_size) * spec.batch_size
+        indices, padding = indices[:keep], padding[:keep]
+    return RankPlan(spec=spec, indices=np.ascontiguousarray(indices), padding=padding.copy())
+
+
+def num_batches(length: int, batch_size: int, world_size: int = 1, drop_last: bool = False) -> int:
+    """Batches per rank per epoch, without building the plan (what ``len(loader)`` returns)."""
+    if drop_last:
+        return (length // world_size) // batch_size
+    return -(-(-(-length // world_size)) // batch_size)

@@ -1,0 +1,226 @@
+"""The worker pool: process lifecycle, live scaling, death detection.
+
+The pool owns the internal ROUTER socket the workers connect to and one record per worker.
+It never decides what a worker does; the dispatcher does. Scale-down drains: a busy worker
+chosen to leave finishes its task before it is told to stop, so no task is abandoned.
+Shutdown follows the ladder stop -> join -> terminate -> kill and is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import zmq
+
+from . import protocol as P
+from .sources import SourceSpec
+from .worker import worker_main
+
+log = logging.getLogger("loader_service.pool")
+
+MAX_START_FAILURES = 3
+
+
+@dataclass
+class WorkerRecord:
+    id: int
+    process: mp.process.BaseProcess
+    state: str = "starting"  # starting | idle | busy | draining | stopping | failed
+    task: Optional[int] = None
+    pid: int = 0
+    tasks_done: int = 0
+    busy_s: float = 0.0
+    started_at: float = 0.0
+    task_started: float = 0.0
+
+
+class WorkerPool:
+    def __init__(self, ctx: zmq.Context, specs: List[SourceSpec], start_method: str = "spawn"):
+        self._mp = mp.get_context(start_method)
+        self._specs = specs
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        # Workers watch the read end: it reports EOF once this process is gone, however it died.
+        self._death_r, self._death_w = self._mp.Pipe(duplex=False)
+        self.workers: Dict[int, WorkerRecord] = {}
+        self.target = 0
+        self._next_id = 0
+        self.version = 0  # bumped whenever the set of processes changes (re-register sentinels)
+        self.deaths = 0
+        self.start_failures = 0  # consecutive workers that died or failed before Ready
+        self.broken = ""  # why workers cannot start; set after MAX_START_FAILURES in a row
+        self._closed = False
+
+    # ------------------------------------------------------------------ scaling
+    def scale(self, n: int) -> None:
+        """Set the target size. New workers start now; surplus ones drain then stop."""
+        if n < 0:
+            raise ValueError(f"worker count must be >= 0, got {n}")
+        self.target = n
+        self._converge()
+
+    def _converge(self) -> None:
+        if self.broken:
+            return  # respawning would only fail again; the dispatcher reports why
+        live = [w for w in self.workers.values() if w.state not in ("draining", "stopping")]
+        for _ in range(self.target - len(live)):
+            self._spawn()
+        surplus = len(live) - self.target
+        if surplus > 0:
+            # leave idle workers first, then the ones that started last
+            order = sorted(live, key=lambda w: (w.state != "idle", w.state != "starting", -w.id))
+            for w in order[:surplus]:
+                self._retire(w)
+
+    def _spawn(self) -> None:
+        wid = self._next_id
+        self._next_id += 1
+        proc = self._mp.Process(
+            target=worker_main, args=(wid, self.endpoint, self._specs, self._death_r),
+            name=f"loader-worker-{wid}", daemon=True,
+        )
+        proc.start()
+        self.workers[wid] = WorkerRecord(wid, proc, pid=proc.pid or 0, started_at=time.monotonic())
+        self.version += 1
+        log.info("worker %d started (pid %s)", wid, proc.pid)
+
+    def _retire(self, w: WorkerRecord) -> None:
+        if w.state == "busy":
+            w.state = "draining"  # told to stop when its task is done
+        elif w.state == "idle":
+            self._send_stop(w)
+        else:  # starting: stop it as soon as it says Ready
+            w.state = "draining"
+
+    def _send_stop(self, w: WorkerRecord) -> None:
+        w.state = "stopping"
+        self.sock.send_multipart([_ident(w.id), *P.encode(P.Stop())])
+
+    # ------------------------------------------------------------------ events
+    def on_message(self, frames: list) -> Tuple[Optional[P.Done], Optional[WorkerRecord]]:
+        """Handle one message from a worker. Returns (Done, its worker) for finished tasks."""
+        ident, body = frames[0], frames[1:]
+        msg, _ = P.decode(body, expect=(P.Ready, P.Done))
+        w = self.workers.get(_worker_id(ident))
+        if w is None:
+            return None, None
+        if isinstance(msg, P.Ready):
+            w.pid = msg.pid
+            if msg.error:
+                log.error("worker %d could not start: %s\n%s", w.id, msg.error, msg.traceback)
+                w.state = "failed"
+                self._start_failed(f"worker could not start: {msg.error}\n{msg.traceback}")
+                return None, w
+            self.start_failures = 0
+            if w.state == "draining":
+                self._send_stop(w)
+            else:
+                w.state = "idle"
+            return None, w
+        if w.task != msg.task:
+            log.warning("worker %d reported task %d but holds %s", w.id, msg.task, w.task)
+            return None, w
+        w.task = None
+        w.tasks_done += 1
+        w.busy_s += time.monotonic() - w.task_started
+        if w.state == "draining":
+            self._send_stop(w)
+        else:
+            w.state = "idle"
+        return msg, w
+
+    def sentinels(self) -> Dict[int, int]:
+        """fd -> worker id, for the dispatcher's poller (readable when the process exits)."""
+        return {w.process.sentinel: w.id for w in self.workers.values()}
+
+    def reap(self, wid: int) -> Tuple[Optional[int], bool]:
+        """Forget an exited worker; replace it if the pool is below target.
+
+        Returns (the task it held, whether it died unexpectedly).
+        """
+        w = self.workers.pop(wid, None)
+        if w is None:
+            return None, False
+        w.process.join(timeout=0)
+        expected = w.state in ("stopping", "failed")
+        if w.state == "starting":
+            self._start_failed(f"worker {wid} exited with code {w.process.exitcode} before it was ready")
+        if not expected:
+            self.deaths += 1
+            log.warning("worker %d (pid %s) died with exit code %s holding task %s",
+                        wid, w.pid, w.process.exitcode, w.task)
+        self.version += 1
+        if not self._closed:
+            self._converge()
+        return w.task, not expected
+
+    def _start_failed(self, why: str) -> None:
+        self.start_failures += 1
+        if self.start_failures >= MAX_START_FAILURES and not self.broken:
+            self.broken = why
+            log.error("%d workers in a row failed to start; not starting more", self.start_failures)
+
+    # ------------------------------------------------------------------ tasks
+    def idle(self) -> List[WorkerRecord]:
+        return [w for w in self.workers.values() if w.state == "idle"]
+
+    def assign(self, w: WorkerRecord, task: P.Task) -> None:
+        assert w.state == "idle", w
+        w.state, w.task, w.task_started = "busy", task.task, time.monotonic()
+        self.sock.send_multipart([_ident(w.id), *P.encode(task)])
+
+    def counts(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for w in self.workers.values():
+            out[w.state] = out.get(w.state, 0) + 1
+        return out
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop every worker: ask, wait, terminate, kill. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.target = 0
+        for w in list(self.workers.values()):
+            if w.state in ("idle", "busy", "draining", "starting"):
+                try:
+                    w.state = "stopping"
+                    self.sock.send_multipart([_ident(w.id), *P.encode(P.Stop())], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        self._death_w.close()  # any worker that missed Stop sees EOF and exits
+        deadline = time.monotonic() + timeout
+        for w in self.workers.values():
+            w.process.join(max(0.0, deadline - time.monotonic()))
+        for w in self.workers.values():
+            if w.process.is_alive():
+                log.warning("worker %d did not stop in %.1fs; terminating", w.id, timeout)
+                w.process.terminate()
+                w.process.join(1.0)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
+            w.process.close()
+        self.workers.clear()
+        self._death_r.close()
+        self.sock.close(0)
+
+
+def _ident(wid: int) -> bytes:
+    return f"w{wid}".encode()
+
+
+def _worker_id(ident: bytes) -> int:
+    try:
+        return int(ident[1:])
+    except ValueError:
+        return -1

@@ -1,0 +1,423 @@
+"""The wire format: every message between client, service and workers is defined here.
+
+A message is a list of ZeroMQ frames: frame 0 is a msgpack map (the header) holding the
+protocol version ``v``, the message type ``t`` and the message's fields; any further frames
+are raw data buffers (batch images, labels). No pickle crosses any socket.
+
+``encode`` and ``decode`` are pure functions. ``decode`` trusts nothing: it checks the version,
+the type, every field's presence and type, value ranges that the receiver relies on, and the
+number and size of data frames, and raises :class:`ProtocolError` with a message a person can
+act on. This module needs only msgpack and numpy, so the client imports it without the
+service's dependencies.
+"""
+
+from dataclasses import MISSING, dataclass, field, fields
+from enum import IntEnum
+from typing import Any, ClassVar, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
+MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
+ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, zmq copying is cheaper than tracking a buffer
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class MsgType(IntEnum):
+    # client -> service
+    HELLO = 1
+    CREDIT = 2
+    BYE = 3
+    DESCRIBE = 4
+    # service -> client
+    ACCEPT = 10
+    BATCH = 11
+    END_OF_EPOCH = 12
+    ERROR = 13
+    DATASET_INFO = 14
+    # worker <-> dispatcher (inside the service)
+    READY = 20
+    TASK = 21
+    DONE = 22
+    STOP = 23
+
+
+class ErrorCode:
+    """Stable error codes carried by :class:`Error` (strings, so logs and clients read them)."""
+
+    BAD_MESSAGE = "bad_message"
+    BAD_VERSION = "bad_version"
+    BAD_JOB = "bad_job"
+    UNKNOWN_DATASET = "unknown_dataset"
+    UNKNOWN_CLIENT = "unknown_client"
+    NO_CAPACITY = "no_capacity"
+    SAMPLE_FAILED = "sample_failed"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this protocol. ``code`` is an :class:`ErrorCode`."""
+
+    def __init__(self, message: str, code: str = ErrorCode.BAD_MESSAGE):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[MsgType]
+    DATA_FRAMES: ClassVar[int] = 0
+
+    def check(self) -> None:
+        """Range checks beyond types; raise ProtocolError."""
+
+
+# --------------------------------------------------------------------------- client -> service
+@dataclass(frozen=True)
+class Hello(Message):
+    """Start (or restart) a stream: one rank's pass over one epoch, from ``start_batch`` on.
+
+    A client sends a new Hello with a higher ``stream`` for every epoch and after every
+    reconnect; the service drops whatever it still had for that client's older streams.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    stream: int
+    batch_size: int
+    image_size: int
+    seed: int = 0
+    epoch: int = 0
+    rank: int = 0
+    world_size: int = 1
+    shuffle: bool = True
+    drop_last: bool = False
+    train: bool = True
+    start_batch: int = 0
+    prefetch: int = 4
+    dataset: Optional[str] = None
+    scale: list = field(default_factory=lambda: [0.08, 1.0])
+    ratio: list = field(default_factory=lambda: [3 / 4, 4 / 3])
+    job: str = ""
+
+    def check(self) -> None:
+        _range(self, "stream", 0)
+        _range(self, "batch_size", 1, 1 << 16)
+        _range(self, "image_size", 8, 4096)
+        _range(self, "seed", 0, (1 << 63) - 1)
+        _range(self, "epoch", 0, (1 << 31) - 1)
+        _range(self, "world_size", 1, 1 << 16)
+        _range(self, "rank", 0, self.world_size - 1)
+        _range(self, "start_batch", 0)
+        _range(self, "prefetch", 1, 256)
+        for name in ("scale", "ratio"):
+            v = getattr(self, name)
+            if len(v) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+                raise ProtocolError(f"{name} must be two numbers, got {v!r}", ErrorCode.BAD_JOB)
+            if not 0 < v[0] <= v[1]:
+                raise ProtocolError(f"{name} must satisfy 0 < min <= max, got {v!r}", ErrorCode.BAD_JOB)
+        if self.scale[1] > 1:
+            raise ProtocolError(f"scale max must be <= 1, got {self.scale[1]}", ErrorCode.BAD_JOB)
+        if len(self.job) > 256:
+            raise ProtocolError("job name longer than 256 characters", ErrorCode.BAD_JOB)
+
+
+@dataclass(frozen=True)
+class Credit(Message):
+    """Ask for ``n`` more batches of ``stream``. Carries the client's stall counters."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CREDIT
+    stream: int
+    n: int
+    wait_s: float = 0.0  # total seconds the trainer has waited in next() this stream
+    h2d_s: float = 0.0  # total seconds spent in host-to-device copies this stream
+    consumed: int = 0  # batches the trainer has taken this stream
+
+    def check(self) -> None:
+        _range(self, "stream", 0)
+        _range(self, "n", 1, 1 << 16)
+        _range(self, "consumed", 0)
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    """The client is leaving: free its stream now rather than at disconnect."""
+
+    TYPE: ClassVar[MsgType] = MsgType.BYE
+
+
+@dataclass(frozen=True)
+class Describe(Message):
+    """Ask for a dataset's size (``len(loader)`` needs it before the first epoch)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DESCRIBE
+    dataset: Optional[str] = None
+
+
+# --------------------------------------------------------------------------- service -> client
+@dataclass(frozen=True)
+class Accept(Message):
+    TYPE: ClassVar[MsgType] = MsgType.ACCEPT
+    stream: int
+    epoch: int
+    num_batches: int  # in this rank's epoch, counting from batch 0
+    num_samples: int  # in this rank's epoch
+    dataset_length: int
+    dataset: str
+    service: str = ""  # the service instance id (changes on restart)
+
+
+@dataclass(frozen=True)
+class Batch(Message):
+    """One batch: frame 1 holds uint8 images (n, h, w, 3), frame 2 int64 labels (n,)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.BATCH
+    DATA_FRAMES: ClassVar[int] = 2
+    stream: int
+    epoch: int
+    index: int  # batch index within the rank's epoch
+    indices: list  # dataset index of each sample, in order
+    shape: list  # [n, h, w, c]
+    padding: int = 0  # trailing samples that repeat one to even out ranks (see plan.py)
+    skipped: list = field(default_factory=list)  # [[dataset index, reason], ...]
+    dtype: str = "uint8"
+
+    def check(self) -> None:
+        if self.dtype != "uint8":
+            raise ProtocolError(f"unsupported dtype {self.dtype!r}")
+        if len(self.shape) != 4 or not all(_is_int(x) and x >= 0 for x in self.shape):
+            raise ProtocolError(f"shape must be 4 non-negative ints, got {self.shape!r}")
+        if not all(_is_int(x) and x >= 0 for x in self.indices):
+            raise ProtocolError("indices must be non-negative ints")
+        if self.shape[0] != len(self.indices):
+            raise ProtocolError(f"shape[0]={self.shape[0]} but {len(self.indices)} indices")
+        _range(self, "padding", 0, len(self.indices))
+
+    @property
+    def image_bytes(self) -> int:
+        n, h, w, c = self.shape
+        return n * h * w * c
+
+
+@dataclass(frozen=True)
+class EndOfEpoch(Message):
+    TYPE: ClassVar[MsgType] = MsgType.END_OF_EPOCH
+    stream: int
+    epoch: int
+    num_batches: int
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    """Something went wrong. ``stream`` is -1 when no stream is concerned.
+
+    ``fatal`` errors end the stream; the client raises. ``traceback`` is the worker's
+    formatted traceback when the error happened in a worker process.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    code: str
+    message: str
+    stream: int = -1
+    fatal: bool = True
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class DatasetInfo(Message):
+    TYPE: ClassVar[MsgType] = MsgType.DATASET_INFO
+    dataset: str
+    length: int
+    num_classes: int
+
+
+# --------------------------------------------------------------------------- inside the service
+@dataclass(frozen=True)
+class Ready(Message):
+    TYPE: ClassVar[MsgType] = MsgType.READY
+    worker: int
+    pid: int
+    error: str = ""  # set when the worker could not start; it exits after sending this
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class Task(Message):
+    """Decode ``indices`` of ``dataset`` into slot ``offset`` of shared segment ``shm``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TASK
+    task: int
+    dataset: str
+    shm: str
+    offset: int
+    indices: list
+    seed: int
+    epoch: int
+    train: bool
+    image_size: int
+    scale: list
+    ratio: list
+    on_error: str = "raise"
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    TYPE: ClassVar[MsgType] = MsgType.DONE
+    task: int
+    worker: int
+    ok: bool
+    read_s: float = 0.0
+    decode_s: float = 0.0
+    augment_s: float = 0.0
+    skipped: list = field(default_factory=list)  # [[position in task, dataset index, reason], ...]
+    error: str = ""
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STOP
+
+
+MESSAGES: dict = {cls.TYPE: cls for cls in Message.__subclasses__()}
+
+
+# --------------------------------------------------------------------------- encode / decode
+def encode(msg: Message, *data: Buffer) -> list:
+    """Frames for ``msg``: the msgpack header, then ``data`` unchanged (never copied here)."""
+    if len(data) != msg.DATA_FRAMES:
+        raise ValueError(f"{type(msg).__name__} takes {msg.DATA_FRAMES} data frames, got {len(data)}")
+    return [encode_header(msg), *data]
+
+
+def encode_header(msg: Message) -> bytes:
+    """Frame 0 of ``msg`` alone (for senders that build data frames themselves)."""
+    header = {"v": PROTOCOL_VERSION, "t": int(msg.TYPE)}
+    for f in fields(msg):
+        header[f.name] = getattr(msg, f.name)
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def decode(frames: Sequence[Any], expect: Optional[tuple] = None) -> tuple:
+    """Parse ``frames`` into ``(message, data_frames)``; raise :class:`ProtocolError`.
+
+    ``expect``: the message classes the receiver accepts here; others are refused.
+    Data frames are returned as given (bytes or zmq.Frame), after their sizes are checked.
+    """
+    if not frames:
+        raise ProtocolError("empty message")
+    msg = decode_header(frames[0], expect)
+    data = list(frames[1:])
+    check_data_sizes(msg, [_nbytes(f) for f in data])
+    return msg, data
+
+
+def decode_header(frame: Any, expect: Optional[tuple] = None) -> Message:
+    """Parse frame 0 alone (a receiver that reads data frames into its own buffers uses this,
+    then :func:`check_data_sizes`)."""
+    raw = _as_bytes(frame)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    version = header.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} not supported (this side speaks {PROTOCOL_VERSION}); "
+            "upgrade the older of client and service",
+            ErrorCode.BAD_VERSION,
+        )
+    type_code = header.pop("t", None)
+    cls = MESSAGES.get(type_code) if _is_int(type_code) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {type_code!r}")
+    if expect is not None and cls not in expect:
+        raise ProtocolError(f"unexpected message {cls.__name__} here")
+    return _build(cls, header)
+
+
+def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
+    """Check the number and byte sizes of ``msg``'s data frames."""
+    if len(sizes) != msg.DATA_FRAMES:
+        raise ProtocolError(f"{type(msg).__name__} takes {msg.DATA_FRAMES} data frames, got {len(sizes)}")
+    if isinstance(msg, Batch):
+        want = [msg.image_bytes, 8 * len(msg.indices)]
+        if list(sizes) != want:
+            raise ProtocolError(f"Batch frames are {list(sizes)} bytes, header says {want}")
+
+
+def _build(cls: type, header: dict) -> Message:
+    kwargs = {}
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(header) - set(known)
+    if unknown:
+        raise ProtocolError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    hints = _HINTS.setdefault(cls, _resolve_hints(cls))
+    for name, f in known.items():
+        if name in header:
+            kwargs[name] = _coerce(cls, name, hints[name], header[name])
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise ProtocolError(f"{cls.__name__} is missing field {name!r}")
+    msg = cls(**kwargs)
+    msg.check()
+    return msg
+
+
+def _resolve_hints(cls: type) -> dict:
+    return get_type_hints(cls)
+
+
+def _coerce(cls: type, name: str, hint: Any, value: Any) -> Any:
+    where = f"{cls.__name__}.{name}"
+    if get_origin(hint) is Union:  # Optional[X]
+        if value is None:
+            return None
+        hint = [a for a in get_args(hint) if a is not type(None)][0]
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = _is_int(value)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif hint is str:
+        ok = isinstance(value, str)
+    elif hint is list:
+        ok = isinstance(value, list)
+    else:  # pragma: no cover - a field type this module does not know is a programming error
+        raise TypeError(f"unsupported field type {hint!r} for {where}")
+    if not ok:
+        raise ProtocolError(f"{where} must be {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+    return value
+
+
+def _range(msg: Message, name: str, lo: int, hi: Optional[int] = None) -> None:
+    v = getattr(msg, name)
+    if v < lo or (hi is not None and v > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ProtocolError(f"{type(msg).__name__}.{name} must be {bound}, got {v}", ErrorCode.BAD_JOB)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _as_bytes(frame: Any) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    buf = getattr(frame, "bytes", None)  # zmq.Frame
+    return buf if isinstance(buf, bytes) else bytes(frame)
+
+
+def _nbytes(frame: Any) -> int:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer without copying
+    return memoryview(buf).nbytes
+
+
+_HINTS: dict = {}

@@ -1,0 +1,149 @@
+"""The service process: datasets, the dispatcher thread and the REST server, started and
+stopped together. ``Service`` is what the CLI runs and what tests and benchmarks embed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Dict, Optional
+
+from .config import ServiceConfig
+from .dispatcher import Dispatcher
+from .shm import sweep_stale
+from .sources import Source
+from .sources.demo import ensure_demo
+from .sources.imagefolder import ImageFolderSource
+from .sources.packed import PackedSource
+
+log = logging.getLogger("loader_service")
+
+
+def open_datasets(config: ServiceConfig) -> Dict[str, Source]:
+    """Open every configured dataset; names must be unique."""
+    sources: Dict[str, Source] = {}
+    try:
+        if config.demo:
+            sources["demo"] = ensure_demo(config.demo_size)
+        for path in config.data:
+            src: Source
+            if os.path.exists(os.path.join(path, "meta.json")):
+                src = PackedSource(path)
+            else:
+                src = ImageFolderSource.scan(path)
+            if src.name in sources:
+                src.close()
+                raise ValueError(f"two datasets are named {src.name!r}; rename one folder")
+            sources[src.name] = src
+    except BaseException:
+        for s in sources.values():
+            s.close()
+        raise
+    return sources
+
+
+class Service:
+    """Run with ``with Service(cfg) as svc:`` (background thread) or ``Service(cfg).run()``."""
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.dispatcher: Optional[Dispatcher] = None
+        self.sources: Dict[str, Source] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._http = None
+        self._http_thread: Optional[threading.Thread] = None
+        self._http_sock: Optional[socket.socket] = None
+        self.http_port = 0
+        self._stopped = False
+
+    @property
+    def endpoint(self) -> str:
+        assert self.dispatcher is not None, "service not started"
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "*") else self.config.host
+        return f"tcp://{host}:{self.dispatcher.data_port}"
+
+    @property
+    def http_url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "*") else self.config.host
+        return f"http://{host}:{self.http_port}"
+
+    def _open(self) -> None:
+        stale = sweep_stale()
+        if stale:
+            log.info("removed %d shared-memory segments left by dead services", len(stale))
+        self.sources = open_datasets(self.config)
+        try:
+            self.dispatcher = Dispatcher(self.config, self.sources)
+            self._start_http()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self) -> "Service":
+        """Start everything, the dispatcher on a background thread. Returns self."""
+        self._open()
+        assert self.dispatcher is not None
+        self._thread = threading.Thread(target=self._run_dispatcher, name="loader-dispatcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def run(self) -> None:
+        """Serve in this thread until :meth:`stop` is called (from a signal handler, say)."""
+        self._open()
+        try:
+            self._run_dispatcher()
+        finally:
+            self.stop()
+
+    def _run_dispatcher(self) -> None:
+        assert self.dispatcher is not None
+        try:
+            self.dispatcher.run()
+        except BaseException:
+            log.exception("the dispatcher crashed")
+            raise
+
+    def _start_http(self) -> None:
+        import uvicorn
+
+        from .http_api import make_app
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        host = "0.0.0.0" if self.config.host == "*" else self.config.host
+        sock.bind((host, self.config.http_port))
+        sock.listen(128)  # connections queue here until uvicorn's loop accepts them
+        self._http_sock = sock
+        self.http_port = sock.getsockname()[1]
+        assert self.dispatcher is not None
+        cfg = uvicorn.Config(make_app(self), log_level="warning", lifespan="off", access_log=False)
+        self._http = uvicorn.Server(cfg)
+        self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [sock]},
+                                             name="loader-http", daemon=True)
+        self._http_thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and release everything. Idempotent; safe from any thread."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join()
+            self.dispatcher.close()
+        if self._http is not None:
+            self._http.should_exit = True
+            if self._http_thread is not None:
+                self._http_thread.join()
+        if self._http_sock is not None:
+            self._http_sock.close()
+        for src in self.sources.values():
+            src.close()
+
+    def __enter__(self) -> "Service":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,126 @@
+"""Named shared-memory segments for batch slots and dataset indexes.
+
+Plain files in /dev/shm mapped with mmap, instead of ``multiprocessing.shared_memory``: on
+Python < 3.13 every process that attaches to a SharedMemory registers it with the resource
+tracker, which then warns about or unlinks segments it does not own. Here the creator owns
+the name and unlinks it (in ``finally`` blocks); attachers only map it. Names carry the
+creator's pid so :func:`sweep_stale` can remove what a SIGKILLed service left behind.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import uuid
+from typing import Optional
+
+import numpy as np
+
+PREFIX = "loader_service-"
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class Segment:
+    """One mapped segment. ``create`` makes a new one; ``attach`` maps an existing one."""
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool):
+        self.name, self.size, self._mm, self.owner = name, size, mm, owner
+        self.buf: Optional[memoryview] = memoryview(mm)
+
+    @classmethod
+    def create(cls, size: int, tag: str = "seg") -> "Segment":
+        if size <= 0:
+            raise ValueError(f"segment size must be > 0, got {size}")
+        name = f"{PREFIX}{os.getpid()}-{tag}-{uuid.uuid4().hex[:12]}"
+        fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(_path(name))
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, size, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, readonly: bool = False) -> "Segment":
+        if "/" in name or not name.startswith(PREFIX):
+            raise ValueError(f"not a segment name: {name!r}")
+        fd = os.open(_path(name), os.O_RDONLY if readonly else os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, size, mm, owner=False)
+
+    def array(self, dtype, shape, offset: int = 0) -> np.ndarray:
+        """A numpy view of part of the segment (no copy)."""
+        assert self.buf is not None, "segment is closed"
+        return np.ndarray(shape, dtype=dtype, buffer=self.buf, offset=offset)
+
+    def close(self) -> None:
+        """Unmap (and unlink, for the owner). Idempotent.
+
+        Raises BufferError while a numpy view or a zmq frame still uses the memory; callers
+        release those first (the dispatcher waits for zmq's send trackers).
+        """
+        if self.buf is not None:
+            self.buf.release()
+            self.buf = None
+        if not self._mm.closed:
+            self._mm.close()
+        if self.owner:
+            self.owner = False
+            try:
+                os.unlink(_path(self.name))
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def list_segments(pid: Optional[int] = None) -> list:
+    """Names of this package's segments (all, or those created by ``pid``)."""
+    want = f"{PREFIX}{pid}-" if pid is not None else PREFIX
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(want))
+    except FileNotFoundError:
+        return []
+
+
+def sweep_stale() -> list:
+    """Unlink segments whose creating process no longer exists. Returns their names."""
+    removed = []
+    for name in list_segments():
+        try:
+            pid = int(name[len(PREFIX) :].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            try:
+                os.unlink(_path(name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

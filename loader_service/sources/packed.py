@@ -1,0 +1,106 @@
+"""A packed dataset: every sample's bytes in one file, indexed by numpy arrays.
+
+Layout of a packed directory (written atomically by :func:`write_packed`)::
+
+    meta.json         {"format": "loader-packed", "version": 1, "length": n, "classes": [...]}
+    data.bin          all encoded samples back to back
+    offsets.npy       int64[n + 1]; sample i is data.bin[offsets[i]:offsets[i+1]]
+    labels.npy        int64[n]
+    names_blob.npy    uint8, sample names (UTF-8) back to back
+    names_offsets.npy int64[n + 1]
+
+Every array is memory-mapped read-only, so worker processes share the page cache and hold no
+private copy of the index, whatever its size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import Iterable, Sequence, Tuple
+
+import numpy as np
+
+from .base import Source, SourceSpec, register
+from .index import PackedStrings
+
+FORMAT = "loader-packed"
+VERSION = 1
+
+
+@register("packed")
+class PackedSource(Source):
+    def __init__(self, path: str, name: str = ""):
+        meta_path = os.path.join(path, "meta.json")
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path} is not a packed dataset (no meta.json)") from None
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise ValueError(f"{path}: unsupported packed format {meta.get('format')!r} v{meta.get('version')}")
+        self.path, self.name, self.meta = path, name or os.path.basename(os.path.normpath(path)), meta
+        self.classes: list = list(meta.get("classes", []))
+        load = lambda f: np.load(os.path.join(path, f), mmap_mode="r")  # noqa: E731
+        self.offsets, self.labels = load("offsets.npy"), load("labels.npy")
+        self.names = PackedStrings(load("names_blob.npy"), load("names_offsets.npy"))
+        size = os.path.getsize(os.path.join(path, "data.bin"))
+        if len(self.offsets) != meta["length"] + 1 or len(self.labels) != meta["length"] or self.offsets[-1] != size:
+            raise ValueError(f"{path}: packed dataset is inconsistent (truncated copy?)")
+        self._data = np.memmap(os.path.join(path, "data.bin"), dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+
+    @classmethod
+    def from_spec(cls, spec: SourceSpec) -> "PackedSource":
+        return cls(spec.path, spec.name)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read(self, i: int) -> bytes:
+        return self._data[self.offsets[i] : self.offsets[i + 1]].tobytes()
+
+    def describe(self, i: int) -> str:
+        return f"{self.path}:{self.names[i]}"
+
+    def spec(self) -> SourceSpec:
+        return SourceSpec(self.name, "packed", self.path)
+
+
+def write_packed(
+    path: str,
+    samples: Iterable[Tuple[str, bytes, int]],
+    classes: Sequence[str] = (),
+) -> int:
+    """Write ``(name, bytes, label)`` samples as a packed dataset at ``path``. Returns n.
+
+    Written into a temporary sibling directory and renamed, so a reader never sees a half
+    written dataset and an interrupted write leaves nothing at ``path``.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        sizes, labels, names = [], [], []
+        with open(os.path.join(tmp, "data.bin"), "wb") as data:
+            for name, blob, label in samples:
+                data.write(blob)
+                sizes.append(len(blob))
+                labels.append(label)
+                names.append(name)
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        packed_names = PackedStrings.from_strings(names)
+        np.save(os.path.join(tmp, "offsets.npy"), offsets)
+        np.save(os.path.join(tmp, "labels.npy"), np.asarray(labels, dtype=np.int64))
+        np.save(os.path.join(tmp, "names_blob.npy"), packed_names.blob)
+        np.save(os.path.join(tmp, "names_offsets.npy"), packed_names.offsets)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({"format": FORMAT, "version": VERSION, "length": len(sizes), "classes": list(classes)}, f)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return len(sizes)

@@ -1,0 +1,203 @@
+"""Decode and augment one sample into a uint8 HWC slot. Shared by the service's workers and
+by the benchmark's baselines, so every contender does exactly the same work.
+
+* JPEG: libjpeg-turbo through simplejpeg. For RandomResizedCrop the crop is chosen from the
+  header's size first and the JPEG is decoded at the smallest DCT scale (n/8) that still gives
+  the crop at least the output resolution: fewer pixels decoded, same determinism.
+* PNG (and JPEGs libjpeg-turbo cannot convert, such as CMYK): OpenCV; Pillow as a last resort.
+* Randomness comes from a generator seeded by (seed, epoch, sample index), never from the
+  worker, so a sample is the same bytes whichever worker makes it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+try:
+    import cv2
+
+    cv2.setNumThreads(1)  # one decode process per core; OpenCV's own threads would oversubscribe
+except ImportError:  # pragma: no cover - exercised only where OpenCV is absent
+    cv2 = None
+try:
+    import simplejpeg
+except ImportError:  # pragma: no cover
+    simplejpeg = None
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class DecodeError(ValueError):
+    """The bytes are not an image this service can decode."""
+
+
+@dataclass(frozen=True)
+class TransformSpec:
+    """What to do to every sample of a job."""
+
+    image_size: int = 224
+    train: bool = True
+    scale: Tuple[float, float] = (0.08, 1.0)
+    ratio: Tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
+    eval_crop_fraction: float = 0.875  # eval: resize shorter side to size/0.875, centre-crop size
+
+    def __post_init__(self) -> None:
+        if self.image_size < 1:
+            raise ValueError(f"image_size must be >= 1, got {self.image_size}")
+        if not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ValueError(f"scale must satisfy 0 < min <= max <= 1, got {self.scale}")
+        if not 0 < self.ratio[0] <= self.ratio[1]:
+            raise ValueError(f"ratio must satisfy 0 < min <= max, got {self.ratio}")
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64([seed, epoch, index, 0x6175676D]))  # "augm"
+
+
+def process_sample(data: bytes, spec: TransformSpec, rng: np.random.Generator, out: np.ndarray) -> None:
+    """Decode ``data`` and write the transformed image into ``out`` (size, size, 3) uint8."""
+    size = spec.image_size
+    if spec.train:
+        h, w = image_size_of(data)
+        top, left, ch, cw = random_resized_crop_params(h, w, spec.scale, spec.ratio, rng)
+        flip = spec.flip and rng.random() < 0.5
+    else:
+        h, w = image_size_of(data)
+        top, left, ch, cw = center_crop_params(h, w, spec.eval_crop_fraction)
+        flip = False
+    img, fy, fx = decode_scaled(data, h, w, min_h=math.ceil(h * size / ch), min_w=math.ceil(w * size / cw))
+    # the crop box in the (possibly DCT-downscaled) decoded image
+    y0, x0 = int(round(top * fy)), int(round(left * fx))
+    y1 = min(max(int(round((top + ch) * fy)), y0 + 1), img.shape[0])
+    x1 = min(max(int(round((left + cw) * fx)), x0 + 1), img.shape[1])
+    resize_into(img[y0:y1, x0:x1], out)
+    if flip:
+        out[:] = out[:, ::-1].copy()
+
+
+def image_size_of(data: bytes) -> Tuple[int, int]:
+    """(height, width) from the header alone."""
+    if data[:3] == JPEG_MAGIC and simplejpeg is not None:
+        try:
+            h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+            return h, w
+        except ValueError:
+            pass  # let the full decoder report it, or manage it
+    if data[:8] == PNG_MAGIC and len(data) >= 24:
+        w, h = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        if h > 0 and w > 0:
+            return h, w
+    img = decode(data)  # unusual headers: decode once to learn the size
+    return img.shape[0], img.shape[1]
+
+
+def decode_scaled(data: bytes, h: int, w: int, min_h: int, min_w: int) -> Tuple[np.ndarray, float, float]:
+    """Decode, downscaling in the DCT domain when the JPEG is much larger than needed.
+
+    Returns the image and its scale factors relative to (h, w).
+    """
+    if data[:3] == JPEG_MAGIC and simplejpeg is not None and (min_h < h or min_w < w):
+        try:
+            img = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w)
+            return img, img.shape[0] / h, img.shape[1] / w
+        except ValueError:
+            pass
+    img = decode(data)
+    return img, img.shape[0] / h, img.shape[1] / w
+
+
+def decode(data: bytes) -> np.ndarray:
+    """Full-size RGB uint8 (H, W, 3). Raises :class:`DecodeError` with the reason."""
+    if not data:
+        raise DecodeError("empty file")
+    if data[:3] == JPEG_MAGIC and simplejpeg is not None:
+        try:
+            return simplejpeg.decode_jpeg(data, colorspace="RGB")
+        except ValueError:
+            pass  # e.g. CMYK or truncated: OpenCV may still read it, else it reports the error
+    if data[:3] != JPEG_MAGIC and data[:8] != PNG_MAGIC:
+        raise DecodeError(f"not a JPEG or PNG file (starts with {data[:8]!r})")
+    if cv2 is not None:
+        img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+        if img is None:
+            raise DecodeError("corrupt or truncated image (decoder gave up)")
+        return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+    return _decode_pillow(data)  # pragma: no cover
+
+
+def _decode_pillow(data: bytes) -> np.ndarray:
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return np.asarray(im.convert("RGB"))
+    except Exception as exc:
+        raise DecodeError(f"corrupt or truncated image ({exc})") from None
+
+
+def resize_into(src: np.ndarray, out: np.ndarray) -> None:
+    """Resize ``src`` (h, w, 3) to ``out``'s size, in place.
+
+    Bilinear, or the area filter where it shrinks by more than 2x (where bilinear would alias);
+    the DCT-scaled decode keeps most crops under 2x, so the costly area filter is rare.
+    """
+    oh, ow = out.shape[:2]
+    shrinking = src.shape[0] > 2 * oh and src.shape[1] > 2 * ow
+    if cv2 is not None:
+        interp = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
+        if not src.flags.c_contiguous:
+            src = np.ascontiguousarray(src)
+        cv2.resize(src, (ow, oh), dst=out, interpolation=interp)
+        return
+    from PIL import Image  # pragma: no cover
+
+    out[:] = np.asarray(Image.fromarray(src).resize((ow, oh), Image.BILINEAR))  # pragma: no cover
+
+
+def random_resized_crop_params(
+    h: int, w: int, scale: Tuple[float, float], ratio: Tuple[float, float], rng: np.random.Generator
+) -> Tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params, with our generator: (top, left, h, w)."""
+    area = h * w
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
+        cw = int(round(math.sqrt(target_area * aspect)))
+        ch = int(round(math.sqrt(target_area / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = int(rng.integers(0, h - ch + 1))
+            left = int(rng.integers(0, w - cw + 1))
+            return top, left, ch, cw
+    # fallback: centre crop at the nearest allowed aspect ratio
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+        cw, ch = w, int(round(w / ratio[0]))
+    elif in_ratio > ratio[1]:
+        ch, cw = h, int(round(h * ratio[1]))
+    else:
+        cw, ch = w, h
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
+
+
+def center_crop_params(h: int, w: int, fraction: float) -> Tuple[int, int, int, int]:
+    """The square region that Resize(size/fraction) + CenterCrop(size) keeps, in source pixels."""
+    side = max(1, int(round(min(h, w) * fraction)))
+    return (h - side) // 2, (w - side) // 2, side, side
+
+
+def transform_batch(samples, spec: TransformSpec, seed: int, epoch: int, indices, out: np.ndarray,
+                    read=None) -> Optional[list]:
+    """Process a whole batch (used by the benchmark baselines): ``samples[i]`` are bytes."""
+    for j, idx in enumerate(indices):
+        data = samples[j] if read is None else read(int(idx))
+        process_sample(data, spec, sample_rng(seed, epoch, int(idx)), out[j])
+    return None

@@ -1,0 +1,112 @@
+"""The decode worker process: take a Task, write its images into shared memory, report Done.
+
+Workers hold no state that matters: the dispatcher knows every task it handed out, so a
+worker can be stopped, killed or added at any time without losing or doubling a sample.
+Errors are reported in-band (``Done.ok=False`` with the formatted traceback), never by dying.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from collections import OrderedDict
+from typing import Dict, List
+
+import zmq
+
+from . import protocol as P
+from .shm import Segment
+from .sources import Source, SourceSpec, open_source
+from .transforms import TransformSpec, process_sample, sample_rng
+
+SEGMENT_CACHE = 4  # mappings a worker keeps open; bounds what unlinked segments can pin
+
+
+def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn) -> None:
+    """Entry point of a worker process. Returns when told to stop or when the service dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the service, which stops us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    segments: "OrderedDict[str, Segment]" = OrderedDict()
+    sources: Dict[str, Source] = {}
+    ctx = zmq.Context(1)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"w{worker_id}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        for spec in specs:
+            sources[spec.name] = open_source(spec)
+    except Exception as exc:
+        sock.setsockopt(zmq.LINGER, 2000)  # let the report reach the dispatcher before we exit
+        sock.send_multipart(P.encode(P.Ready(worker=worker_id, pid=os.getpid(), error=f"{type(exc).__name__}: {exc}",
+                                             traceback=traceback.format_exc())))
+        sock.close()
+        ctx.term()
+        return
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(death_conn.fileno(), zmq.POLLIN)  # EOF when the service process is gone
+    try:
+        sock.send_multipart(P.encode(P.Ready(worker=worker_id, pid=os.getpid())))
+        while True:
+            events = dict(poller.poll())
+            if death_conn.fileno() in events:
+                return
+            msg, _ = P.decode(sock.recv_multipart(), expect=(P.Task, P.Stop))
+            if isinstance(msg, P.Stop):
+                return
+            done = run_task(msg, worker_id, sources, segments)
+            sock.send_multipart(P.encode(done))
+    finally:
+        for seg in segments.values():
+            seg.close()
+        for src in sources.values():
+            src.close()
+        sock.close(0)
+        ctx.term()
+
+
+def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments) -> P.Done:
+    t_read = t_decode = 0.0
+    try:
+        source = sources[task.dataset]
+        seg = _segment(segments, task.shm)
+        spec = TransformSpec(task.image_size, task.train, tuple(task.scale), tuple(task.ratio))
+        out = seg.array("uint8", (len(task.indices), task.image_size, task.image_size, 3), task.offset)
+    except Exception as exc:
+        return P.Done(task=task.task, worker=worker_id, ok=False, error=f"task setup failed: {exc}",
+                      traceback=traceback.format_exc())
+    skipped: list = []
+    k = 0
+    for pos, idx in enumerate(task.indices):
+        t0 = time.perf_counter()
+        try:
+            data = source.read(idx)
+            t1 = time.perf_counter()
+            process_sample(data, spec, sample_rng(task.seed, task.epoch, idx), out[k])
+            t_read += t1 - t0
+            t_decode += time.perf_counter() - t1
+            k += 1
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if task.on_error == "skip":
+                skipped.append([pos, idx, reason])
+                continue
+            return P.Done(task=task.task, worker=worker_id, ok=False,
+                          error=f"sample {idx} ({source.describe(idx)}) failed: {reason}",
+                          traceback=traceback.format_exc())
+    del out
+    return P.Done(task=task.task, worker=worker_id, ok=True, read_s=t_read, decode_s=t_decode, skipped=skipped)
+
+
+def _segment(cache: "OrderedDict[str, Segment]", name: str) -> Segment:
+    seg = cache.get(name)
+    if seg is not None:
+        cache.move_to_end(name)
+        return seg
+    seg = cache[name] = Segment.attach(name)
+    while len(cache) > SEGMENT_CACHE:
+        cache.popitem(last=False)[1].close()
+    return seg
