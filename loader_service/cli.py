@@ -26,9 +26,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--batch-size", type=int, default=64)
     demo.add_argument("--image-size", type=int, default=224)
 
+    from .pack import add_pack_parser
+
+    add_pack_parser(sub)
+
     args = parser.parse_args(argv)
-    logging.basicConfig(level=(args.log_level or "info").upper(),
+    logging.basicConfig(level=(getattr(args, "log_level", None) or "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "pack":
+        from .pack import run_pack
+
+        return run_pack(args)
     try:
         config = _config(args)
     except ValueError as exc:

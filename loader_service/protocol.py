@@ -11,6 +11,7 @@ act on. This module needs only msgpack and numpy, so the client imports it witho
 service's dependencies.
 """
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from enum import IntEnum
 from typing import Any, ClassVar, Optional, Sequence, Union, get_args, get_origin, get_type_hints
@@ -384,7 +385,7 @@ def _coerce(cls: type, name: str, hint: Any, value: Any) -> Any:
     elif hint is int:
         ok = _is_int(value)
     elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         value = float(value) if ok else value
     elif hint is str:
         ok = isinstance(value, str)
@@ -393,7 +394,8 @@ def _coerce(cls: type, name: str, hint: Any, value: Any) -> Any:
     else:  # pragma: no cover - a field type this module does not know is a programming error
         raise TypeError(f"unsupported field type {hint!r} for {where}")
     if not ok:
-        raise ProtocolError(f"{where} must be {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+        got = repr(value) if isinstance(value, float) else type(value).__name__
+        raise ProtocolError(f"{where} must be {'a finite ' if hint is float else ''}{getattr(hint, '__name__', hint)}, got {got}")
     return value
 
 

@@ -1,0 +1,66 @@
+"""Test helpers: drive loaders and wait for service state without sleeping blindly."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, List
+
+import numpy as np
+
+from client import RemoteLoader
+
+
+def collect(loader: RemoteLoader, limit: int = -1) -> List[dict]:
+    """Iterate one epoch (or ``limit`` batches); keep indices, image bytes and labels."""
+    out = []
+    for batch in loader:
+        out.append({"index": batch.index, "indices": list(batch.indices), "images": batch.raw.numpy().tobytes(),
+                    "labels": batch.labels.tolist(), "padding": batch.padding, "skipped": batch.skipped,
+                    "shape": tuple(batch.raw.shape)})
+        if len(out) == limit:
+            break
+    return out
+
+
+def indices_of(batches: List[dict]) -> List[int]:
+    return [i for b in batches for i in b["indices"]]
+
+
+def run_ranks(endpoint: str, world: int, **kw) -> List[List[dict]]:
+    """One loader per rank, all at once (threads), one epoch each."""
+    results: List = [None] * world
+    errors: List = []
+
+    def one(rank):
+        try:
+            with RemoteLoader(endpoint, rank=rank, world_size=world, **kw) as ld:
+                results[rank] = collect(ld)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    """Wait until ``cond()`` holds, checking on each short interval; fail clearly at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def status(svc) -> dict:
+    return svc.dispatcher.call(svc.dispatcher.status).result(timeout=10)
+
+
+def image_array(batch: dict) -> np.ndarray:
+    return np.frombuffer(batch["images"], np.uint8).reshape(batch["shape"])

@@ -1,0 +1,151 @@
+"""The wire format: round trips, strict validation, and fuzzing of every decoder."""
+
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loader_service import protocol as P
+
+SAMPLES = [
+    P.Hello(stream=1, batch_size=32, image_size=224, seed=3, epoch=2, rank=1, world_size=4, shuffle=False,
+            drop_last=True, train=False, start_batch=5, prefetch=8, dataset="demo", job="resnet"),
+    P.Credit(stream=3, n=2, wait_s=1.5, h2d_s=0.25, consumed=9),
+    P.Bye(),
+    P.Describe(dataset=None),
+    P.Accept(stream=1, epoch=0, num_batches=10, num_samples=300, dataset_length=300, dataset="demo", service="x"),
+    P.EndOfEpoch(stream=1, epoch=0, num_batches=10),
+    P.Error(code=P.ErrorCode.BAD_JOB, message="nope", stream=4, fatal=False, traceback="tb"),
+    P.DatasetInfo(dataset="demo", length=10, num_classes=2),
+    P.Ready(worker=1, pid=123),
+    P.Task(task=1, dataset="d", shm="loader_service-1-x", offset=0, indices=[1, 2], seed=0, epoch=0, train=True,
+           image_size=8, scale=[0.08, 1.0], ratio=[0.75, 1.33]),
+    P.Done(task=1, worker=2, ok=True, read_s=0.1, skipped=[[0, 5, "bad"]]),
+    P.Stop(),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    got, data = P.decode(P.encode(msg))
+    assert got == msg and data == []
+
+
+def test_batch_round_trip_with_data_frames():
+    msg = P.Batch(stream=1, epoch=0, index=3, indices=[4, 5], shape=[2, 2, 2, 3], padding=1, skipped=[[9, "x"]])
+    images, labels = bytes(range(24)), bytes(16)
+    got, data = P.decode(P.encode(msg, images, labels))
+    assert got == msg and data == [images, labels]
+
+
+@pytest.mark.parametrize("images, labels, match", [
+    (bytes(23), bytes(16), "Batch frames are"),
+    (bytes(24), bytes(8), "Batch frames are"),
+])
+def test_batch_frame_sizes_must_match_the_header(images, labels, match):
+    msg = P.Batch(stream=1, epoch=0, index=0, indices=[4, 5], shape=[2, 2, 2, 3])
+    with pytest.raises(P.ProtocolError, match=match):
+        P.decode([P.encode_header(msg), images, labels])
+
+
+def test_wrong_number_of_data_frames():
+    with pytest.raises(P.ProtocolError, match="takes 0 data frames"):
+        P.decode(P.encode(P.Bye()) + [b"extra"])
+
+
+def header(**fields):
+    return msgpack.packb({"v": P.PROTOCOL_VERSION, **fields})
+
+
+@pytest.mark.parametrize("frame, code, match", [
+    (b"", P.ErrorCode.BAD_MESSAGE, "not valid msgpack"),
+    (b"\xc1", P.ErrorCode.BAD_MESSAGE, "not valid msgpack"),
+    (msgpack.packb([1, 2]), P.ErrorCode.BAD_MESSAGE, "must be a msgpack map"),
+    (msgpack.packb({"v": 99, "t": 1}), P.ErrorCode.BAD_VERSION, "version 99 not supported"),
+    (msgpack.packb({"t": 1}), P.ErrorCode.BAD_VERSION, "version None"),
+    (header(t=77), P.ErrorCode.BAD_MESSAGE, "unknown message type 77"),
+    (header(t=True), P.ErrorCode.BAD_MESSAGE, "unknown message type True"),
+    (header(t=1, stream=1, batch_size=2), P.ErrorCode.BAD_MESSAGE, "missing field 'image_size'"),
+    (header(t=1, stream=1, batch_size="2", image_size=8), P.ErrorCode.BAD_MESSAGE, "batch_size must be int"),
+    (header(t=1, stream=1, batch_size=True, image_size=8), P.ErrorCode.BAD_MESSAGE, "batch_size must be int"),
+    (header(t=1, stream=1, batch_size=0, image_size=8), P.ErrorCode.BAD_JOB, r"batch_size must be \[1"),
+    (header(t=1, stream=1, batch_size=2, image_size=8, rank=2, world_size=2), P.ErrorCode.BAD_JOB, "rank"),
+    (header(t=1, stream=1, batch_size=2, image_size=8, scale=[0.5]), P.ErrorCode.BAD_JOB, "scale must be two"),
+    (header(t=1, stream=1, batch_size=2, image_size=8, scale=[0.5, 2]), P.ErrorCode.BAD_JOB, "scale max"),
+    (header(t=1, stream=1, batch_size=2, image_size=8, evil=1), P.ErrorCode.BAD_MESSAGE, "no field"),
+    (header(t=2, stream=1, n=0), P.ErrorCode.BAD_JOB, "Credit.n"),
+    (msgpack.packb({"v": 1, "t": 1, 5: 1}), P.ErrorCode.BAD_MESSAGE, "not valid msgpack"),
+])
+def test_malformed_headers_name_the_problem(frame, code, match):
+    with pytest.raises(P.ProtocolError, match=match) as info:
+        P.decode([frame])
+    assert info.value.code == code
+
+
+def test_expect_refuses_other_types():
+    with pytest.raises(P.ProtocolError, match="unexpected message Stop"):
+        P.decode(P.encode(P.Stop()), expect=(P.Hello,))
+
+
+def test_oversized_header_refused_before_unpacking():
+    with pytest.raises(P.ProtocolError, match="exceeds"):
+        P.decode([b"\x00" * (P.MAX_HEADER_BYTES + 1)])
+
+
+def test_every_message_type_is_listed():
+    assert set(P.MESSAGES) == set(P.MsgType)
+
+
+json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(t=st.sampled_from([int(x) for x in P.MsgType] + [0, 99]), fields=st.dictionaries(
+    st.sampled_from(["stream", "batch_size", "image_size", "n", "indices", "shape", "scale", "ratio", "code",
+                     "message", "task", "worker", "rank", "world_size", "epoch", "dataset", "x"]), json_like, max_size=8),
+       extra=st.lists(st.binary(max_size=64), max_size=3))
+def test_fuzzed_headers_raise_protocol_error_or_decode(t, fields, extra):
+    frames = [header(t=t, **fields), *extra]
+    try:
+        msg, data = P.decode(frames)
+    except P.ProtocolError:
+        return
+    # whatever decodes must re-encode to an equal message
+    again, _ = P.decode(P.encode(msg, *data))
+    assert again == msg
+
+
+@settings(max_examples=300, deadline=None)
+@given(frames=st.lists(st.binary(max_size=256), min_size=1, max_size=4))
+def test_random_bytes_never_escape_as_other_exceptions(frames):
+    try:
+        P.decode(frames)
+    except P.ProtocolError:
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(SAMPLES), st.data())
+def test_dropping_any_required_field_is_refused(msg, data):
+    required = [f.name for f in dataclasses.fields(msg)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if not required:
+        return
+    name = data.draw(st.sampled_from(required))
+    raw = msgpack.unpackb(P.encode(msg)[0])
+    del raw[name]
+    with pytest.raises(P.ProtocolError, match=f"missing field '{name}'"):
+        P.decode([msgpack.packb(raw)] + [b""] * msg.DATA_FRAMES)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_floats_are_refused(bad):
+    with pytest.raises(P.ProtocolError, match="finite float"):
+        P.decode([header(t=int(P.MsgType.CREDIT), stream=1, n=1, wait_s=bad)])

@@ -1,0 +1,276 @@
+"""End-to-end invariants of the data plane, against a live service on loopback."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import zmq
+
+from client import LoaderError, LoaderTimeout, RemoteLoader
+from loader_service import protocol as P
+from loader_service.plan import PlanSpec, epoch_permutation, make_plan
+
+from .conftest import DEMO_SIZE, write_imagefolder
+from .helpers import collect, image_array, indices_of, run_ranks, status, wait_for
+
+N = DEMO_SIZE
+KW = dict(batch_size=16, image_size=32, seed=5)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_exactly_once_per_epoch_across_ranks(service, world, drop_last):
+    kw = dict(KW, batch_size=7 if world == 3 else 16)  # 240 / 3 / 7 leaves a short last batch
+    results = run_ranks(service.endpoint, world, drop_last=drop_last, **kw)
+    delivered = [i for r in results for i in indices_of(r)]
+    padding = [b["padding"] for r in results for b in r]
+    batch_counts = {len(r) for r in results}
+    assert len(batch_counts) == 1, "every rank must get the same number of batches"
+    if drop_last:
+        assert len(delivered) == len(set(delivered))
+        per_rank = (N // world) // kw["batch_size"] * kw["batch_size"]
+        assert len(delivered) == per_rank * world
+        assert all(len(b["indices"]) == kw["batch_size"] for r in results for b in r)
+    else:
+        perm = epoch_permutation(N, kw["seed"], 0, True)
+        total = -(-N // world) * world
+        expected = sorted(list(range(N)) + np.resize(perm, total)[N:].tolist())
+        assert sorted(delivered) == expected
+        assert sum(padding) == total - N
+    for rank, r in enumerate(results):  # and each rank got exactly its plan, in order
+        plan = make_plan(PlanSpec(N, kw["batch_size"], kw["seed"], 0, rank, world, True, drop_last))
+        assert indices_of(r) == plan.indices[: plan.num_samples].tolist()
+
+
+def test_same_seed_and_epoch_give_identical_bytes_other_epochs_differ(service):
+    with RemoteLoader(service.endpoint, **KW) as a, RemoteLoader(service.endpoint, **KW) as b:
+        first, second = collect(a), collect(b)
+        b.set_epoch(1)
+        other = collect(b)
+    assert [x["images"] for x in first] == [x["images"] for x in second]
+    assert [x["labels"] for x in first] == [x["labels"] for x in second]
+    assert indices_of(first) != indices_of(other)
+    assert sorted(indices_of(first)) == sorted(indices_of(other)) == list(range(N))
+
+
+def test_labels_match_the_dataset(service, demo_source):
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        for b in collect(ld, limit=3):
+            assert b["labels"] == demo_source.labels[b["indices"]].tolist()
+
+
+def test_resume_mid_epoch_yields_exactly_the_remainder(service):
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        ld.set_epoch(2)
+        full = collect(ld)
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        ld.set_epoch(2)
+        head = collect(ld, limit=6)
+        state = ld.state_dict()
+    assert state["epoch"] == 2 and state["next_batch"] == 6
+    with RemoteLoader(service.endpoint, **KW) as fresh:
+        fresh.load_state_dict(state)
+        fresh.set_epoch(2)  # what a training loop does on resume: keeps the position
+        rest = collect(fresh)
+        after = fresh.state_dict()
+    assert [b["images"] for b in head + rest] == [b["images"] for b in full]
+    assert indices_of(head + rest) == indices_of(full)
+    assert after["next_batch"] == len(full)
+
+
+def test_resume_state_from_another_plan_is_refused(service):
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        state = ld.state_dict()
+    with RemoteLoader(service.endpoint, **dict(KW, batch_size=8)) as other:
+        with pytest.raises(ValueError, match="batch_size: saved 16 vs loader 8"):
+            other.load_state_dict(state)
+
+
+def test_iterating_again_moves_to_the_next_epoch_like_a_dataloader(service):
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        assert len(ld) == N // 16
+        e0, e1 = collect(ld), collect(ld)
+        assert ld.state_dict()["epoch"] == 1
+    assert indices_of(e0) != indices_of(e1)
+    assert sorted(indices_of(e1)) == list(range(N))
+
+
+def test_two_jobs_with_different_batch_sizes_interleaved_do_not_interfere(service):
+    with RemoteLoader(service.endpoint, **KW) as solo_a, RemoteLoader(service.endpoint, **dict(KW, batch_size=24, seed=9, image_size=40)) as solo_b:
+        ref_a, ref_b = collect(solo_a), collect(solo_b)
+    a = RemoteLoader(service.endpoint, **KW, job="a")
+    b = RemoteLoader(service.endpoint, **dict(KW, batch_size=24, seed=9, image_size=40), job="b")
+    with a, b:
+        ia, ib = iter(a), iter(b)
+        got_a, got_b = [], []
+        for step in range(max(len(ref_a), len(ref_b))):  # alternate, like two trainers sharing a service
+            if step < len(ref_a):
+                got_a.append(next(ia).raw.numpy().tobytes())
+            if step < len(ref_b):
+                got_b.append(next(ib).raw.numpy().tobytes())
+    assert got_a == [x["images"] for x in ref_a]
+    assert got_b == [x["images"] for x in ref_b]
+    assert image_array(ref_b[0]).shape == (24, 40, 40, 3)
+
+
+def test_imagefolder_with_jpeg_and_png(make_service, tmp_path):
+    root = write_imagefolder(str(tmp_path / "folder"), classes=3, per_class=7, png_every=2)
+    svc = make_service(demo=False, data=(root,))
+    with RemoteLoader(svc.endpoint, batch_size=5, image_size=24, dataset="folder") as ld:
+        batches = collect(ld)
+    assert sorted(indices_of(batches)) == list(range(21))
+    labels = {i: l for b in batches for i, l in zip(b["indices"], b["labels"])}
+    assert [labels[i] for i in range(21)] == [i // 7 for i in range(21)]  # sorted class folders
+
+
+def test_unknown_dataset_is_a_clear_error_and_service_keeps_serving(service):
+    with RemoteLoader(service.endpoint, dataset="nope", **KW) as bad:
+        with pytest.raises(LoaderError, match=r"unknown dataset 'nope'; this service serves \['demo'\]"):
+            collect(bad)
+    with RemoteLoader(service.endpoint, **KW) as good:
+        assert len(indices_of(collect(good))) == N
+
+
+def raw_client(endpoint: str):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    return s
+
+
+def reply(sock, timeout_ms=10000):
+    assert sock.poll(timeout_ms), "no reply from the service"
+    return P.decode(sock.recv_multipart())[0]
+
+
+@pytest.mark.parametrize("frames, code, match", [
+    ([b"garbage"], "bad_message", "not valid msgpack"),
+    ([b"\x82\xa1v\x63\xa1t\x01"], "bad_version", "version 99"),
+    ([P.encode_header(P.Hello(stream=1, batch_size=4, image_size=32)), b"extra frame"], "bad_message", "data frames"),
+    ([P.encode_header(P.Accept(stream=1, epoch=0, num_batches=1, num_samples=1, dataset_length=1, dataset="d"))],
+     "bad_message", "unexpected message Accept"),
+])
+def test_malformed_frames_get_an_error_reply_and_harm_no_one(service, frames, code, match):
+    with RemoteLoader(service.endpoint, **KW) as good:
+        it = iter(good)
+        first = next(it)
+        s = raw_client(service.endpoint)
+        try:
+            s.send_multipart(frames)
+            err = reply(s)
+        finally:
+            s.close()
+        rest = [b.indices for b in it]
+    assert isinstance(err, P.Error) and err.code == code and match in err.message
+    assert sorted(first.indices + [i for r in rest for i in r]) == list(range(N))
+    assert status(service)["totals"]["bad_messages"] >= 1
+
+
+def test_bad_job_spec_gets_an_error_naming_the_field(service):
+    s = raw_client(service.endpoint)
+    try:
+        hello = P.encode_header(P.Hello(stream=1, batch_size=4, image_size=32))
+        raw = __import__("msgpack").unpackb(hello)
+        raw["world_size"] = 0
+        s.send_multipart([__import__("msgpack").packb(raw)])
+        err = reply(s)
+        assert err.code == "bad_job" and "Hello.world_size" in err.message and err.stream == 1
+        s.send_multipart(P.encode(P.Hello(stream=2, batch_size=4, image_size=32, start_batch=10**6)))
+        err = reply(s)
+        assert err.code == "bad_job" and "past the end of the epoch" in err.message
+        s.send_multipart(P.encode(P.Hello(stream=3, batch_size=4, image_size=32, prefetch=256)))
+        # 256 slots x 12 KiB fits, but an absurd batch does not
+        assert isinstance(reply(s), P.Accept)
+        s.send_multipart(P.encode(P.Hello(stream=4, batch_size=60000, image_size=4096, prefetch=8)))
+        err = reply(s)
+        assert err.code == "no_capacity" and "raise --max-shm-mb" in err.message
+    finally:
+        s.close()
+
+
+def test_oversized_message_disconnects_the_sender_only(service):
+    with RemoteLoader(service.endpoint, **KW) as good:
+        it = iter(good)
+        first = next(it)
+        s = raw_client(service.endpoint)
+        try:
+            s.send_multipart([b"x" * (P.MAX_CLIENT_MESSAGE_BYTES + 1)])
+            assert not s.poll(300), "the service must not answer an oversized message"
+        finally:
+            s.close()
+        rest = [b.indices for b in it]
+    assert sorted(first.indices + [i for r in rest for i in r]) == list(range(N))
+
+
+def test_credit_for_unknown_client_is_answered_so_it_can_restart(service):
+    s = raw_client(service.endpoint)
+    try:
+        s.send_multipart(P.encode(P.Credit(stream=3, n=1)))
+        err = reply(s)
+        assert err.code == "unknown_client" and err.stream == 3 and not err.fatal
+    finally:
+        s.close()
+
+
+KILLED_CLIENT = textwrap.dedent("""
+    import sys
+    from client import RemoteLoader
+    ld = RemoteLoader(sys.argv[1], batch_size=16, image_size=64, prefetch=8)
+    next(iter(ld))
+    print("got", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_killed_clients_free_their_buffers(service):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    baseline = status(service)
+    for _ in range(20):
+        p = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, service.endpoint], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+        try:
+            assert p.stdout.readline().strip() == b"got"
+            assert status(service)["shm_bytes"] > 0
+        finally:
+            p.kill()
+            p.wait()
+        wait_for(lambda: not status(service)["clients"] and status(service)["shm_bytes"] == 0,
+                 what="the service to drop the killed client and free its slots")
+    after = status(service)
+    assert after["shm_bytes"] == baseline["shm_bytes"] == 0
+    from loader_service import shm
+    assert shm.list_segments(os.getpid()) == [n for n in shm.list_segments(os.getpid()) if "-index-" in n]
+
+
+def test_no_service_gives_a_timeout_naming_the_endpoint():
+    with RemoteLoader("tcp://127.0.0.1:9", timeout=0.5, **KW) as ld:
+        with pytest.raises(LoaderTimeout, match=r"tcp://127.0.0.1:9 for 0.5s"):
+            collect(ld)
+
+
+def test_healthz_answers(service):
+    import httpx
+
+    r = httpx.get(f"{service.http_url}/healthz", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_worker_killed_mid_epoch_loses_and_doubles_nothing(service):
+    import signal
+
+    with RemoteLoader(service.endpoint, **dict(KW, batch_size=8)) as ld:
+        got = []
+        for i, b in enumerate(ld):
+            got.extend(b.indices)
+            if i == 2:
+                busy = [w for w in status(service)["workers"]["list"] if w["state"] == "busy"]
+                victim = (busy or status(service)["workers"]["list"])[0]  # busy if any: its batch is redone
+                os.kill(victim["pid"], signal.SIGKILL)
+    assert sorted(got) == list(range(N))
+    st = status(service)
+    assert st["workers"]["deaths"] == 1
+    wait_for(lambda: status(service)["workers"]["counts"].get("idle", 0) == 2, what="the pool to be back to 2")

@@ -1,0 +1,110 @@
+"""Decode + augment: formats, determinism, geometry, errors."""
+
+import numpy as np
+import pytest
+
+from loader_service import transforms as T
+from loader_service.sources.demo import demo_image, encode_jpeg
+
+
+@pytest.fixture(scope="module")
+def jpeg():
+    return encode_jpeg(demo_image(0, 1, 1), 90)
+
+
+def run(data, spec, seed=0, epoch=0, index=0):
+    out = np.zeros((spec.image_size, spec.image_size, 3), np.uint8)
+    T.process_sample(data, spec, T.sample_rng(seed, epoch, index), out)
+    return out
+
+
+def test_same_seed_epoch_index_gives_identical_bytes(jpeg):
+    spec = T.TransformSpec(64)
+    assert np.array_equal(run(jpeg, spec, 1, 2, 3), run(jpeg, spec, 1, 2, 3))
+    assert not np.array_equal(run(jpeg, spec, 1, 2, 3), run(jpeg, spec, 1, 3, 3))
+
+
+def test_eval_transform_is_deterministic_and_ignores_rng(jpeg):
+    spec = T.TransformSpec(64, train=False)
+    assert np.array_equal(run(jpeg, spec, 0, 0, 0), run(jpeg, spec, 5, 6, 7))
+
+
+def test_eval_center_crop_matches_a_reference_resize():
+    import cv2
+
+    img = demo_image(0, 2, 2)
+    png = cv2.imencode(".png", img[:, :, ::-1])[1].tobytes()  # lossless: compare pixels exactly
+    out = run(png, T.TransformSpec(64, train=False))
+    h, w = img.shape[:2]
+    side = round(min(h, w) * 0.875)
+    ref = cv2.resize(img[(h - side) // 2:(h - side) // 2 + side, (w - side) // 2:(w - side) // 2 + side], (64, 64),
+                     interpolation=cv2.INTER_AREA)
+    assert np.array_equal(out, ref)
+
+
+def test_png_gray_and_alpha_decode_to_rgb():
+    import cv2
+
+    gray = (np.arange(40 * 50) % 256).astype(np.uint8).reshape(40, 50)
+    rgba = np.dstack([gray, gray, gray, np.full_like(gray, 7)])
+    for img in (gray, rgba):
+        data = cv2.imencode(".png", img)[1].tobytes()
+        dec = T.decode(data)
+        assert dec.shape == (40, 50, 3) and dec.dtype == np.uint8
+        assert np.array_equal(dec[..., 0], gray)
+
+
+def test_grayscale_jpeg_decodes_to_rgb():
+    import cv2
+
+    gray = np.tile(np.linspace(0, 255, 64, dtype=np.uint8), (48, 1))
+    data = cv2.imencode(".jpg", gray)[1].tobytes()
+    assert T.decode(data).shape == (48, 64, 3)
+    assert run(data, T.TransformSpec(16)).shape == (16, 16, 3)
+
+
+def test_cmyk_jpeg_falls_back_to_opencv():
+    pil = pytest.importorskip("PIL.Image")
+    import io
+
+    buf = io.BytesIO()
+    pil.fromarray(demo_image(0, 3, 3)).convert("CMYK").save(buf, "JPEG")
+    img = T.decode(buf.getvalue())
+    assert img.shape == (375, 500, 3)
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"", "empty file"),
+    (b"GIF89a....", "not a JPEG or PNG"),
+    (b"\xff\xd8\xff\xe0" + b"\x00" * 50, "corrupt or truncated"),
+])
+def test_bad_bytes_raise_decode_error_with_reason(data, match):
+    with pytest.raises(T.DecodeError, match=match):
+        T.decode(data)
+
+
+def test_truncated_jpeg_is_an_error_not_garbage(jpeg):
+    with pytest.raises(ValueError):
+        run(jpeg[: len(jpeg) // 3], T.TransformSpec(32))
+
+
+def test_random_resized_crop_params_stay_inside_and_respect_ranges():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        h, w = int(rng.integers(1, 600)), int(rng.integers(1, 600))
+        top, left, ch, cw = T.random_resized_crop_params(h, w, (0.08, 1.0), (3 / 4, 4 / 3), rng)
+        assert 0 <= top and 0 <= left and 0 < ch and 0 < cw and top + ch <= h and left + cw <= w
+
+
+def test_dct_scaled_decode_keeps_enough_resolution(jpeg):
+    img, fy, fx = T.decode_scaled(jpeg, 375, 500, min_h=100, min_w=120)
+    assert img.shape[0] >= 100 and img.shape[1] >= 120
+    assert img.shape[0] < 375  # actually downscaled
+    assert abs(fy - img.shape[0] / 375) < 1e-9 and abs(fx - img.shape[1] / 500) < 1e-9
+
+
+def test_transform_spec_validation():
+    with pytest.raises(ValueError, match="scale"):
+        T.TransformSpec(scale=(0.5, 0.2))
+    with pytest.raises(ValueError, match="ratio"):
+        T.TransformSpec(ratio=(0, 1))
