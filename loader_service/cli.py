@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -26,6 +27,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--batch-size", type=int, default=64)
     demo.add_argument("--image-size", type=int, default=224)
 
+    for name, doc in (("status", "show a running service's workers, clients and throughput"),
+                      ("scale", "set a running service's worker count (needs the API token)")):
+        p = sub.add_parser(name, help=doc)
+        if name == "scale":
+            p.add_argument("count", type=int)
+        p.add_argument("--url", default=os.environ.get("LOADER_URL", "http://127.0.0.1:8080"),
+                       help="the service's REST address (env LOADER_URL)")
+        p.add_argument("--token", default=os.environ.get("LOADER_API_TOKEN"), help="API token (env LOADER_API_TOKEN)")
+        p.add_argument("--json", action="store_true", help="print the raw JSON")
+
     from .pack import add_pack_parser
 
     add_pack_parser(sub)
@@ -37,6 +48,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .pack import run_pack
 
         return run_pack(args)
+    if args.command in ("status", "scale"):
+        from .operator_cli import run_operator
+
+        return run_operator(args)
     try:
         config = _config(args)
     except ValueError as exc:
@@ -59,6 +74,8 @@ def _service_options(p: argparse.ArgumentParser, demo_default: bool = False) -> 
     p.add_argument("--max-shm-mb", type=int, help="cap on batch slots in shared memory (default 4096)")
     p.add_argument("--on-error", choices=["raise", "skip"], help="a sample that fails to decode: fail the "
                    "client's epoch with the reason (raise, default) or deliver the batch without it (skip)")
+    p.add_argument("--autoscale", metavar="MIN:MAX", help="let the autoscaler set the worker count in this range")
+    p.add_argument("--autoscale-interval", type=float, dest="autoscale_interval_s", metavar="SECONDS")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(demo_default=demo_default)
 
@@ -68,6 +85,7 @@ def _config(args) -> ServiceConfig:
         data=tuple(args.data) if args.data else None, demo=args.demo, demo_size=args.demo_size,
         workers=args.workers, host=args.host, data_port=args.data_port, http_port=args.http_port,
         max_shm_mb=args.max_shm_mb, on_error=args.on_error, log_level=args.log_level,
+        autoscale=args.autoscale, autoscale_interval_s=args.autoscale_interval_s,
     )
     if args.demo_default:  # `demo` runs everything in one process on free ports
         overrides.update(demo=True, data=())

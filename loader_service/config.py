@@ -33,6 +33,10 @@ class ServiceConfig:
     start_method: str = "spawn"
     io_threads: int = 1
     log_level: str = "info"
+    autoscale: str = ""  # "MIN:MAX" turns the autoscaler on
+    autoscale_interval_s: float = 2.0
+    api_token: str = ""  # guards mutating REST calls; see auth.py for the fallbacks
+    api_token_file: str = ""
 
     def __post_init__(self) -> None:
         if not self.data and not self.demo:
@@ -47,6 +51,10 @@ class ServiceConfig:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
         if self.start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {self.start_method!r}")
+        if self.autoscale:
+            from .autoscale import AutoscalePolicy
+
+            AutoscalePolicy.parse(self.autoscale, self.autoscale_interval_s)  # raises if malformed
         if self.max_shm_mb < 1 or self.demo_size < 1 or self.heartbeat_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("max_shm_mb, demo_size, heartbeat_s and stop_timeout_s must be positive")
 

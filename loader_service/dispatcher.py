@@ -51,6 +51,10 @@ MAX_TASK_ATTEMPTS = 3
 TRACKER_POLL_MS = 1  # only while a zero-copy send is pending: how soon a slot is seen free
 
 
+class AutoscaleConflict(RuntimeError):
+    """A manual scale request while autoscaling is on."""
+
+
 @dataclass
 class Stream:
     client: bytes
@@ -157,6 +161,11 @@ class Dispatcher:
         self._closed = False
         self._rate: Deque[Tuple[float, int]] = deque(maxlen=64)
         self.started = time.time()
+        self.autoscaler = None
+        if config.autoscale:
+            from .autoscale import AutoscalePolicy, Autoscaler
+
+            self.autoscaler = Autoscaler(AutoscalePolicy.parse(config.autoscale, config.autoscale_interval_s), self)
 
     # ------------------------------------------------------------------ other threads
     def call(self, fn: Callable, *args) -> Future:
@@ -189,7 +198,11 @@ class Dispatcher:
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         sentinels: Dict[int, int] = {}
         pool_version = -1
-        self.pool.scale(self.config.workers)
+        workers = self.config.workers
+        if self.autoscaler is not None:
+            p = self.autoscaler.policy
+            workers = min(max(workers, p.min_workers), p.max_workers)
+        self.pool.scale(workers)
         try:
             while self._running:
                 if pool_version != self.pool.version:
@@ -629,14 +642,21 @@ class Dispatcher:
             "stage_s": {"read": round(c.read_s, 3), "decode_augment": round(c.decode_s, 3),
                         "client_wait": round(c.client_wait_s, 3), "client_h2d": round(c.client_h2d_s, 3)},
             "shm_bytes": sum(s.segment.size for s in self._all_streams()),
+            "autoscaler": self.autoscaler.status() if self.autoscaler else {"enabled": False},
         }
 
     def scale(self, n: int) -> dict:
+        """Set the worker count (REST). Refused while the autoscaler owns the count."""
+        if self.autoscaler is not None:
+            p = self.autoscaler.policy
+            raise AutoscaleConflict(f"the autoscaler manages the worker count ({p.min_workers}:{p.max_workers}); "
+                                    "restart without --autoscale to set it by hand")
         if not 0 <= n <= self.config.max_workers:
             raise ValueError(f"worker count must be in [0, {self.config.max_workers}], got {n}")
+        before = self.pool.target
         self.pool.scale(n)
-        log.info("worker pool scaled to %d", n)
-        return {"target": n}
+        log.info("worker pool scaled %d -> %d by request", before, n)
+        return {"previous": before, "target": n, "workers": self.pool.counts()}
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:

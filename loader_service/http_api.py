@@ -1,53 +1,125 @@
-"""The REST control plane (FastAPI). Handlers never touch dispatcher state directly: they
-submit a call to the dispatcher thread and await its Future, so the API stays responsive and
-every state change goes through one place."""
+"""The REST control plane (FastAPI).
+
+Handlers never touch dispatcher state directly: they submit a call to the dispatcher thread
+and await its Future, so the API stays responsive while the data plane runs, and every state
+change goes through one place. Mutating endpoints need ``Authorization: Bearer <token>``;
+health, readiness, status and metrics stay open.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Dict, Optional
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from .auth import check_bearer
+from .dispatcher import AutoscaleConflict
+from .metrics import make_registry
 
 if TYPE_CHECKING:
     from .service import Service
 
 
+class ScaleRequest(BaseModel):
+    """Set the number of decode worker processes."""
+
+    model_config = ConfigDict(extra="forbid")
+    count: int = Field(..., ge=0, le=1024, description="target number of worker processes")
+
+
+class ScaleResponse(BaseModel):
+    previous: int
+    target: int
+    workers: Dict[str, int] = Field(description="workers by state right after the request")
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    reason: str = ""
+    workers: Dict[str, int] = {}
+    data_port: Optional[int] = None
+
+
 def make_app(service: "Service") -> FastAPI:
     app = FastAPI(title="loader-service", version=_version(),
-                  description="Control plane of the disaggregated data-loading service.")
+                  description="Control plane of the disaggregated data-loading service: health, status, "
+                              "metrics, and live scaling of the decode worker pool.")
 
-    async def on_dispatcher(fn, *args):
-        d = service.dispatcher
-        assert d is not None
-        return await asyncio.wrap_future(d.call(fn, *args))
-
-    @app.get("/healthz", tags=["health"])
-    async def healthz() -> dict:
-        """Liveness: the process answers."""
-        return {"status": "ok"}
-
-    @app.get("/readyz", tags=["health"])
-    async def readyz():
-        """Readiness: the data port is bound and at least one worker is up."""
+    def dispatcher():
         d = service.dispatcher
         if d is None:
-            return JSONResponse({"ready": False, "reason": "starting"}, status_code=503)
+            raise HTTPException(503, "the service is starting")
+        return d
+
+    async def on_dispatcher(fn, *args):
+        try:
+            return await asyncio.wrap_future(dispatcher().call(fn, *args))
+        except RuntimeError as exc:  # stopped while we waited
+            if "stopped" in str(exc):
+                raise HTTPException(503, "the service is stopping") from None
+            raise
+
+    def require_token(authorization: Optional[str] = Header(None, description="Bearer <token>")) -> None:
+        problem = check_bearer(authorization, service.api_token)
+        if problem is not None:
+            status, reason = problem
+            raise HTTPException(status, reason, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+    @app.get("/healthz", tags=["health"], response_model=Health)
+    async def healthz() -> Health:
+        """Liveness: the process answers."""
+        return Health(status="ok")
+
+    @app.get("/readyz", tags=["health"], response_model=Readiness,
+             responses={503: {"model": Readiness, "description": "not ready"}})
+    async def readyz():
+        """Readiness: the data port is bound and at least one worker is up."""
+        d = dispatcher()
         counts = await on_dispatcher(d.pool.counts)
+        reason = ""
         if d.pool.broken:
-            return JSONResponse({"ready": False, "reason": d.pool.broken, "workers": counts}, status_code=503)
-        up = sum(v for k, v in counts.items() if k in ("idle", "busy"))
-        if up == 0:
-            return JSONResponse({"ready": False, "reason": "no worker is up", "workers": counts}, status_code=503)
-        return {"ready": True, "workers": counts, "data_port": d.data_port}
+            reason = d.pool.broken
+        elif counts.get("idle", 0) + counts.get("busy", 0) == 0:
+            reason = "no worker is up"
+        body = Readiness(ready=not reason, reason=reason, workers=counts, data_port=d.data_port)
+        return JSONResponse(body.model_dump(), status_code=503 if reason else 200)
 
     @app.get("/v1/status", tags=["status"])
     async def status() -> dict:
-        """Workers, clients with their epoch progress, throughput and per-stage times."""
-        d = service.dispatcher
-        assert d is not None
+        """Workers with their state, clients with their epoch progress, throughput, per-stage
+        seconds, client stall, and the autoscaler's recent decisions."""
+        d = dispatcher()
         return await on_dispatcher(d.status)
+
+    @app.put("/v1/workers", tags=["control"], response_model=ScaleResponse, dependencies=[Depends(require_token)],
+             responses={401: {"description": "no token"}, 403: {"description": "wrong token"},
+                        409: {"description": "the autoscaler owns the worker count"}})
+    async def scale(body: ScaleRequest) -> ScaleResponse:
+        """Scale the worker pool live. New workers take tasks at once; surplus workers finish
+        their task before they exit, so no sample is lost or doubled."""
+        d = dispatcher()
+        try:
+            return ScaleResponse(**await on_dispatcher(d.scale, body.count))
+        except AutoscaleConflict as exc:
+            raise HTTPException(409, str(exc)) from None
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
+
+    registry = make_registry(lambda: service.dispatcher.call(service.dispatcher.status).result(timeout=10))
+
+    @app.get("/metrics", tags=["status"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus metrics."""
+        data = await asyncio.get_running_loop().run_in_executor(None, generate_latest, registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -57,6 +57,7 @@ class WorkerPool:
         self.deaths = 0
         self.start_failures = 0  # consecutive workers that died or failed before Ready
         self.broken = ""  # why workers cannot start; set after MAX_START_FAILURES in a row
+        self._busy_gone = 0.0  # busy seconds of workers that have exited
         self._closed = False
 
     # ------------------------------------------------------------------ scaling
@@ -158,6 +159,7 @@ class WorkerPool:
             log.warning("worker %d (pid %s) died with exit code %s holding task %s",
                         wid, w.pid, w.process.exitcode, w.task)
         self.version += 1
+        self._busy_gone += w.busy_s
         if not self._closed:
             self._converge()
         return w.task, not expected
@@ -176,6 +178,16 @@ class WorkerPool:
         assert w.state == "idle", w
         w.state, w.task, w.task_started = "busy", task.task, time.monotonic()
         self.sock.send_multipart([_ident(w.id), *P.encode(task)])
+
+    def busy_seconds(self) -> float:
+        """Total seconds workers have spent on tasks, including the tasks running now."""
+        now = time.monotonic()
+        running = sum(now - w.task_started for w in self.workers.values() if w.task is not None)
+        return self._busy_gone + running + sum(w.busy_s for w in self.workers.values())
+
+    def live_count(self) -> int:
+        """Workers that are, or will be, taking tasks."""
+        return sum(1 for w in self.workers.values() if w.state in ("starting", "idle", "busy"))
 
     def counts(self) -> Dict[str, int]:
         out: Dict[str, int] = {}

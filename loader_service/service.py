@@ -9,6 +9,7 @@ import socket
 import threading
 from typing import Dict, Optional
 
+from .auth import resolve_token
 from .config import ServiceConfig
 from .dispatcher import Dispatcher
 from .shm import sweep_stale
@@ -56,6 +57,9 @@ class Service:
         self._http_sock: Optional[socket.socket] = None
         self.http_port = 0
         self._stopped = False
+        self.api_token = ""
+        self._autoscale_stop = threading.Event()
+        self._autoscale_thread: Optional[threading.Thread] = None
 
     @property
     def endpoint(self) -> str:
@@ -72,10 +76,15 @@ class Service:
         stale = sweep_stale()
         if stale:
             log.info("removed %d shared-memory segments left by dead services", len(stale))
+        self.api_token, _ = resolve_token(self.config.api_token, self.config.api_token_file)
         self.sources = open_datasets(self.config)
         try:
             self.dispatcher = Dispatcher(self.config, self.sources)
             self._start_http()
+            if self.dispatcher.autoscaler is not None:
+                self._autoscale_thread = threading.Thread(target=self._autoscale_loop, name="loader-autoscale",
+                                                          daemon=True)
+                self._autoscale_thread.start()
         except BaseException:
             self.stop()
             raise
@@ -104,6 +113,18 @@ class Service:
             log.exception("the dispatcher crashed")
             raise
 
+    def _autoscale_loop(self) -> None:
+        d = self.dispatcher
+        assert d is not None and d.autoscaler is not None
+        # Event.wait is the interval timer: stop() sets the event and the loop ends at once
+        while not self._autoscale_stop.wait(d.autoscaler.policy.interval_s):
+            try:
+                d.call(d.autoscaler.step).result()
+            except RuntimeError:  # the dispatcher stopped
+                return
+            except Exception:
+                log.exception("autoscaler step failed")
+
     def _start_http(self) -> None:
         import uvicorn
 
@@ -128,6 +149,9 @@ class Service:
         if self._stopped:
             return
         self._stopped = True
+        self._autoscale_stop.set()
+        if self._autoscale_thread is not None and self._autoscale_thread is not threading.current_thread():
+            self._autoscale_thread.join()
         if self.dispatcher is not None:
             self.dispatcher.stop()
             if self._thread is not None and self._thread is not threading.current_thread():

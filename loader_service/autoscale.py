@@ -1,0 +1,122 @@
+"""Autoscaling: DataLoader's "tune num_workers by experiment", done continuously.
+
+Every interval the autoscaler measures, over that interval, the clients' stall fraction (time
+trainers spent waiting in ``next()``), the workers' busy fraction and the delivered rate, and
+hill-climbs the worker count:
+
+* clients starve and workers are saturated   -> add a worker, then check the next interval
+  that the rate really rose (by ``min_gain``); if not, take it back and hold for a while
+  (more workers than cores, or a client-side bottleneck, does not help);
+* clients never wait and workers are mostly idle -> remove a worker (drained, nothing lost);
+* no clients at all                             -> step down toward the minimum;
+* otherwise hold.
+
+Each decision, with its measurements and reason, is logged, counted in metrics and kept in
+status. ``step`` runs on the dispatcher thread, like every other state change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Deque, Optional
+
+log = logging.getLogger("loader_service.autoscale")
+
+
+@dataclass(frozen=True)
+class AutoscalePolicy:
+    min_workers: int
+    max_workers: int
+    interval_s: float = 2.0
+    stall_high: float = 0.05  # clients waiting >5% of the time: they starve
+    stall_low: float = 0.01
+    busy_high: float = 0.80  # workers busy >80%: they are the bottleneck
+    busy_low: float = 0.50
+    min_gain: float = 0.05  # a scale-up must raise the rate by 5% or it is undone
+    cooldown_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_workers <= self.max_workers or self.max_workers < 1:
+            raise ValueError(f"autoscale range must satisfy 0 <= MIN <= MAX, MAX >= 1; got "
+                             f"{self.min_workers}:{self.max_workers}")
+        if self.interval_s <= 0:
+            raise ValueError("autoscale interval must be > 0")
+
+    @classmethod
+    def parse(cls, text: str, interval_s: float = 2.0) -> "AutoscalePolicy":
+        try:
+            lo, hi = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise ValueError(f"--autoscale takes MIN:MAX (e.g. 2:16), got {text!r}") from None
+        return cls(lo, hi, interval_s)
+
+
+class Autoscaler:
+    def __init__(self, policy: AutoscalePolicy, dispatcher):
+        self.policy, self.d = policy, dispatcher
+        self.decisions: Deque[dict] = deque(maxlen=50)
+        self.counts: Counter = Counter()
+        self._last: Optional[dict] = None
+        self._probe: Optional[dict] = None  # the scale-up being judged: rate before it
+        self._cooldown = 0
+
+    def _measure(self) -> dict:
+        d = self.d
+        return {"t": time.monotonic(), "samples": d.counters.samples, "wait": d.counters.client_wait_s,
+                "busy": d.pool.busy_seconds(), "workers": d.pool.live_count(),
+                "clients": sum(1 for c in d.clients.values() if c.stream is not None)}
+
+    def step(self) -> Optional[dict]:
+        """Measure, maybe scale. Returns the decision made (None on the first call)."""
+        now, last = self._measure(), self._last
+        self._last = now
+        if last is None:
+            return None
+        dt = max(now["t"] - last["t"], 1e-6)
+        rate = (now["samples"] - last["samples"]) / dt
+        stall = (now["wait"] - last["wait"]) / (dt * max(now["clients"], 1))
+        busy = (now["busy"] - last["busy"]) / (dt * max(now["workers"], 1))
+        n, p = now["workers"], self.policy
+        action, target, reason = "hold", n, "within thresholds"
+        if self._probe is not None:
+            before = self._probe["rate"]
+            self._probe = None
+            if rate < before * (1 + p.min_gain) and n > p.min_workers:
+                action, target = "revert", n - 1
+                reason = f"rate {rate:.0f}/s did not beat {before:.0f}/s by {p.min_gain:.0%} after the last worker"
+                self._cooldown = p.cooldown_steps
+            else:
+                reason = f"last scale-up raised the rate {before:.0f} -> {rate:.0f}/s"
+        elif self._cooldown > 0:
+            self._cooldown -= 1
+            reason = "cooling down after a revert"
+        elif n < p.min_workers:
+            action, target, reason = "up", p.min_workers, "below the minimum"
+        elif n > p.max_workers:
+            action, target, reason = "down", p.max_workers, "above the maximum"
+        elif now["clients"] == 0:
+            if n > p.min_workers:
+                action, target, reason = "down", n - 1, "no clients"
+        elif stall > p.stall_high and busy > p.busy_high and n < p.max_workers:
+            action, target = "up", n + 1
+            reason = f"clients stall {stall:.0%} of the time and workers are {busy:.0%} busy"
+            self._probe = {"rate": rate}
+        elif stall < p.stall_low and busy < p.busy_low and n > p.min_workers:
+            action, target = "down", n - 1
+            reason = f"clients stall {stall:.1%} and workers are only {busy:.0%} busy"
+        decision = {"time": time.time(), "action": action, "from": n, "to": target, "reason": reason,
+                    "stall": round(stall, 4), "busy": round(busy, 4), "rate": round(rate, 1)}
+        self.counts[action] += 1
+        self.decisions.append(decision)
+        if target != n:
+            self.d.pool.scale(target)
+            log.info("autoscale %s: %d -> %d workers (%s)", action, n, target, reason)
+        return decision
+
+    def status(self) -> dict:
+        p = self.policy
+        return {"enabled": True, "min": p.min_workers, "max": p.max_workers, "interval_s": p.interval_s,
+                "counts": dict(self.counts), "decisions": list(self.decisions)[-20:]}

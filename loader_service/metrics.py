@@ -1,0 +1,57 @@
+"""Prometheus metrics, read from one dispatcher status snapshot per scrape (so a scrape
+never sees half-updated counters and the data path pays nothing for metrics)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+
+class StatusCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict]):
+        self._snapshot = snapshot
+
+    def collect(self):
+        s = self._snapshot()
+        t = s["totals"]
+        for name, key, doc in (
+            ("loader_samples", "samples", "Samples delivered to clients."),
+            ("loader_batches", "batches", "Batches delivered to clients."),
+            ("loader_bytes", "bytes", "Image bytes delivered to clients."),
+            ("loader_skipped_samples", "skipped", "Samples skipped by the on_error=skip policy."),
+            ("loader_bad_messages", "bad_messages", "Malformed or refused client messages."),
+            ("loader_failed_tasks", "failed_tasks", "Decode tasks that failed (on_error=raise)."),
+            ("loader_redone_tasks", "redone_tasks", "Tasks redone after their worker died."),
+            ("loader_streams", "streams", "Client streams (rank-epochs) started."),
+        ):
+            yield CounterMetricFamily(name, doc, value=t[key])
+        w = s["workers"]
+        yield GaugeMetricFamily("loader_workers_target", "Target worker count.", value=w["target"])
+        g = GaugeMetricFamily("loader_workers", "Worker processes by state.", labels=["state"])
+        for state in ("starting", "idle", "busy", "draining", "stopping", "failed"):
+            g.add_metric([state], w["counts"].get(state, 0))
+        yield g
+        yield CounterMetricFamily("loader_worker_deaths", "Workers that died unexpectedly.", value=w["deaths"])
+        stage = CounterMetricFamily("loader_stage_seconds", "Seconds spent per stage (workers and clients).",
+                                    labels=["stage"])
+        for k, v in s["stage_s"].items():
+            stage.add_metric([k], v)
+        yield stage
+        yield GaugeMetricFamily("loader_clients", "Connected clients.", value=len(s["clients"]))
+        yield GaugeMetricFamily("loader_throughput_samples_per_second", "Recent delivery rate.",
+                                value=s["throughput"]["samples_per_s"])
+        yield GaugeMetricFamily("loader_shm_bytes", "Bytes of batch slots in shared memory.", value=s["shm_bytes"])
+        a = s.get("autoscaler", {})
+        if a.get("enabled"):
+            d = CounterMetricFamily("loader_autoscaler_decisions", "Autoscaler decisions.", labels=["action"])
+            for action, n in a["counts"].items():
+                d.add_metric([action], n)
+            yield d
+
+
+def make_registry(snapshot: Callable[[], dict]) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(StatusCollector(snapshot))
+    return reg

@@ -1,0 +1,215 @@
+"""REST control plane: live scaling keeps exactly-once, auth, validation, metrics, autoscaler."""
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client import RemoteLoader
+
+from .conftest import DEMO_SIZE
+from .helpers import status, wait_for
+
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+KW = dict(batch_size=8, image_size=32, seed=1)
+
+
+@pytest.fixture
+def svc(make_service):
+    return make_service(workers=1, api_token=TOKEN)
+
+
+def put_workers(svc, count, headers=AUTH):
+    return httpx.put(f"{svc.http_url}/v1/workers", json={"count": count}, headers=headers, timeout=10)
+
+
+def test_scaling_1_4_1_3_mid_epoch_with_two_clients_keeps_exactly_once(svc):
+    a = RemoteLoader(svc.endpoint, **KW, job="a")
+    b = RemoteLoader(svc.endpoint, **dict(KW, batch_size=12, seed=2), job="b")
+    got = {"a": [], "b": []}
+    plan = {3: 4, 8: 1, 14: 3}  # at step -> scale to
+    with a, b:
+        ia, ib = iter(a), iter(b)
+        done = {"a": False, "b": False}
+        step = 0
+        while not all(done.values()):
+            for name, it in (("a", ia), ("b", ib)):
+                if not done[name]:
+                    try:
+                        got[name].extend(next(it).indices)
+                    except StopIteration:
+                        done[name] = True
+            if step in plan:
+                r = put_workers(svc, plan[step])
+                assert r.status_code == 200, r.text
+                assert r.json()["target"] == plan[step]
+            step += 1
+    assert sorted(got["a"]) == list(range(DEMO_SIZE))
+    assert sorted(got["b"]) == list(range(DEMO_SIZE))
+    wait_for(lambda: status(svc)["workers"]["counts"] == {"idle": 3}, what="3 idle workers")
+    assert status(svc)["workers"]["deaths"] == 0  # scale-down drained, it never killed
+
+
+def test_scale_up_starts_taking_tasks(svc):
+    assert put_workers(svc, 3).status_code == 200
+    wait_for(lambda: status(svc)["workers"]["counts"].get("idle", 0) == 3, what="3 idle workers")
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        assert sorted(i for b in ld for i in b.indices) == list(range(DEMO_SIZE))
+    tasks = [w["tasks_done"] for w in status(svc)["workers"]["list"]]
+    assert sum(tasks) == DEMO_SIZE // 8 and sum(1 for t in tasks if t) >= 2
+
+
+@pytest.mark.parametrize("headers, code, detail", [
+    ({}, 401, "missing Authorization header"),
+    ({"Authorization": "Basic abc"}, 401, "must be 'Bearer <token>'"),
+    ({"Authorization": "Bearer wrong"}, 403, "wrong API token"),
+])
+def test_mutations_need_the_token(svc, headers, code, detail):
+    r = put_workers(svc, 2, headers)
+    assert r.status_code == code and detail in r.json()["detail"]
+    assert status(svc)["workers"]["target"] == 1
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"count": -1}, "count"), ({"count": "many"}, "count"), ({}, "count"), ({"count": 2, "extra": 1}, "extra"),
+    ({"count": 10**6}, "count"),
+])
+def test_bad_bodies_get_422_naming_the_field(svc, body, field):
+    r = httpx.put(f"{svc.http_url}/v1/workers", json=body, headers=AUTH, timeout=10)
+    assert r.status_code == 422
+    assert any(field in str(e["loc"]) for e in r.json()["detail"])
+
+
+def test_read_only_endpoints_are_open_and_ready_reports_workers(svc):
+    wait_for(lambda: httpx.get(f"{svc.http_url}/readyz", timeout=10).status_code == 200, what="readiness")
+    r = httpx.get(f"{svc.http_url}/readyz", timeout=10).json()
+    assert r["ready"] and r["data_port"] == svc.dispatcher.data_port
+    assert httpx.get(f"{svc.http_url}/healthz", timeout=10).json() == {"status": "ok"}
+    assert "/v1/workers" in httpx.get(f"{svc.http_url}/openapi.json", timeout=10).json()["paths"]
+    assert httpx.get(f"{svc.http_url}/docs", timeout=10).status_code == 200
+
+
+def metric(text, name):
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+def test_metrics_exist_and_move(svc):
+    before = httpx.get(f"{svc.http_url}/metrics", timeout=10).text
+    for name in ("loader_samples_total", "loader_batches_total", "loader_workers_target", "loader_clients",
+                 'loader_stage_seconds_total{stage="client_wait"}', 'loader_workers{state="idle"}'):
+        metric(before, name)
+    assert metric(before, "loader_samples_total") == 0
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        for _ in ld:
+            pass
+    put_workers(svc, 2)
+    after = httpx.get(f"{svc.http_url}/metrics", timeout=10).text
+    assert metric(after, "loader_samples_total") == DEMO_SIZE
+    assert metric(after, "loader_batches_total") == DEMO_SIZE // 8
+    assert metric(after, "loader_workers_target") == 2
+    assert metric(after, 'loader_stage_seconds_total{stage="decode_augment"}') > 0
+    assert metric(after, 'loader_stage_seconds_total{stage="client_wait"}') > 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(method=st.sampled_from(["GET", "PUT", "POST", "DELETE"]),
+       path=st.sampled_from(["/healthz", "/readyz", "/v1/status", "/v1/workers", "/metrics", "/v1/nope", "/docs"]),
+       body=st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                         lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                         max_leaves=6),
+       auth=st.sampled_from([None, "Bearer test-token", "Bearer x", "junk"]))
+def test_fuzzed_requests_never_get_5xx(svc, method, path, body, auth):
+    headers = {"Authorization": auth} if auth else {}
+    if method == "PUT" and path == "/v1/workers" and isinstance(body, dict) and isinstance(body.get("count"), int):
+        body = dict(body, count=body["count"] % 4)  # keep the machine sane if it is valid
+    r = httpx.request(method, f"{svc.http_url}{path}", json=body, headers=headers, timeout=10)
+    assert r.status_code < 500, (method, path, body, r.status_code, r.text)
+
+
+def test_operator_cli_status_and_scale(svc):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, LOADER_URL=svc.http_url, LOADER_API_TOKEN=TOKEN)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "loader_service", *a], capture_output=True, text=True,  # noqa
+                                    env=env, timeout=60)
+    r = run("scale", "2")
+    assert r.returncode == 0 and "workers: 1 -> 2" in r.stdout
+    r = run("status")
+    assert r.returncode == 0 and "workers: target 2" in r.stdout and "demo (240 samples)" in r.stdout
+    r = run("scale", "2", "--token", "wrong")
+    assert r.returncode != 0 and "HTTP 403: wrong API token" in r.stderr
+    r = run("status", "--url", "http://127.0.0.1:9")
+    assert r.returncode != 0 and "cannot reach http://127.0.0.1:9" in r.stderr
+
+
+def test_manual_scaling_refused_while_autoscaling(make_service):
+    svc = make_service(workers=1, api_token=TOKEN, autoscale="1:2", autoscale_interval_s=60)
+    r = put_workers(svc, 2)
+    assert r.status_code == 409 and "autoscaler manages the worker count (1:2)" in r.json()["detail"]
+
+
+def decisions(svc):
+    return status(svc)["autoscaler"]["decisions"]
+
+
+def test_autoscaler_scales_up_when_a_fast_consumer_starves(make_service):
+    svc = make_service(workers=1, autoscale="1:2", autoscale_interval_s=0.4)
+    with RemoteLoader(svc.endpoint, batch_size=8, image_size=64, prefetch=8) as ld:
+        deadline = time.monotonic() + 60
+        while status(svc)["workers"]["target"] < 2 and time.monotonic() < deadline:
+            for _ in ld:  # consume as fast as possible: the trainer waits on every batch
+                if status(svc)["workers"]["target"] >= 2:
+                    break
+    assert status(svc)["workers"]["target"] == 2
+    ups = [d for d in decisions(svc) if d["action"] == "up"]
+    assert ups and ups[0]["from"] == 1 and ups[0]["to"] == 2 and "stall" in ups[0]["reason"]
+
+
+def test_autoscaler_scales_down_when_the_consumer_is_slow(make_service):
+    svc = make_service(workers=2, autoscale="1:2", autoscale_interval_s=0.4)
+    with RemoteLoader(svc.endpoint, batch_size=4, image_size=32, prefetch=2) as ld:
+        deadline = time.monotonic() + 60
+        for _ in ld:
+            time.sleep(0.1)  # a slow model step: the loader is never the bottleneck
+            if status(svc)["workers"]["target"] == 1 or time.monotonic() > deadline:
+                break
+    assert status(svc)["workers"]["target"] == 1
+    downs = [d for d in decisions(svc) if d["action"] == "down"]
+    assert downs and downs[0]["from"] == 2 and "busy" in downs[0]["reason"]
+    assert 'loader_autoscaler_decisions_total{action="down"}' in httpx.get(f"{svc.http_url}/metrics", timeout=10).text
+
+
+def test_bad_autoscale_range_is_refused():
+    from loader_service.config import ServiceConfig
+
+    with pytest.raises(ValueError, match="MIN:MAX"):
+        ServiceConfig(demo=True, autoscale="4")
+    with pytest.raises(ValueError, match="0 <= MIN <= MAX"):
+        ServiceConfig(demo=True, autoscale="4:2")
+
+
+def test_token_sources(tmp_path, caplog):
+    from loader_service.auth import check_bearer, resolve_token
+
+    assert resolve_token("abc", None) == ("abc", "LOADER_API_TOKEN")
+    f = tmp_path / "token"
+    f.write_text("from-file\n")
+    assert resolve_token("", str(f)) == ("from-file", str(f))
+    with pytest.raises(ValueError, match="cannot read the API token file"):
+        resolve_token("", str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_token("", str(tmp_path / "empty"))
+    with caplog.at_level("WARNING", logger="loader_service.auth"):
+        token, where = resolve_token("", "")
+    assert where == "generated" and len(token) >= 24 and token in caplog.text
+    assert check_bearer(f"Bearer {token}", token) is None
+    assert check_bearer(f"bearer {token}", token) is None
