@@ -31,6 +31,8 @@ from .errors import LoaderError, LoaderTimeout
 from .sinks import make_sink
 
 STATE_VERSION = 1
+_RECONNECTED = object()  # _recv's answer when the connection came back (maybe to a new service)
+_RECOVERABLE = (P.ErrorCode.UNKNOWN_CLIENT, P.ErrorCode.SHUTTING_DOWN)
 _PLAN_KEYS = ("seed", "world_size", "rank", "batch_size", "shuffle", "drop_last", "dataset")
 
 
@@ -57,6 +59,9 @@ class RemoteLoader:
         self._sink = make_sink(self.config)
         self._ctx: Optional[zmq.Context] = None
         self._sock: Optional[zmq.Socket] = None
+        self._monitor: Optional[zmq.Socket] = None
+        self._connects = 0
+        self._lost_at: Optional[float] = None  # when the connection dropped, while it is down
         self._stream = 0
         self._epoch = 0
         self._next_batch = 0
@@ -123,6 +128,8 @@ class RemoteLoader:
                 self._sock.send_multipart(P.encode(P.Bye()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(linger=100)  # long enough to hand Bye to the kernel, never a hang
             self._sock = None
         if self._ctx is not None:
@@ -166,8 +173,9 @@ class RemoteLoader:
                     if requested < total:  # keep `prefetch` batches asked for ahead of the trainer
                         self._credit(stream, 1)
                         requested += 1
-                elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.UNKNOWN_CLIENT:
-                    # the service restarted (or dropped us): start again from what we hold
+                elif msg is _RECONNECTED or isinstance(msg, P.Error):
+                    # reconnected (perhaps to a restarted service), or the service forgot us:
+                    # start the stream again from what we hold; nothing is lost or repeated
                     self._stats.restarts += 1
                     resume_at = expect
                     stream, total = self._start(epoch, resume_at)
@@ -199,8 +207,10 @@ class RemoteLoader:
             if isinstance(msg, P.Accept):
                 self._dataset_length = msg.dataset_length
                 return stream, msg.num_batches
-            if isinstance(msg, P.EndOfEpoch):
-                continue
+            if msg is _RECONNECTED or (isinstance(msg, P.Error) and msg.code == P.ErrorCode.SHUTTING_DOWN):
+                if msg is not _RECONNECTED:
+                    self._wait_reconnect()
+                return self._start(epoch, start)  # say hello to whoever is there now
 
     def _credit(self, stream: int, n: int) -> None:
         s = self._stats
@@ -208,14 +218,24 @@ class RemoteLoader:
         self._socket().send_multipart(P.encode(msg))
 
     def _recv(self, stream: int):
-        """Next message of ``stream`` (stale ones are dropped). Raises on errors and timeouts."""
+        """Next message of ``stream`` (stale ones are dropped), or ``_RECONNECTED``.
+
+        Raises LoaderError for the service's errors (except the recoverable ones the caller
+        handles: unknown_client, shutting_down) and LoaderTimeout after ``timeout`` seconds
+        without a message, or without a connection.
+        """
         sock = self._socket()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
-            if not sock.poll(self.config.timeout * 1000):
-                raise LoaderTimeout(
-                    f"no message from the loader service at {self.config.endpoint} for "
-                    f"{self.config.timeout:g}s; is it running and reachable? "
-                    "(start one with: loader-service serve --demo)")
+            events = dict(poller.poll(self.config.timeout * 1000))
+            if not events:
+                self._raise_timeout()
+            if self._monitor in events:
+                if self._on_monitor():
+                    return _RECONNECTED, None
+                continue
             header = sock.recv(copy=False)
             try:
                 msg = P.decode_header(header)
@@ -231,9 +251,42 @@ class RemoteLoader:
                 self._stats.bytes += msg.image_bytes
             else:
                 self._drain(sock)
-            if isinstance(msg, P.Error) and msg.code != P.ErrorCode.UNKNOWN_CLIENT:
+            if isinstance(msg, P.Error) and msg.code not in _RECOVERABLE:
                 raise LoaderError(msg.code, msg.message, msg.traceback)
             return msg, payload
+
+    def _on_monitor(self) -> bool:
+        """Handle a connection event; True when a connection came back after a loss."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        ev = recv_monitor_message(self._monitor)["event"]
+        if ev == zmq.EVENT_DISCONNECTED:
+            self._lost_at = time.monotonic()
+        elif ev == zmq.EVENT_CONNECTED:
+            self._connects += 1
+            back = self._lost_at is not None or self._connects > 1
+            self._lost_at = None
+            return back
+        return False
+
+    def _wait_reconnect(self) -> None:
+        """The service said it is going away: wait (up to ``timeout``) for the connection to return."""
+        deadline = time.monotonic() + self.config.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._monitor.poll(left * 1000):
+                self._raise_timeout()
+            if self._on_monitor():
+                return
+
+    def _raise_timeout(self) -> None:
+        c = self.config
+        if self._lost_at is not None:
+            raise LoaderTimeout(f"lost the connection to the loader service at {c.endpoint} "
+                                f"{time.monotonic() - self._lost_at:.0f}s ago and it has not come back "
+                                f"within {c.timeout:g}s")
+        raise LoaderTimeout(f"no message from the loader service at {c.endpoint} for {c.timeout:g}s; is it running "
+                            "and reachable? (start one with: loader-service serve --demo)")
 
     @staticmethod
     def _drain(sock: zmq.Socket) -> None:
@@ -248,6 +301,8 @@ class RemoteLoader:
             if isinstance(msg, P.DatasetInfo):
                 self._dataset_length = msg.length
                 return
+            if msg is _RECONNECTED:
+                sock.send_multipart(P.encode(P.Describe(dataset=self.config.dataset)))
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -258,6 +313,9 @@ class RemoteLoader:
             sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)  # the credits bound what can queue here
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)  # reconnect with exponential backoff ...
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # ... up to 2 s between tries
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sock.connect(self.config.endpoint)
             self._sock = sock
         return self._sock

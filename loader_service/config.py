@@ -29,7 +29,8 @@ class ServiceConfig:
     max_shm_mb: int = 4096  # cap on batch slots in shared memory, all clients together
     on_error: str = "raise"  # a sample that fails to decode: fail the stream, or skip it
     heartbeat_s: float = 2.0  # ZMTP heartbeat; silent peers are dropped after 3 intervals
-    stop_timeout_s: float = 10.0
+    stop_timeout_s: float = 5.0  # per stage of the worker stop ladder
+    drain_s: float = 2.0  # on stop, let tasks in flight finish and go out for up to this long
     start_method: str = "spawn"
     io_threads: int = 1
     log_level: str = "info"

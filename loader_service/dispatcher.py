@@ -13,8 +13,11 @@ Per stream (one rank's pass over one epoch):
 * workers finish out of order; batches leave strictly in plan order;
 * a large image frame is sent zero-copy from its slot, and the slot is reused only after
   zmq's tracker for that very frame reports the send complete;
-* a task whose worker died is redone; a task that kills ``MAX_TASK_ATTEMPTS`` workers fails
-  the stream with an error instead of looping forever.
+* a task whose worker died is redone; a batch that kills ``ISOLATE_AFTER`` workers is redone
+  one sample per task, and a sample that kills ``MAX_SAMPLE_ATTEMPTS`` workers by itself is
+  poison: skipped or reported by the ``on_error`` policy, never retried forever;
+* stopping drains: no new streams, tasks in flight finish and their batches go out (up to a
+  deadline), then every client is told the service is going away (it reconnects and resumes).
 """
 
 from __future__ import annotations
@@ -47,8 +50,27 @@ from .sources import Source
 
 log = logging.getLogger("loader_service.dispatcher")
 
-MAX_TASK_ATTEMPTS = 3
+ISOLATE_AFTER = 2  # a batch that killed this many workers is re-run one sample per task
+MAX_SAMPLE_ATTEMPTS = 2  # a sample that kills this many workers on its own is poison
 TRACKER_POLL_MS = 1  # only while a zero-copy send is pending: how soon a slot is seen free
+
+
+@dataclass
+class Inflight:
+    batch: int
+    slot: int
+    pos: int = -1  # >= 0: a one-sample task of an isolated batch (see Isolation)
+
+
+@dataclass
+class Isolation:
+    """A batch being redone one sample per task because it kept killing workers."""
+
+    slot: int
+    todo: List[int]  # positions not yet dispatched
+    pending: set  # positions dispatched or to dispatch, not yet done
+    attempts: Dict[int, int] = field(default_factory=dict)  # position -> workers it killed
+    skipped: list = field(default_factory=list)  # [[pos, idx, reason]]
 
 
 class AutoscaleConflict(RuntimeError):
@@ -69,7 +91,8 @@ class Stream:
     next_send: int
     num_batches: int
     redo: List[int] = field(default_factory=list)  # heap of batch indices to dispatch again
-    inflight: Dict[int, Tuple[int, int]] = field(default_factory=dict)  # task -> (batch, slot)
+    inflight: Dict[int, Inflight] = field(default_factory=dict)  # task id -> what it computes
+    isolated: Dict[int, Isolation] = field(default_factory=dict)  # batch -> its one-sample tasks
     attempts: Dict[int, int] = field(default_factory=dict)  # batch -> workers lost on it
     ready: Dict[int, Tuple[int, P.Done]] = field(default_factory=dict)  # batch -> (slot, done)
     sending: List[Tuple[zmq.MessageTracker, int]] = field(default_factory=list)
@@ -86,7 +109,11 @@ class Stream:
         return self.hello.stream
 
     def dispatchable(self) -> bool:
-        if self.retired or not self.free_slots:
+        if self.retired:
+            return False
+        if any(iso.todo for iso in self.isolated.values()):
+            return True
+        if not self.free_slots:
             return False
         if self.redo:
             return True
@@ -159,6 +186,7 @@ class Dispatcher:
         self._rr = 0
         self._running = False
         self._closed = False
+        self._drain_until: Optional[float] = None
         self._rate: Deque[Tuple[float, int]] = deque(maxlen=64)
         self.started = time.time()
         self.autoscaler = None
@@ -181,12 +209,26 @@ class Dispatcher:
             pass  # a wake-up is already pending, or we are shutting down
         return fut
 
-    def stop(self) -> None:
-        """Ask the loop to end (thread-safe, idempotent)."""
-        self.call(self._request_stop)
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Ask the loop to end, after draining work in flight for up to ``drain_s`` seconds
+        (thread-safe, idempotent)."""
+        self.call(self._request_stop, drain_s)
 
-    def _request_stop(self) -> None:
-        self._running = False
+    def _request_stop(self, drain_s: float) -> None:
+        if drain_s <= 0 or not self.tasks:
+            self._running = False
+        elif self._drain_until is None:
+            self._drain_until = time.monotonic() + drain_s
+            log.info("draining %d tasks in flight (at most %.1fs) before stopping", len(self.tasks), drain_s)
+
+    def _drain_timeout_ms(self) -> Optional[int]:
+        if self._drain_until is None:
+            return None
+        left = self._drain_until - time.monotonic()
+        if left <= 0 or not self.tasks:
+            self._running = False
+            return 0
+        return max(1, int(left * 1000))
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -213,6 +255,11 @@ class Dispatcher:
                         poller.register(fd, zmq.POLLIN)
                     pool_version = self.pool.version
                 timeout = TRACKER_POLL_MS if self._pending_sends() else None
+                drain = self._drain_timeout_ms()
+                if not self._running:
+                    break
+                if drain is not None:
+                    timeout = drain if timeout is None else min(timeout, drain)
                 events = dict(poller.poll(timeout))
                 if self._wake_r.fileno() in events:
                     self._run_calls()
@@ -296,6 +343,10 @@ class Dispatcher:
             self.counters.bad_messages += 1
             log.warning("refused a message from client %s: %s", ident.hex()[:12], exc)
             self._send(ident, P.Error(code=exc.code, message=str(exc), stream=_stream_of(frames[1])))
+            return
+        if isinstance(msg, P.Hello) and self._drain_until is not None:
+            self._send(ident, P.Error(code=P.ErrorCode.SHUTTING_DOWN, stream=msg.stream, fatal=False,
+                                      message="the service is shutting down; reconnect and resume"))
             return
         if isinstance(msg, P.Hello):
             if client is None:
@@ -411,7 +462,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ workers
     def _schedule(self) -> None:
         idle = self.pool.idle()
-        if not idle:
+        if not idle or self._drain_until is not None:
             return
         streams = [c.stream for c in self.clients.values() if c.stream is not None and c.stream.dispatchable()]
         if not streams:
@@ -428,19 +479,28 @@ class Dispatcher:
                 self._dispatch(s, idle.pop())
 
     def _dispatch(self, s: Stream, worker) -> None:
-        if s.redo:
-            batch = heapq.heappop(s.redo)
+        iso_batch = next((b for b, iso in s.isolated.items() if iso.todo), None)
+        if iso_batch is not None:
+            iso = s.isolated[iso_batch]
+            pos = iso.todo.pop(0)
+            rec = Inflight(iso_batch, iso.slot, pos)
+            indices = [int(s.plan.batch(iso_batch)[pos])]
+            offset = iso.slot * s.slot_bytes + pos * s.hello.image_size ** 2 * 3
         else:
-            batch = s.next_dispatch
-            s.next_dispatch += 1
-        slot = s.free_slots.pop()
+            if s.redo:
+                batch = heapq.heappop(s.redo)
+            else:
+                batch = s.next_dispatch
+                s.next_dispatch += 1
+            rec = Inflight(batch, s.free_slots.pop())
+            indices = s.plan.batch(batch).tolist()
+            offset = rec.slot * s.slot_bytes
         task_id = next(self._task_ids)
         h = s.hello
-        task = P.Task(task=task_id, dataset=s.source.name, shm=s.segment.name, offset=slot * s.slot_bytes,
-                      indices=s.plan.batch(batch).tolist(), seed=h.seed, epoch=h.epoch, train=h.train,
-                      image_size=h.image_size, scale=list(h.scale), ratio=list(h.ratio),
-                      on_error=self.config.on_error)
-        s.inflight[task_id] = (batch, slot)
+        task = P.Task(task=task_id, dataset=s.source.name, shm=s.segment.name, offset=offset, indices=indices,
+                      seed=h.seed, epoch=h.epoch, train=h.train, image_size=h.image_size, scale=list(h.scale),
+                      ratio=list(h.ratio), on_error=self.config.on_error)
+        s.inflight[task_id] = rec
         self.tasks[task_id] = s
         self.pool.assign(worker, task)
 
@@ -455,39 +515,94 @@ class Dispatcher:
         s = self.tasks.pop(done.task, None)
         if s is None:
             return
-        batch, slot = s.inflight.pop(done.task)
+        rec = s.inflight.pop(done.task)
         self.counters.read_s += done.read_s
         self.counters.decode_s += done.decode_s
         if s.retired:
-            s.free_slots.append(slot)
+            if rec.pos < 0 or not any(r.batch == rec.batch for r in s.inflight.values()):
+                s.free_slots.append(rec.slot)
             return
         if not done.ok:
             self.counters.failed_tasks += 1
-            s.free_slots.append(slot)
+            self._release(s, rec)
             self._fail(s, P.ErrorCode.SAMPLE_FAILED, done.error, done.traceback)
             return
-        s.ready[batch] = (slot, done)
+        if rec.pos >= 0:
+            iso = s.isolated[rec.batch]
+            iso.pending.discard(rec.pos)
+            iso.skipped += [[rec.pos, idx, why] for _, idx, why in done.skipped]
+            self._finish_isolated(s, rec.batch)
+            return
+        s.ready[rec.batch] = (rec.slot, done)
+        self._flush(s)
+
+    def _release(self, s: Stream, rec: Inflight) -> None:
+        """Give back a failed task's slot (an isolated batch's slot once, when it is dropped)."""
+        if rec.pos < 0:
+            s.free_slots.append(rec.slot)
+        elif s.isolated.pop(rec.batch, None) is not None and not any(
+                r.batch == rec.batch for r in s.inflight.values()):
+            s.free_slots.append(rec.slot)
+
+    def _finish_isolated(self, s: Stream, batch: int) -> None:
+        """Once every sample of an isolated batch is done or judged poison, compact and queue it."""
+        iso = s.isolated[batch]
+        if iso.pending:
+            return
+        del s.isolated[batch]
+        skipped = sorted(iso.skipped)
+        if skipped:
+            n = len(s.plan.batch(batch))
+            img = s.hello.image_size ** 2 * 3
+            view = s.segment.array(np.uint8, (n, img), iso.slot * s.slot_bytes)
+            keep = [p for p in range(n) if p not in {q for q, _, _ in skipped}]
+            view[: len(keep)] = view[keep]  # fancy indexing copies first: safe to overlap
+            del view
+        s.ready[batch] = (iso.slot, P.Done(task=-1, worker=-1, ok=True, skipped=skipped))
         self._flush(s)
 
     def _on_worker_exit(self, wid: int) -> None:
-        task_id, _unexpected = self.pool.reap(wid)
+        task_id, exitcode = self.pool.reap(wid)
         if task_id is None:
             return
         s = self.tasks.pop(task_id, None)
         if s is None:
             return
-        batch, slot = s.inflight.pop(task_id)
-        s.free_slots.append(slot)
+        rec = s.inflight.pop(task_id)
         if s.retired:
-            return
-        s.attempts[batch] = s.attempts.get(batch, 0) + 1
-        if s.attempts[batch] >= MAX_TASK_ATTEMPTS:
-            self._fail(s, P.ErrorCode.SAMPLE_FAILED, (
-                f"batch {batch} (samples {s.plan.batch(batch).tolist()}) killed {s.attempts[batch]} workers "
-                "in a row; one of its samples crashes the decoder"), "")
+            if rec.pos < 0 or not any(r.batch == rec.batch for r in s.inflight.values()):
+                s.free_slots.append(rec.slot)
             return
         self.counters.redone_tasks += 1
-        heapq.heappush(s.redo, batch)
+        if rec.pos >= 0:
+            self._isolated_sample_died(s, rec, exitcode)
+            return
+        s.attempts[rec.batch] = s.attempts.get(rec.batch, 0) + 1
+        if s.attempts[rec.batch] >= ISOLATE_AFTER:
+            # find the culprit: one task per sample, written into this same slot
+            n = len(s.plan.batch(rec.batch))
+            s.isolated[rec.batch] = Isolation(slot=rec.slot, todo=list(range(n)), pending=set(range(n)))
+            log.warning("batch %d of stream %d killed %d workers; redoing it one sample per task",
+                        rec.batch, s.id, s.attempts[rec.batch])
+            return
+        s.free_slots.append(rec.slot)
+        heapq.heappush(s.redo, rec.batch)
+
+    def _isolated_sample_died(self, s: Stream, rec: Inflight, exitcode: Optional[int]) -> None:
+        iso = s.isolated[rec.batch]
+        iso.attempts[rec.pos] = iso.attempts.get(rec.pos, 0) + 1
+        idx = int(s.plan.batch(rec.batch)[rec.pos])
+        if iso.attempts[rec.pos] < MAX_SAMPLE_ATTEMPTS:
+            iso.todo.insert(0, rec.pos)  # once more, in case the crash was not its fault
+            return
+        reason = f"crashed the decoder: {iso.attempts[rec.pos]} workers died on it (last exit code {exitcode})"
+        if self.config.on_error == "skip":
+            iso.pending.discard(rec.pos)
+            iso.skipped.append([rec.pos, idx, reason])
+            self._finish_isolated(s, rec.batch)
+            return
+        self._release(s, rec)
+        self._fail(s, P.ErrorCode.SAMPLE_FAILED, f"sample {idx} ({s.source.describe(idx)}) {reason}", "")
 
     # ------------------------------------------------------------------ sending
     def _flush(self, s: Stream) -> None:
@@ -562,6 +677,7 @@ class Dispatcher:
         if s.retired:
             return
         s.retired = True
+        s.isolated.clear()
         for slot, _ in s.ready.values():
             s.free_slots.append(slot)
         s.ready.clear()
@@ -665,6 +781,14 @@ class Dispatcher:
             return
         self._closed = True
         self._running = False
+        # tell clients first, so they start reconnecting while workers stop
+        self.front.setsockopt(zmq.LINGER, 500)  # bounded: lets these goodbyes leave
+        for ident in list(self.clients):
+            try:
+                self._send(ident, P.Error(code=P.ErrorCode.SHUTTING_DOWN, fatal=False,
+                                          message="the service is stopping; reconnect and resume"))
+            except zmq.ZMQError:
+                pass
         try:
             self.pool.close(timeout=self.config.stop_timeout_s)
         finally:

@@ -142,14 +142,14 @@ class WorkerPool:
         """fd -> worker id, for the dispatcher's poller (readable when the process exits)."""
         return {w.process.sentinel: w.id for w in self.workers.values()}
 
-    def reap(self, wid: int) -> Tuple[Optional[int], bool]:
+    def reap(self, wid: int) -> Tuple[Optional[int], Optional[int]]:
         """Forget an exited worker; replace it if the pool is below target.
 
-        Returns (the task it held, whether it died unexpectedly).
+        Returns (the task it held, its exit code).
         """
         w = self.workers.pop(wid, None)
         if w is None:
-            return None, False
+            return None, None
         w.process.join(timeout=0)
         expected = w.state in ("stopping", "failed")
         if w.state == "starting":
@@ -162,7 +162,7 @@ class WorkerPool:
         self._busy_gone += w.busy_s
         if not self._closed:
             self._converge()
-        return w.task, not expected
+        return w.task, w.process.exitcode
 
     def _start_failed(self, why: str) -> None:
         self.start_failures += 1

@@ -23,16 +23,14 @@ log = logging.getLogger("loader_service")
 
 def open_datasets(config: ServiceConfig) -> Dict[str, Source]:
     """Open every configured dataset; names must be unique."""
+    from .sources.detect import open_path
+
     sources: Dict[str, Source] = {}
     try:
         if config.demo:
             sources["demo"] = ensure_demo(config.demo_size)
         for path in config.data:
-            src: Source
-            if os.path.exists(os.path.join(path, "meta.json")):
-                src = PackedSource(path)
-            else:
-                src = ImageFolderSource.scan(path)
+            src = open_path(path)  # packed, webdataset, hdf5 or imagefolder (sources/detect.py)
             if src.name in sources:
                 src.close()
                 raise ValueError(f"two datasets are named {src.name!r}; rename one folder")
@@ -153,7 +151,7 @@ class Service:
         if self._autoscale_thread is not None and self._autoscale_thread is not threading.current_thread():
             self._autoscale_thread.join()
         if self.dispatcher is not None:
-            self.dispatcher.stop()
+            self.dispatcher.stop(self.config.drain_s)
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join()
             self.dispatcher.close()

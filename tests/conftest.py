@@ -44,16 +44,26 @@ def _sockets() -> set:
     return {(c.laddr, c.raddr, c.status) for c in conns if c.status != psutil.CONN_TIME_WAIT}
 
 
+def _our_segments() -> set:
+    """Segments this process created, or that a dead process (a subprocess of a test) left."""
+    out = set()
+    for name in shm.list_segments():
+        pid = int(name[len(shm.PREFIX):].split("-", 1)[0])
+        if pid == os.getpid() or not psutil.pid_exists(pid):
+            out.add(name)
+    return out
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request):
     """Fail a test that leaves processes, shared-memory segments or sockets behind."""
-    before_procs, before_shm, before_socks = _children(), set(shm.list_segments()), _sockets()
+    before_procs, before_shm, before_socks = _children(), _our_segments(), _sockets()
     yield
     leaked = []
     procs = _children() - before_procs
     if procs:
         leaked.append(f"processes {sorted(procs)}")
-    segs = set(shm.list_segments()) - before_shm
+    segs = _our_segments() - before_shm
     if segs:
         leaked.append(f"/dev/shm segments {sorted(segs)}")
     socks = _sockets() - before_socks

@@ -123,7 +123,7 @@ def test_metrics_exist_and_move(svc):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(["GET", "PUT", "POST", "DELETE"]),
        path=st.sampled_from(["/healthz", "/readyz", "/v1/status", "/v1/workers", "/metrics", "/v1/nope", "/docs"]),
-       body=st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+       body=st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
                          lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
                          max_leaves=6),
        auth=st.sampled_from([None, "Bearer test-token", "Bearer x", "junk"]))
