@@ -173,6 +173,8 @@ class RemoteLoader:
                     if requested < total:  # keep `prefetch` batches asked for ahead of the trainer
                         self._credit(stream, 1)
                         requested += 1
+                elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.SHUTTING_DOWN:
+                    continue  # informational: the reconnect that follows restarts the stream
                 elif msg is _RECONNECTED or isinstance(msg, P.Error):
                     # reconnected (perhaps to a restarted service), or the service forgot us:
                     # start the stream again from what we hold; nothing is lost or repeated
@@ -207,10 +209,10 @@ class RemoteLoader:
             if isinstance(msg, P.Accept):
                 self._dataset_length = msg.dataset_length
                 return stream, msg.num_batches
-            if msg is _RECONNECTED or (isinstance(msg, P.Error) and msg.code == P.ErrorCode.SHUTTING_DOWN):
-                if msg is not _RECONNECTED:
-                    self._wait_reconnect()
+            if msg is _RECONNECTED:
                 return self._start(epoch, start)  # say hello to whoever is there now
+            # shutting_down (now, or a stale goodbye from a previous service): the connection
+            # events decide what happens next, so keep waiting
 
     def _credit(self, stream: int, n: int) -> None:
         s = self._stats
@@ -268,16 +270,6 @@ class RemoteLoader:
             self._lost_at = None
             return back
         return False
-
-    def _wait_reconnect(self) -> None:
-        """The service said it is going away: wait (up to ``timeout``) for the connection to return."""
-        deadline = time.monotonic() + self.config.timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._monitor.poll(left * 1000):
-                self._raise_timeout()
-            if self._on_monitor():
-                return
 
     def _raise_timeout(self) -> None:
         c = self.config

@@ -23,6 +23,10 @@ from .transforms import TransformSpec, process_sample, sample_rng
 
 SEGMENT_CACHE = 4  # mappings a worker keeps open; bounds what unlinked segments can pin
 
+# Fault injection for tests and chaos runs: a worker SIGKILLs itself when it reaches one of
+# these dataset indices, the way a decoder crash on a poison file would kill it.
+CRASH_INDICES = frozenset(int(x) for x in os.environ.get("LOADER_FAULT_CRASH_INDICES", "").split(",") if x.strip())
+
 
 def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn) -> None:
     """Entry point of a worker process. Returns when told to stop or when the service dies."""
@@ -81,6 +85,8 @@ def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments)
     skipped: list = []
     k = 0
     for pos, idx in enumerate(task.indices):
+        if idx in CRASH_INDICES:
+            os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
         try:
             data = source.read(idx)
