@@ -3,6 +3,6 @@
 from .batch import Batch
 from .config import LoaderConfig
 from .errors import LoaderError, LoaderTimeout
-from .loader import LoaderStats, RemoteLoader
+from .loader import LoaderStats, RemoteLoader, resolve_endpoints
 
-__all__ = ["RemoteLoader", "Batch", "LoaderConfig", "LoaderError", "LoaderTimeout", "LoaderStats"]
+__all__ = ["RemoteLoader", "resolve_endpoints", "Batch", "LoaderConfig", "LoaderError", "LoaderTimeout", "LoaderStats"]

@@ -33,6 +33,8 @@ class LoaderConfig:
     dtype: str = "float32"  # of normalized images: float32 | float16 | bfloat16
     echo: int = 1  # batch echoing: yield each batch this many times
     device_prefetch: int = 2  # batches copied to the device ahead of the one in use
+    replica_timeout: float = 10.0  # with several replicas: one down this long loses its batches to the others
+    heartbeat_s: float = 2.0  # ZMTP heartbeat towards the service; a silent one counts as down after 3x
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
@@ -42,6 +44,7 @@ class LoaderConfig:
             ("rank", 0 <= self.rank < self.world_size), ("seed", self.seed >= 0),
             ("image_size", self.image_size >= 8), ("prefetch", 1 <= self.prefetch <= 256),
             ("timeout", self.timeout > 0), ("echo", self.echo >= 1),
+            ("replica_timeout", self.replica_timeout > 0), ("heartbeat_s", self.heartbeat_s > 0),
             ("device_prefetch", 1 <= self.device_prefetch <= 8),
             ("dtype", self.dtype in ("float32", "float16", "bfloat16")),
             ("mean/std", len(self.mean) == 3 and len(self.std) == 3 and all(s > 0 for s in self.std)),

@@ -15,10 +15,10 @@ service restart the loader starts its stream again from it.
 
 from __future__ import annotations
 
+import logging
 import time
-import uuid
 from dataclasses import asdict, dataclass
-from typing import Iterator, Optional
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import zmq
 
@@ -28,11 +28,12 @@ from loader_service.plan import num_batches
 from .batch import Batch
 from .config import LoaderConfig
 from .errors import LoaderError, LoaderTimeout
+from .replica import Replica
 from .sinks import make_sink
 
+log = logging.getLogger("client")
+
 STATE_VERSION = 1
-_RECONNECTED = object()  # _recv's answer when the connection came back (maybe to a new service)
-_RECOVERABLE = (P.ErrorCode.UNKNOWN_CLIENT, P.ErrorCode.SHUTTING_DOWN)
 _PLAN_KEYS = ("seed", "world_size", "rank", "batch_size", "shuffle", "drop_last", "dataset")
 
 
@@ -50,18 +51,23 @@ class RemoteLoader:
     """Iterate batches served by a loader service. See :class:`client.config.LoaderConfig`
     for every option; the common ones are keyword arguments here."""
 
-    def __init__(self, endpoint: str, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True, drop_last: bool = False, image_size: int = 224,
-                 train: bool = True, prefetch: int = 4, device: str = "cpu", **options):
-        self.config = LoaderConfig(endpoint=endpoint, batch_size=batch_size, rank=rank, world_size=world_size,
+    def __init__(self, endpoint: Union[str, Sequence[str]], batch_size: int, *, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
+                 image_size: int = 224, train: bool = True, prefetch: int = 4, device: str = "cpu", **options):
+        """``endpoint``: one ``tcp://host:port``, or a list of service replicas to spread this
+        rank's batches over (see :func:`client.resolve_endpoints` for a DNS name)."""
+        endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not endpoints:
+            raise ValueError("endpoint: give at least one tcp://host:port")
+        self.endpoints = endpoints
+        self.config = LoaderConfig(endpoint=endpoints[0], batch_size=batch_size, rank=rank, world_size=world_size,
                                    seed=seed, shuffle=shuffle, drop_last=drop_last, image_size=image_size,
                                    train=train, prefetch=prefetch, device=str(device), **options)
+        for e in endpoints[1:]:
+            LoaderConfig(endpoint=e, batch_size=batch_size)  # validates the address
         self._sink = make_sink(self.config)
         self._ctx: Optional[zmq.Context] = None
-        self._sock: Optional[zmq.Socket] = None
-        self._monitor: Optional[zmq.Socket] = None
-        self._connects = 0
-        self._lost_at: Optional[float] = None  # when the connection dropped, while it is down
+        self._replicas: List[Replica] = []
         self._stream = 0
         self._epoch = 0
         self._next_batch = 0
@@ -119,19 +125,13 @@ class RemoteLoader:
         return asdict(self._stats)
 
     def close(self) -> None:
-        """Tell the service we are leaving and release the socket. Idempotent."""
+        """Tell the services we are leaving and release the sockets. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._sock is not None:
-            try:
-                self._sock.send_multipart(P.encode(P.Bye()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-            self._sock.close(linger=100)  # long enough to hand Bye to the kernel, never a hang
-            self._sock = None
+        for r in self._replicas:
+            r.close()
+        self._replicas = []
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -156,161 +156,233 @@ class RemoteLoader:
         return num_batches(self._dataset_length, c.batch_size, c.world_size, c.drop_last)
 
     def _iterate(self, epoch: int, start: int) -> Iterator[Batch]:
+        """One epoch from batch ``start``: split over the replicas, yielded in plan order."""
         c = self.config
-        stream, total = self._start(epoch, start)
-        requested = min(total, start + c.prefetch)
-        expect = start
-        self._sink.begin(total - start)
+        if self._dataset_length is None:
+            self._describe()
+        total = self._raw_len()
+        reps = self._connect()
+        for r in reps:
+            r.dead = False
+        todo = list(range(start, total))
+        for i, r in enumerate(reps):
+            r.assign(todo[i :: len(reps)])
+            self._hello(r, epoch)
+        pending: Dict[int, Batch] = {}  # received, waiting for their turn
+        owner: Dict[int, Replica] = {}
+        limit = c.prefetch * len(reps) + c.device_prefetch  # bound on received-but-not-yielded
+        next_yield, received, need = start, 0, total - start
+        last_message = time.monotonic()
+        poller = zmq.Poller()
+        for r in reps:
+            poller.register(r.sock, zmq.POLLIN)
+            poller.register(r.monitor, zmq.POLLIN)
+        self._sink.begin(need)
         try:
-            while expect < total:
+            while next_yield < total:
                 t0 = time.perf_counter()
-                msg, payload = self._recv(stream)
-                if isinstance(msg, P.Batch):
-                    if msg.index != expect:
-                        raise LoaderError(P.ErrorCode.INTERNAL, f"expected batch {expect}, got {msg.index}")
-                    self._sink.push(msg, payload)
-                    expect += 1
-                    if requested < total:  # keep `prefetch` batches asked for ahead of the trainer
-                        self._credit(stream, 1)
-                        requested += 1
-                elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.SHUTTING_DOWN:
-                    continue  # informational: the reconnect that follows restarts the stream
-                elif msg is _RECONNECTED or isinstance(msg, P.Error):
-                    # reconnected (perhaps to a restarted service), or the service forgot us:
-                    # start the stream again from what we hold; nothing is lost or repeated
-                    self._stats.restarts += 1
-                    resume_at = expect
-                    stream, total = self._start(epoch, resume_at)
-                    requested = min(total, resume_at + c.prefetch)
-                    continue
+                while next_yield not in pending:
+                    events = dict(poller.poll(self._poll_ms(reps)))
+                    now = time.monotonic()
+                    if not events:
+                        if now - last_message > c.timeout:
+                            self._raise_timeout(reps, now - last_message)
+                        self._fail_over_dead(reps, epoch, now)
+                        continue
+                    for r in reps:
+                        if r.monitor in events and r.on_monitor() and not r.dead:
+                            self._restart(r, epoch)  # back, maybe to a restarted service
+                        if r.sock not in events:
+                            continue
+                        for _ in range(64):  # bounded per round, so one replica cannot starve the rest
+                            if not r.sock.poll(0):
+                                break
+                            msg, payload = self._recv(r)
+                            if msg is None:
+                                continue
+                            last_message = now
+                            if isinstance(msg, P.Accept):
+                                if msg.num_batches != total:
+                                    raise LoaderError(P.ErrorCode.BAD_JOB, (
+                                        f"{r.endpoint} has {msg.num_batches} batches in this epoch, expected {total}: "
+                                        "do all replicas serve the same dataset?"))
+                            elif isinstance(msg, P.Batch):
+                                if not r.received(msg.index):
+                                    raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
+                                self._sink.push(msg, payload)
+                                owner[msg.index] = r
+                                received += 1
+                                self._credit(r, owed=len(pending) >= limit)
+                                for b in self._sink.ready(final=received == need):
+                                    pending[b.index] = b
+                            elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.UNKNOWN_CLIENT:
+                                self._restart(r, epoch)  # the service forgot us: ask again from what we miss
                 self._stats.wait_s += time.perf_counter() - t0
                 self._stats.h2d_s = getattr(self._sink, "h2d_s", 0.0)
-                for batch in self._sink.ready(final=expect == total):
-                    self._stats.batches += 1
-                    self._stats.samples += len(batch)
-                    self._next_batch = batch.index + 1
-                    for _ in range(c.echo):
-                        yield batch
+                batch = pending.pop(next_yield)
+                owner.pop(next_yield)
+                self._pay_owed(reps, len(pending), limit)
+                next_yield += 1
+                self._stats.batches += 1
+                self._stats.samples += len(batch)
+                self._next_batch = next_yield
+                for _ in range(c.echo):
+                    yield batch
         finally:
             self._sink.end()
 
-    def _start(self, epoch: int, start: int):
-        """Send Hello for a new stream; return (stream id, batches in the epoch)."""
+    def _poll_ms(self, reps: List[Replica]) -> int:
+        # with several replicas, wake up in time to notice one that stays down
+        t = self.config.timeout
+        if len(reps) > 1:
+            t = min(t, self.config.replica_timeout / 2)
+        return max(1, int(t * 1000))
+
+    def _hello(self, r: Replica, epoch: int) -> None:
+        """Start a new stream on ``r`` for its remaining batches (nothing if none remain)."""
         c = self.config
+        todo = r.remaining()
+        r.assign(todo)
+        r.owed = 0
+        if not todo:
+            r.stream = -1
+            return
         self._stream += 1
-        stream = self._stream
-        hello = P.Hello(stream=stream, batch_size=c.batch_size, image_size=c.image_size, seed=c.seed,
-                        epoch=epoch, rank=c.rank, world_size=c.world_size, shuffle=c.shuffle,
-                        drop_last=c.drop_last, train=c.train, start_batch=start, prefetch=c.prefetch,
-                        dataset=c.dataset, scale=list(c.scale), ratio=list(c.ratio), job=c.job)
-        self._socket().send_multipart(P.encode(hello))
-        while True:
-            msg, _ = self._recv(stream)
-            if isinstance(msg, P.Accept):
-                self._dataset_length = msg.dataset_length
-                return stream, msg.num_batches
-            if msg is _RECONNECTED:
-                return self._start(epoch, start)  # say hello to whoever is there now
-            # shutting_down (now, or a stale goodbye from a previous service): the connection
-            # events decide what happens next, so keep waiting
+        r.stream = self._stream
+        contiguous = todo == list(range(todo[0], todo[0] + len(todo))) and todo[-1] == self._raw_len() - 1
+        r.asked = min(c.prefetch, len(todo))
+        r.send(P.Hello(stream=r.stream, batch_size=c.batch_size, image_size=c.image_size, seed=c.seed, epoch=epoch,
+                       rank=c.rank, world_size=c.world_size, shuffle=c.shuffle, drop_last=c.drop_last,
+                       train=c.train, start_batch=todo[0] if contiguous else 0, prefetch=c.prefetch,
+                       dataset=c.dataset, scale=list(c.scale), ratio=list(c.ratio), job=c.job,
+                       batches=[] if contiguous else todo))
 
-    def _credit(self, stream: int, n: int) -> None:
+    def _restart(self, r: Replica, epoch: int) -> None:
+        if r.todo_set:
+            self._stats.restarts += 1
+            self._hello(r, epoch)
+
+    def _credit(self, r: Replica, owed: bool) -> None:
+        """Ask ``r`` for one more batch, or note the debt while the reorder buffer is full."""
+        if r.dead or r.stream < 0 or r.asked >= len(r.todo):
+            return
+        if owed:
+            r.owed += 1
+            return
         s = self._stats
-        msg = P.Credit(stream=stream, n=n, wait_s=s.wait_s, h2d_s=s.h2d_s, consumed=s.batches)
-        self._socket().send_multipart(P.encode(msg))
+        r.send(P.Credit(stream=r.stream, n=1, wait_s=s.wait_s, h2d_s=s.h2d_s, consumed=s.batches))
+        r.asked += 1
 
-    def _recv(self, stream: int):
-        """Next message of ``stream`` (stale ones are dropped), or ``_RECONNECTED``.
+    def _pay_owed(self, reps: List[Replica], buffered: int, limit: int) -> None:
+        for r in reps:
+            while r.owed and buffered < limit:
+                r.owed -= 1
+                self._credit(r, owed=False)
 
-        Raises LoaderError for the service's errors (except the recoverable ones the caller
-        handles: unknown_client, shutting_down) and LoaderTimeout after ``timeout`` seconds
-        without a message, or without a connection.
+    def _fail_over_dead(self, reps: List[Replica], epoch: int, now: float) -> None:
+        """Give the outstanding batches of a replica that stayed down to the live ones."""
+        if len(reps) < 2:
+            return  # nobody else to ask: wait for it, up to `timeout`
+        for r in reps:
+            if r.dead or not r.todo_set or r.down_since is None or now - r.down_since < self.config.replica_timeout:
+                continue
+            live = [x for x in reps if not x.dead and x is not r and x.down_since is None]
+            if not live:
+                return
+            orphans = r.remaining()
+            r.dead, r.stream = True, -1
+            r.assign([])
+            log.warning("service replica %s has been unreachable for %.0fs; its %d batches go to %s", r.endpoint,
+                        now - r.down_since, len(orphans), ", ".join(x.endpoint for x in live))
+            for i, x in enumerate(live):
+                x.assign(sorted(x.remaining() + orphans[i :: len(live)]))
+                self._hello(x, epoch)
+
+    def _recv(self, r: Replica):
+        """One message from ``r``: (message, payload), or (None, None) for a stale one.
+
+        Raises LoaderError for the service's errors except the recoverable ones.
         """
-        sock = self._socket()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        while True:
-            events = dict(poller.poll(self.config.timeout * 1000))
-            if not events:
-                self._raise_timeout()
-            if self._monitor in events:
-                if self._on_monitor():
-                    return _RECONNECTED, None
-                continue
-            header = sock.recv(copy=False)
-            try:
-                msg = P.decode_header(header)
-            except P.ProtocolError as exc:
-                self._drain(sock)
-                raise LoaderError(exc.code, f"malformed message from the service: {exc}") from None
-            if getattr(msg, "stream", stream) not in (stream, -1):
-                self._drain(sock)  # from a stream we already left
-                continue
-            payload = None
-            if isinstance(msg, P.Batch):
-                payload = self._sink.receive(sock, msg)
-                self._stats.bytes += msg.image_bytes
-            else:
-                self._drain(sock)
-            if isinstance(msg, P.Error) and msg.code not in _RECOVERABLE:
-                raise LoaderError(msg.code, msg.message, msg.traceback)
-            return msg, payload
+        header = r.sock.recv(copy=False)
+        try:
+            msg = P.decode_header(header)
+        except P.ProtocolError as exc:
+            r.drain()
+            raise LoaderError(exc.code, f"malformed message from the service at {r.endpoint}: {exc}") from None
+        if getattr(msg, "stream", -1) not in (r.stream, -1):
+            r.drain()  # from a stream we already left
+            return None, None
+        payload = None
+        if isinstance(msg, P.Batch):
+            payload = self._sink.receive(r.sock, msg)
+            self._stats.bytes += msg.image_bytes
+        else:
+            r.drain()
+        if isinstance(msg, P.Error):
+            if msg.code == P.ErrorCode.SHUTTING_DOWN:
+                return None, None  # informational: the reconnect that follows restarts the stream
+            if msg.code != P.ErrorCode.UNKNOWN_CLIENT:
+                raise LoaderError(msg.code, f"{msg.message} (from {r.endpoint})" if len(self._replicas) > 1
+                                  else msg.message, msg.traceback)
+        return msg, payload
 
-    def _on_monitor(self) -> bool:
-        """Handle a connection event; True when a connection came back after a loss."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        ev = recv_monitor_message(self._monitor)["event"]
-        if ev == zmq.EVENT_DISCONNECTED:
-            self._lost_at = time.monotonic()
-        elif ev == zmq.EVENT_CONNECTED:
-            self._connects += 1
-            back = self._lost_at is not None or self._connects > 1
-            self._lost_at = None
-            return back
-        return False
-
-    def _raise_timeout(self) -> None:
+    def _raise_timeout(self, reps: List[Replica], silent_s: float) -> None:
         c = self.config
-        if self._lost_at is not None:
-            raise LoaderTimeout(f"lost the connection to the loader service at {c.endpoint} "
-                                f"{time.monotonic() - self._lost_at:.0f}s ago and it has not come back "
-                                f"within {c.timeout:g}s")
-        raise LoaderTimeout(f"no message from the loader service at {c.endpoint} for {c.timeout:g}s; is it running "
-                            "and reachable? (start one with: loader-service serve --demo)")
-
-    @staticmethod
-    def _drain(sock: zmq.Socket) -> None:
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv(copy=False)
+        down = [r for r in reps if r.down_since is not None]
+        where = ", ".join(r.endpoint for r in reps)
+        if down and len(down) == len(reps) and any(r.was_connected for r in reps):
+            raise LoaderTimeout(f"lost the connection to the loader service at {where} "
+                                f"{time.monotonic() - min(r.down_since for r in down):.0f}s ago and it has not "
+                                f"come back within {c.timeout:g}s")
+        raise LoaderTimeout(f"no message from the loader service at {where} for {c.timeout:g}s; is "
+                            "it running and reachable? (start one with: loader-service serve --demo)")
 
     def _describe(self) -> None:
-        sock = self._socket()
-        sock.send_multipart(P.encode(P.Describe(dataset=self.config.dataset)))
+        """Learn the dataset's length from whichever replica answers first."""
+        reps = self._connect()
+        describe = P.Describe(dataset=self.config.dataset)
+        for r in reps:
+            r.send(describe)
+        poller = zmq.Poller()
+        for r in reps:
+            poller.register(r.sock, zmq.POLLIN)
+            poller.register(r.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + self.config.timeout
         while True:
-            msg, _ = self._recv(-1)
-            if isinstance(msg, P.DatasetInfo):
-                self._dataset_length = msg.length
-                return
-            if msg is _RECONNECTED:
-                sock.send_multipart(P.encode(P.Describe(dataset=self.config.dataset)))
+            left = deadline - time.monotonic()
+            events = dict(poller.poll(max(0, left) * 1000)) if left > 0 else {}
+            if not events:
+                self._raise_timeout(reps, self.config.timeout)
+            for r in reps:
+                if r.monitor in events and r.on_monitor():
+                    r.send(describe)
+                if r.sock in events:
+                    msg, _ = self._recv(r)
+                    if isinstance(msg, P.DatasetInfo):
+                        self._dataset_length = msg.length
+                        return
 
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
+    def _connect(self) -> List[Replica]:
+        if not self._replicas:
             if self._closed:
                 raise RuntimeError("this RemoteLoader is closed")
             self._ctx = zmq.Context(1)
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)  # the credits bound what can queue here
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)  # reconnect with exponential backoff ...
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # ... up to 2 s between tries
-            self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            sock.connect(self.config.endpoint)
-            self._sock = sock
-        return self._sock
+            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s) for e in self.endpoints]
+        return self._replicas
 
 
-__all__ = ["RemoteLoader", "LoaderStats"]
+def resolve_endpoints(endpoint: str) -> List[str]:
+    """``tcp://name:port`` -> one endpoint per address the name resolves to (a Kubernetes
+    headless Service, say), sorted so every rank lists the replicas in the same order."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(endpoint)
+    if u.scheme != "tcp" or not u.hostname or not u.port:
+        raise ValueError(f"expected tcp://host:port, got {endpoint!r}")
+    infos = socket.getaddrinfo(u.hostname, u.port, type=socket.SOCK_STREAM)
+    addrs = sorted({i[4][0] for i in infos})
+    return [f"tcp://[{a}]:{u.port}" if ":" in a else f"tcp://{a}:{u.port}" for a in addrs]
+
+
+__all__ = ["RemoteLoader", "LoaderStats", "resolve_endpoints"]

@@ -87,9 +87,10 @@ class Stream:
     slot_bytes: int
     free_slots: List[int]
     granted: int
-    next_dispatch: int
-    next_send: int
-    num_batches: int
+    order: np.ndarray  # the batch indices this stream serves, in order
+    next_dispatch: int  # position in order
+    next_send: int  # position in order
+    num_batches: int  # in the rank's epoch
     redo: List[int] = field(default_factory=list)  # heap of batch indices to dispatch again
     inflight: Dict[int, Inflight] = field(default_factory=dict)  # task id -> what it computes
     isolated: Dict[int, Isolation] = field(default_factory=dict)  # batch -> its one-sample tasks
@@ -117,7 +118,7 @@ class Stream:
             return False
         if self.redo:
             return True
-        return self.next_dispatch < self.num_batches and self.next_dispatch - self.hello.start_batch < self.granted
+        return self.next_dispatch < len(self.order) and self.next_dispatch < self.granted
 
 
 @dataclass
@@ -409,8 +410,15 @@ class Dispatcher:
             self._send(ident, P.Error(code=P.ErrorCode.BAD_JOB, stream=hello.stream, message=(
                 f"start_batch {hello.start_batch} is past the end of the epoch ({nb} batches)")))
             return
+        if hello.batches and max(hello.batches) >= nb:
+            self._send(ident, P.Error(code=P.ErrorCode.BAD_JOB, stream=hello.stream, message=(
+                f"batch {max(hello.batches)} is past the end of the epoch ({nb} batches here); does the "
+                "client's plan come from another dataset (replicas serving different data)?")))
+            return
+        order = (np.asarray(hello.batches, dtype=np.int64) if hello.batches
+                 else np.arange(hello.start_batch, nb, dtype=np.int64))
         slot_bytes = hello.batch_size * hello.image_size * hello.image_size * 3
-        nslots = max(1, min(hello.prefetch, nb - hello.start_batch))
+        nslots = max(1, min(hello.prefetch, len(order)))
         in_use = sum(s.segment.size for s in self._all_streams())
         if in_use + nslots * slot_bytes > self.config.max_shm_bytes:
             self._send(ident, P.Error(code=P.ErrorCode.NO_CAPACITY, stream=hello.stream, message=(
@@ -421,15 +429,15 @@ class Dispatcher:
         stream = Stream(client=ident, hello=hello, source=source, plan=plan,
                         segment=Segment.create(nslots * slot_bytes, tag="slots"), slot_bytes=slot_bytes,
                         free_slots=list(range(nslots - 1, -1, -1)), granted=hello.prefetch,
-                        next_dispatch=hello.start_batch, next_send=hello.start_batch, num_batches=nb)
+                        order=order, next_dispatch=0, next_send=0, num_batches=nb)
         client.stream = stream
         self.counters.streams += 1
         self._send(ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=nb,
                                    num_samples=plan.num_samples, dataset_length=len(source),
                                    dataset=source.name, service=self.instance))
-        log.info("client %s job %r rank %d/%d epoch %d: stream %d from batch %d of %d", ident.hex()[:12],
-                 hello.job, hello.rank, hello.world_size, hello.epoch, hello.stream, hello.start_batch, nb)
-        if hello.start_batch == nb:
+        log.info("client %s job %r rank %d/%d epoch %d: stream %d serves %d of %d batches", ident.hex()[:12],
+                 hello.job, hello.rank, hello.world_size, hello.epoch, hello.stream, len(order), nb)
+        if len(order) == 0:
             self._finish(stream)
 
     def _on_credit(self, ident: bytes, client: Optional[Client], msg: P.Credit) -> None:
@@ -490,7 +498,7 @@ class Dispatcher:
             if s.redo:
                 batch = heapq.heappop(s.redo)
             else:
-                batch = s.next_dispatch
+                batch = int(s.order[s.next_dispatch])
                 s.next_dispatch += 1
             rec = Inflight(batch, s.free_slots.pop())
             indices = s.plan.batch(batch).tolist()
@@ -607,11 +615,12 @@ class Dispatcher:
     # ------------------------------------------------------------------ sending
     def _flush(self, s: Stream) -> None:
         """Send every batch that is next in order and done."""
-        while s.next_send in s.ready:
-            slot, done = s.ready.pop(s.next_send)
-            self._send_batch(s, s.next_send, slot, done)
+        while s.next_send < len(s.order) and int(s.order[s.next_send]) in s.ready:
+            b = int(s.order[s.next_send])
+            slot, done = s.ready.pop(b)
+            self._send_batch(s, b, slot, done)
             s.next_send += 1
-        if s.next_send == s.num_batches and not s.finished:
+        if s.next_send == len(s.order) and not s.finished:
             self._finish(s)
 
     def _send_batch(self, s: Stream, b: int, slot: int, done: P.Done) -> None:
@@ -735,8 +744,10 @@ class Dispatcher:
                 h = s.hello
                 entry["stream"] = {
                     "id": s.id, "dataset": s.source.name, "epoch": h.epoch, "rank": h.rank,
-                    "world_size": h.world_size, "batch_size": h.batch_size, "next_batch": s.next_send,
-                    "num_batches": s.num_batches, "credits": h.start_batch + s.granted - s.next_send,
+                    "world_size": h.world_size, "batch_size": h.batch_size,
+                    "next_batch": int(s.order[s.next_send]) if s.next_send < len(s.order) else s.num_batches,
+                    "sent": s.next_send, "to_send": len(s.order), "num_batches": s.num_batches,
+                    "credits": s.granted - s.next_send,
                     "in_flight": len(s.inflight), "wait_s": round(s.wait_s, 3), "h2d_s": round(s.h2d_s, 3),
                 }
             clients.append(entry)

@@ -102,9 +102,14 @@ class Hello(Message):
     scale: list = field(default_factory=lambda: [0.08, 1.0])
     ratio: list = field(default_factory=lambda: [3 / 4, 4 / 3])
     job: str = ""
+    batches: list = field(default_factory=list)
 
     def check(self) -> None:
         _range(self, "stream", 0)
+        if not all(_is_int(b) and b >= 0 for b in self.batches):
+            raise ProtocolError("Hello.batches must be non-negative ints", ErrorCode.BAD_JOB)
+        if len(set(self.batches)) != len(self.batches):
+            raise ProtocolError("Hello.batches lists a batch twice", ErrorCode.BAD_JOB)
         _range(self, "batch_size", 1, 1 << 16)
         _range(self, "image_size", 8, 4096)
         _range(self, "seed", 0, (1 << 63) - 1)
