@@ -527,9 +527,7 @@ class Dispatcher:
         self.counters.read_s += done.read_s
         self.counters.decode_s += done.decode_s
         if s.retired:
-            if rec.pos < 0 or not any(r.batch == rec.batch for r in s.inflight.values()):
-                s.free_slots.append(rec.slot)
-            return
+            return  # its segment is closed once nothing is in flight; slots no longer matter
         if not done.ok:
             self.counters.failed_tasks += 1
             self._release(s, rec)
@@ -578,8 +576,6 @@ class Dispatcher:
             return
         rec = s.inflight.pop(task_id)
         if s.retired:
-            if rec.pos < 0 or not any(r.batch == rec.batch for r in s.inflight.values()):
-                s.free_slots.append(rec.slot)
             return
         self.counters.redone_tasks += 1
         if rec.pos >= 0:
