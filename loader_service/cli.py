@@ -113,6 +113,8 @@ def _serve(config: ServiceConfig) -> int:
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"loader-service: {exc}", file=sys.stderr)
         return 2
+    if not svc.wait_ready(120):
+        logging.getLogger("loader_service").warning("no worker is up after 120s; see /readyz for why")
     names = ", ".join(f"{n} ({len(s)} samples)" for n, s in svc.sources.items())
     print(f"loader-service ready: data {svc.endpoint}  REST {svc.http_url}  datasets: {names}  "
           f"workers: {config.workers}", flush=True)

@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 import uuid
@@ -188,6 +189,7 @@ class Dispatcher:
         self._running = False
         self._closed = False
         self._drain_until: Optional[float] = None
+        self.ready = threading.Event()  # set once a worker has said Ready
         self._rate: Deque[Tuple[float, int]] = deque(maxlen=64)
         self.started = time.time()
         self.autoscaler = None
@@ -514,10 +516,12 @@ class Dispatcher:
 
     def _on_worker(self, frames) -> None:
         try:
-            done, _ = self.pool.on_message([f.bytes for f in frames])
+            done, w = self.pool.on_message([f.bytes for f in frames])
         except P.ProtocolError as exc:  # a worker of another version; never expected
             log.error("bad message from a worker: %s", exc)
             return
+        if w is not None and w.state in ("idle", "busy"):
+            self.ready.set()
         if done is None:
             return
         s = self.tasks.pop(done.task, None)

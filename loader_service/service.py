@@ -55,6 +55,7 @@ class Service:
         self._http_sock: Optional[socket.socket] = None
         self.http_port = 0
         self._stopped = False
+        self._stop_lock = threading.Lock()  # a second stop() waits for the first to finish
         self.api_token = ""
         self._autoscale_stop = threading.Event()
         self._autoscale_thread: Optional[threading.Thread] = None
@@ -142,11 +143,21 @@ class Service:
                                              name="loader-http", daemon=True)
         self._http_thread.start()
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until a worker is up (or ``timeout``); True if one is."""
+        assert self.dispatcher is not None, "service not started"
+        return self.dispatcher.ready.wait(timeout)
+
     def stop(self) -> None:
-        """Stop serving and release everything. Idempotent; safe from any thread."""
-        if self._stopped:
-            return
-        self._stopped = True
+        """Stop serving and release everything. Idempotent and safe from any thread: a call made
+        while another is stopping the service returns only when the service is stopped."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stop()
+            self._stopped = True
+
+    def _stop(self) -> None:
         self._autoscale_stop.set()
         if self._autoscale_thread is not None and self._autoscale_thread is not threading.current_thread():
             self._autoscale_thread.join()

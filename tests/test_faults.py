@@ -278,3 +278,17 @@ def test_chaos_run_loses_and_doubles_nothing(demo_source, tmp_path):
     assert report["lost"] == 0 and report["doubled"] == 0 and not report["errors"]
     assert report["samples_checked"] >= 2 * 8 * DEMO_SIZE
     assert sum(report["events"].values()) >= 3  # chaos actually happened
+
+
+def test_sigterm_leaves_no_shared_memory_behind(imagefolder):
+    """Regression: a second stop() (the main thread's) used to return while the signal
+    handler's stop was still running, so the process exited before unlinking the index."""
+    from loader_service import shm
+
+    sp = ServiceProcess(free_port(), ["--data", imagefolder, "--workers", "1"])
+    try:
+        assert any("-index-" in n for n in shm.list_segments(sp.proc.pid))
+        assert sp.kill(signal.SIGTERM) == 0
+        assert shm.list_segments(sp.proc.pid) == []
+    finally:
+        sp.stop()

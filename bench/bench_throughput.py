@@ -1,0 +1,589 @@
+#!/usr/bin/env python
+"""Throughput benchmark: the loader service + RemoteLoader against a torch DataLoader and
+against the raw decode limit of the same machine.
+
+    python bench/bench_throughput.py [--data DIR] [--workers N] [--batch-size 64] [--epochs 2]
+                                     [--image-size 224] [--demo-size 2000] [--json PATH]
+
+Every contender does exactly the same work: the same images (the embedded demo set by
+default, or any ImageFolder / packed folder given with ``--data``), in the same plan order
+(``loader_service.plan.make_plan``), each sample decoded and augmented by the same
+``process_sample`` (RandomResizedCrop + flip) with the same ``sample_rng(seed, epoch, index)``,
+by the same number N of decode processes (default: the CPU count). Epoch 0 is a warm-up and
+is not timed; the timed epochs are 1..``--epochs``.
+
+Contenders:
+
+1. **raw limit**: N spawned processes, each decoding an even share of all timed epochs'
+   samples into a preallocated numpy batch buffer. No transport, no scheduling, perfect
+   balance: the most this machine can decode. Timed from the moment all N are ready (they
+   signal after start-up and a one-batch warm-up) until the last one finishes.
+2. **torch DataLoader**: a map-style Dataset (memory-mapped / shared-memory index) whose
+   ``__getitem__`` runs ``process_sample``; default collate, ``num_workers=N``,
+   ``persistent_workers=True``.
+3. **service + RemoteLoader**: ``python -m loader_service serve --workers N`` as a separate
+   process, consumed by a ``RemoteLoader`` in this process (prefetch ``max(4, 2N)`` batches,
+   so that all N workers can be busy).
+
+How to read the table:
+
+* ``images/s``: samples delivered to the consuming loop during the timed epochs, divided by
+  their wall time. The loop only counts the batches; it does not touch their pixels.
+* ``% of raw limit``: how much of the machine's decode capacity the contender delivers.
+* ``trainer CPU s / 1000 img``: CPU seconds (user + system, from psutil, sampled before and
+  after the timed epochs while every process involved is alive) spent on the *trainer* per
+  1000 images. For the DataLoader that is this process plus its worker processes (they decode
+  on the trainer); for the service it is this process only (in production the service runs on
+  other nodes). The raw limit's figure, in parentheses, is its decode processes' CPU: the cost
+  of the decoding itself, for reference.
+
+On a single machine the service, its workers and the client share the same cores, so the
+service's row is a conservative figure for a disaggregated deployment; the CPU column shows
+what moves off the trainer. The PASS/MISS lines check the project's targets; the exit status
+does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing as mp
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from anywhere: import the project from the checkout
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
+
+from client import RemoteLoader  # noqa: E402
+from loader_service import shm  # noqa: E402
+from loader_service.plan import PlanSpec, RankPlan, make_plan  # noqa: E402
+from loader_service.sources import Source, SourceSpec, open_source  # noqa: E402
+from loader_service.sources.demo import ensure_demo  # noqa: E402
+from loader_service.sources.imagefolder import ImageFolderSource  # noqa: E402
+from loader_service.sources.packed import PackedSource  # noqa: E402
+from loader_service.transforms import TransformSpec, process_sample, sample_rng  # noqa: E402
+
+SEED = 0
+START_TIMEOUT_S = 180.0  # for decode processes and the service to come up
+STOP_TIMEOUT_S = 30.0
+
+RAW, DATALOADER, SERVICE = "raw_limit", "torch_dataloader", "service_client"
+LABELS = {RAW: "raw limit (no transport)", DATALOADER: "torch DataLoader", SERVICE: "service + RemoteLoader"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every contender is given. Small and picklable (it travels to spawned processes)."""
+
+    source: SourceSpec
+    length: int
+    workers: int
+    batch_size: int
+    image_size: int
+    epochs: int  # timed epochs 1..epochs; epoch 0 is the warm-up
+    seed: int = SEED
+
+    @property
+    def transform(self) -> TransformSpec:
+        return TransformSpec(self.image_size)  # train: RandomResizedCrop(image_size) + flip
+
+    def plan(self, epoch: int) -> RankPlan:
+        return make_plan(PlanSpec(self.length, self.batch_size, self.seed, epoch))
+
+    @property
+    def timed_epochs(self) -> range:
+        return range(1, self.epochs + 1)
+
+    @property
+    def expected_samples(self) -> int:
+        return sum(self.plan(e).num_samples for e in self.timed_epochs)
+
+
+@dataclass
+class Result:
+    name: str
+    processes: int
+    samples: int
+    seconds: float
+    trainer_cpu_s: Optional[float]  # None for the raw limit: there is no trainer
+    all_cpu_s: float  # every process involved, the trainer's and the decoders'
+    extra: dict
+
+    @property
+    def images_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    def per_1000(self, cpu_s: Optional[float]) -> Optional[float]:
+        return None if cpu_s is None or not self.samples else 1000.0 * cpu_s / self.samples
+
+
+def cpu_seconds(procs: List[psutil.Process]) -> float:
+    """User + system CPU of these processes themselves (not of their reaped children)."""
+    total = 0.0
+    for p in procs:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------- raw limit
+def _raw_worker(rank: int, settings: Settings, ctl, go, leave) -> None:
+    """One raw decode process: warm up, say ready, decode its share when told, report, wait."""
+    source = None
+    try:
+        source = open_source(settings.source)
+        spec, bs, s = settings.transform, settings.batch_size, settings.image_size
+        buf = np.empty((bs, s, s, 3), np.uint8)
+        plans = [(e, settings.plan(e)) for e in settings.timed_epochs]
+        epochs = np.concatenate([np.full(p.num_samples, e, np.int64) for e, p in plans])
+        indices = np.concatenate([p.indices[: p.num_samples] for _, p in plans])
+        mine = np.array_split(np.arange(len(indices)), settings.workers)[rank]
+        for j, idx in enumerate(settings.plan(0).indices[:bs]):  # warm-up, not timed
+            process_sample(source.read(int(idx)), spec, sample_rng(settings.seed, 0, int(idx)), buf[j])
+        ctl.put(("ready", rank, None))
+        go.wait()
+        if leave.is_set():  # the parent gave up before the start
+            return
+        for start in range(0, len(mine), bs):
+            for j, k in enumerate(mine[start : start + bs]):
+                idx = int(indices[k])
+                process_sample(source.read(idx), spec, sample_rng(settings.seed, int(epochs[k]), idx), buf[j])
+        ctl.put(("done", rank, len(mine)))
+        leave.wait()  # stay alive until the parent has read our CPU times
+    except KeyboardInterrupt:
+        pass
+    except BaseException:
+        ctl.put(("error", rank, traceback.format_exc()))
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _collect(ctl, kind: str, procs, timeout: Optional[float]) -> list:
+    """One ``kind`` message from every raw process; raises if one fails or dies."""
+    got: list = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while len(got) < len(procs):
+        try:
+            msg = ctl.get(timeout=0.5)
+        except queue.Empty:
+            for p in procs:
+                if p.exitcode is not None:
+                    raise RuntimeError(f"raw decode process {p.name} exited with code {p.exitcode}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"raw decode processes not {kind} after {timeout:.0f}s")
+            continue
+        if msg[0] == "error":
+            raise RuntimeError(f"raw decode process {msg[1]} failed:\n{msg[2]}")
+        got.append(msg)
+    return got
+
+
+def bench_raw(settings: Settings) -> Result:
+    ctx = mp.get_context("spawn")
+    ctl, go, leave = ctx.Queue(), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=_raw_worker, args=(r, settings, ctl, go, leave), name=f"raw-decode-{r}")
+             for r in range(settings.workers)]
+    try:
+        for p in procs:
+            p.start()
+        _collect(ctl, "ready", procs, START_TIMEOUT_S)
+        ps = [psutil.Process(p.pid) for p in procs]
+        cpu0, t0 = cpu_seconds(ps), time.perf_counter()
+        go.set()
+        done = _collect(ctl, "done", procs, None)
+        t1 = time.perf_counter()
+        cpu = cpu_seconds(ps) - cpu0  # they are waiting on `leave`: still alive
+        leave.set()
+        samples = sum(m[2] for m in done)
+        return Result(RAW, settings.workers, samples, t1 - t0, None, cpu, {"start_method": "spawn"})
+    finally:
+        leave.set()
+        go.set()  # releases processes still waiting for the start: they see `leave` and exit
+        deadline = time.monotonic() + 2.0  # done or waiting: they exit at once; mid-decode: terminated
+        for p in procs:
+            if p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        ctl.close()
+        ctl.join_thread()
+
+
+# ----------------------------------------------------------------------------- torch DataLoader
+class PlanSampler(Sampler):
+    """The service's plan order for the current epoch, as ``(epoch, index)`` keys.
+
+    The key carries the epoch so that persistent workers (which keep their own copy of the
+    dataset) seed each sample exactly as the service does."""
+
+    def __init__(self, settings: Settings):
+        self.settings, self.epoch = settings, 0
+        self._len = settings.plan(0).num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        plan, epoch = self.settings.plan(self.epoch), self.epoch
+        return ((epoch, int(i)) for i in plan.indices[: plan.num_samples])
+
+
+class DecodeDataset(Dataset):
+    """Map-style dataset: read the bytes, ``process_sample`` into a uint8 HWC tensor.
+
+    Holds only the source's spec; each worker opens the source itself on first use, which
+    memory-maps a packed dataset or attaches the shared-memory index of an ImageFolder, so no
+    per-sample Python objects are copied into the workers."""
+
+    def __init__(self, settings: Settings):
+        self.settings, self.spec = settings, settings.transform
+        self._source: Optional[Source] = None
+
+    def __len__(self) -> int:
+        return self.settings.length
+
+    def __getitem__(self, key):
+        epoch, index = key
+        if self._source is None:
+            self._source = open_source(self.settings.source)
+        s = self.settings.image_size
+        out = np.empty((s, s, 3), np.uint8)
+        process_sample(self._source.read(index), self.spec, sample_rng(self.settings.seed, epoch, index), out)
+        return torch.from_numpy(out), int(self._source.labels[index])
+
+
+def bench_dataloader(settings: Settings) -> Result:
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    sampler = PlanSampler(settings)
+    loader = DataLoader(DecodeDataset(settings), batch_size=settings.batch_size, sampler=sampler,
+                        num_workers=settings.workers, persistent_workers=True)
+    workers: List[psutil.Process] = []
+    try:
+        sampler.set_epoch(0)
+        for _ in loader:  # warm-up: starts the persistent workers
+            pass
+        workers = [p for p in me.children(recursive=True) if p.pid not in before]
+        if len(workers) != settings.workers:
+            log(f"warning: expected {settings.workers} DataLoader worker processes, found {len(workers)}")
+        procs = [me] + workers
+        cpu0, t0 = cpu_seconds(procs), time.perf_counter()
+        samples = 0
+        for epoch in settings.timed_epochs:
+            sampler.set_epoch(epoch)
+            for images, labels in loader:
+                samples += images.shape[0]
+        t1 = time.perf_counter()
+        cpu = cpu_seconds(procs) - cpu0
+        start_method = loader.multiprocessing_context or mp.get_start_method()
+        if not isinstance(start_method, str):
+            start_method = start_method.get_start_method()
+        return Result(DATALOADER, settings.workers, samples, t1 - t0, cpu, cpu, {"start_method": start_method})
+    finally:
+        _shutdown_dataloader(loader, workers)
+
+
+def _shutdown_dataloader(loader: DataLoader, workers: List[psutil.Process]) -> None:
+    """Stop persistent workers now (not whenever the loader is garbage-collected)."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+    loader._iterator = None
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    for p in alive:
+        p.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+# --------------------------------------------------------------------- service + RemoteLoader
+READY_RE = re.compile(r"loader-service ready: data (tcp://\S+)")
+
+
+class ServiceProcess:
+    """``python -m loader_service serve`` as a child process; stopped with SIGTERM."""
+
+    def __init__(self, cmd: List[str]):
+        self.cmd = cmd
+        self.stderr_tail: "collections.deque[str]" = collections.deque(maxlen=40)
+        self._lines: "queue.Queue[str]" = queue.Queue()
+        env = dict(os.environ)
+        env.pop("LOADER_AUTOSCALE", None)  # every contender keeps exactly N decode processes
+        # same process group: a Ctrl-C in the terminal reaches it too, and it stops itself
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+        self._threads = [threading.Thread(target=self._pump, args=(self.proc.stdout, True), daemon=True),
+                         threading.Thread(target=self._pump, args=(self.proc.stderr, False), daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, stream, is_stdout: bool) -> None:
+        for line in stream:
+            if is_stdout:
+                self._lines.put(line)
+            else:
+                self.stderr_tail.append(line.rstrip("\n"))
+
+    def wait_ready(self, timeout: float) -> str:
+        """Wait for the "loader-service ready:" line; return the data endpoint."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the service exited with code {self.proc.returncode} before it was ready "
+                                       f"({shlex.join(self.cmd)}); its stderr:\n" + "\n".join(self.stderr_tail))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the service printed no 'loader-service ready:' line within {timeout:.0f}s "
+                                       f"({shlex.join(self.cmd)}); its stderr:\n" + "\n".join(self.stderr_tail))
+                continue
+            m = READY_RE.search(line)
+            if m:
+                return m.group(1)
+
+    def processes(self) -> List[psutil.Process]:
+        """The service process and everything it started (its decode workers)."""
+        root = psutil.Process(self.proc.pid)
+        return [root] + root.children(recursive=True)
+
+    def stop(self) -> None:
+        """SIGTERM, wait; kill if it hangs; make sure none of its workers outlive it."""
+        try:
+            tree = self.processes()[1:] if self.proc.poll() is None else []
+        except psutil.Error:
+            tree = []
+        running = self.proc.poll() is None
+        if running:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log(f"warning: the service did not stop within {STOP_TIMEOUT_S:.0f}s of SIGTERM; killing it")
+            self.proc.kill()
+            self.proc.wait()
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        for p in alive:  # workers exit when the service does; this is only a safety net
+            log(f"warning: service worker {p.pid} outlived the service; killing it")
+            p.kill()
+        psutil.wait_procs(alive, timeout=5)
+        for name in shm.list_segments(self.proc.pid):  # safety net: a stopped service owns nothing
+            log(f"warning: the stopped service left shared-memory segment {name} behind; removing it")
+            try:
+                os.unlink(os.path.join(shm.SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+        for t in self._threads:
+            t.join(5.0)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        if running and self.proc.returncode not in (0, -signal.SIGTERM, -signal.SIGINT):
+            log(f"warning: the service exited with code {self.proc.returncode}; its stderr:\n"
+                + "\n".join(self.stderr_tail))
+
+
+def bench_service(settings: Settings, dataset_args: List[str]) -> Result:
+    cmd = [sys.executable, "-m", "loader_service", "serve", *dataset_args, "--workers", str(settings.workers),
+           "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0", "--log-level", "warning"]
+    prefetch = max(4, 2 * settings.workers)
+    svc = ServiceProcess(cmd)
+    try:
+        endpoint = svc.wait_ready(START_TIMEOUT_S)
+        with RemoteLoader(endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
+                          seed=settings.seed, prefetch=prefetch) as loader:
+            loader.set_epoch(0)
+            for _ in loader:  # warm-up: the workers start, the first stream is set up
+                pass
+            me, service_procs = psutil.Process(), svc.processes()
+            cpu0, svc0, t0 = cpu_seconds([me]), cpu_seconds(service_procs), time.perf_counter()
+            wait0 = loader.stats()["wait_s"]
+            samples = 0
+            for epoch in settings.timed_epochs:
+                loader.set_epoch(epoch)
+                for images, labels in loader:
+                    samples += images.shape[0]
+            t1 = time.perf_counter()
+            cpu, svc_cpu = cpu_seconds([me]) - cpu0, cpu_seconds(service_procs) - svc0
+            extra = {"service_cpu_s": svc_cpu, "prefetch": prefetch, "endpoint": endpoint,
+                     "client_stall_s": loader.stats()["wait_s"] - wait0, "service_processes": len(service_procs)}
+        return Result(SERVICE, settings.workers, samples, t1 - t0, cpu, cpu + svc_cpu, extra)
+    finally:
+        svc.stop()
+
+
+# ----------------------------------------------------------------------------------- report
+def machine() -> str:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    load = " (load average %.2f at start)" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
+    return f"{os.cpu_count()} CPUs, {model or 'unknown model'}{load}"
+
+
+def fmt(x: Optional[float], digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def report(results: dict, header: dict) -> List[dict]:
+    """Print the table and the target checks; return the checks."""
+    raw = results[RAW]
+    print(f"\nmachine: {header['machine']} | dataset: {header['dataset']} | images: {header['images']} | "
+          f"batch size: {header['batch_size']} | image size: {header['image_size']} | "
+          f"epochs: {header['epochs']} timed (+1 warm-up) | command: `{header['command']}`\n")
+    print("| contender | decode processes | images/s | % of raw limit | trainer CPU s / 1000 img |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in results.items():
+        pct = 100.0 * r.images_per_s / raw.images_per_s if raw.images_per_s else 0.0
+        cpu = f"({fmt(r.per_1000(r.all_cpu_s))})" if name == RAW else fmt(r.per_1000(r.trainer_cpu_s))
+        print(f"| {LABELS[name]} | {r.processes} | {r.images_per_s:.1f} | {pct:.1f}% | {cpu} |")
+    svc = results[SERVICE]
+    print(f"\n(raw limit: CPU of its decode processes, for reference.) CPU s / 1000 img, all processes: "
+          + ", ".join(f"{LABELS[n]} {fmt(r.per_1000(r.all_cpu_s))}" for n, r in results.items())
+          + f" (service side {fmt(svc.per_1000(svc.extra['service_cpu_s']))}). "
+          + f"Client stall: {svc.extra['client_stall_s']:.2f}s of {svc.seconds:.2f}s.\n")
+
+    dl = results[DATALOADER]
+    svc_cpu, dl_cpu = svc.per_1000(svc.trainer_cpu_s) or 0.0, dl.per_1000(dl.trainer_cpu_s) or 0.0
+    checks = [
+        {"target": "service+client >= 90% of raw limit", "pass": svc.images_per_s >= 0.9 * raw.images_per_s,
+         "detail": f"{100.0 * svc.images_per_s / max(raw.images_per_s, 1e-9):.1f}% "
+                   f"({svc.images_per_s:.1f} vs {raw.images_per_s:.1f} img/s)"},
+        {"target": "service+client > DataLoader", "pass": svc.images_per_s > dl.images_per_s,
+         "detail": f"{svc.images_per_s:.1f} vs {dl.images_per_s:.1f} img/s"},
+        {"target": "trainer CPU per image: client <= DataLoader / 10", "pass": svc_cpu <= dl_cpu / 10,
+         "detail": f"{svc_cpu:.3f} vs {dl_cpu:.3f} s / 1000 img"
+                   + (f" ({dl_cpu / svc_cpu:.1f}x less)" if svc_cpu > 0 else "")},
+    ]
+    for c in checks:
+        print(f"{'PASS' if c['pass'] else 'MISS'} {c['target']}: {c['detail']}")
+    return checks
+
+
+def to_json(results: dict, header: dict, checks: List[dict]) -> dict:
+    raw = results[RAW].images_per_s
+    out = dict(header)
+    out["contenders"] = {
+        name: {"label": LABELS[name], "decode_processes": r.processes, "samples": r.samples,
+               "seconds": r.seconds, "images_per_s": r.images_per_s,
+               "pct_of_raw_limit": 100.0 * r.images_per_s / raw if raw else 0.0,
+               "trainer_cpu_s": r.trainer_cpu_s, "trainer_cpu_s_per_1000_img": r.per_1000(r.trainer_cpu_s),
+               "all_cpu_s": r.all_cpu_s, "all_cpu_s_per_1000_img": r.per_1000(r.all_cpu_s), **r.extra}
+        for name, r in results.items()
+    }
+    out["targets"] = checks
+    return out
+
+
+# ------------------------------------------------------------------------------------- main
+def open_dataset(args) -> "tuple[Source, List[str], str]":
+    """The source, the service's dataset arguments, and a description."""
+    if args.data:
+        path = os.path.abspath(args.data)
+        if os.path.exists(os.path.join(path, "meta.json")):
+            return PackedSource(path), ["--data", path], f"packed {path}"
+        return ImageFolderSource.scan(path), ["--data", path], f"ImageFolder {path}"
+    src = ensure_demo(args.demo_size)
+    return src, ["--demo", "--demo-size", str(args.demo_size)], f"demo ({src.path})"
+
+
+def warm_page_cache(source: Source) -> int:
+    """Read every sample once, so no contender pays for the first read from disk. Returns bytes."""
+    return sum(len(source.read(i)) for i in range(len(source)))
+
+
+def _on_sigterm(signum, frame) -> None:
+    if os.getpid() != _MAIN_PID:  # a forked DataLoader worker inherited this handler: just exit
+        os._exit(128 + signum)
+    raise KeyboardInterrupt  # unwind through every finally: workers and the service are stopped
+
+
+_MAIN_PID = os.getpid()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", metavar="DIR", help="ImageFolder or packed dataset (default: the embedded demo set)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="decode processes, every contender")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up epoch)")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--demo-size", type=int, default=2000, help="images in the demo set (without --data)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    for name in ("workers", "batch_size", "epochs", "image_size", "demo_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+
+    command = shlex.join([os.path.basename(sys.executable)] + sys.argv) if argv is None else shlex.join(argv)
+    try:
+        source, dataset_args, description = open_dataset(args)
+    except (OSError, ValueError) as exc:
+        p.error(str(exc))
+    try:
+        nbytes = warm_page_cache(source)
+        settings = Settings(source.spec(), len(source), args.workers, args.batch_size, args.image_size, args.epochs)
+        header = {"machine": machine(), "dataset": description, "images": len(source),
+                  "mean_image_kb": nbytes / max(len(source), 1) / 1024, "batch_size": args.batch_size,
+                  "image_size": args.image_size, "epochs": args.epochs, "workers": args.workers,
+                  "expected_samples": settings.expected_samples, "command": command}
+        log(f"benchmark: {len(source)} images ({header['mean_image_kb']:.0f} KB each on average), "
+            f"{args.workers} decode processes, batch {args.batch_size}, {args.epochs} timed epochs")
+        results = {}
+        for name, run in ((RAW, lambda: bench_raw(settings)), (DATALOADER, lambda: bench_dataloader(settings)),
+                          (SERVICE, lambda: bench_service(settings, dataset_args))):
+            log(f"running {LABELS[name]} ...")
+            r = results[name] = run()
+            if r.samples != settings.expected_samples:
+                log(f"warning: {LABELS[name]} delivered {r.samples} samples, expected {settings.expected_samples}")
+            log(f"  {r.images_per_s:.1f} img/s ({r.samples} images in {r.seconds:.2f}s)")
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    finally:
+        source.close()
+    checks = report(results, header)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(results, header, checks), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
