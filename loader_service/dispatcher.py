@@ -53,7 +53,7 @@ log = logging.getLogger("loader_service.dispatcher")
 
 ISOLATE_AFTER = 2  # a batch that killed this many workers is re-run one sample per task
 MAX_SAMPLE_ATTEMPTS = 2  # a sample that kills this many workers on its own is poison
-TRACKER_POLL_MS = 1  # only while a zero-copy send is pending: how soon a slot is seen free
+TRACKER_POLL_MS = 1  # while blocked on a zero-copy send: how soon its slot is seen free
 
 
 @dataclass
@@ -257,7 +257,7 @@ class Dispatcher:
                     for fd in sentinels:
                         poller.register(fd, zmq.POLLIN)
                     pool_version = self.pool.version
-                timeout = TRACKER_POLL_MS if self._pending_sends() else None
+                timeout = TRACKER_POLL_MS if self._waiting_on_sends() else None
                 drain = self._drain_timeout_ms()
                 if not self._running:
                     break
@@ -694,8 +694,20 @@ class Dispatcher:
         self.retiring.append(s)
         self._reap_trackers()
 
-    def _pending_sends(self) -> bool:
-        return any(s.sending for s in self._all_streams())
+    def _waiting_on_sends(self) -> bool:
+        """True when something is blocked until a zero-copy send completes: a stream with work,
+        credit and an idle worker but no free slot, or a retired stream's segment to release.
+        Only then does the loop wake every TRACKER_POLL_MS to look at the trackers."""
+        if any(s.sending for s in self.retiring):
+            return True
+        if not self.pool.idle():
+            return False  # a worker's Done will wake the loop anyway
+        for c in self.clients.values():
+            s = c.stream
+            if s is not None and s.sending and not s.free_slots and not s.retired and (
+                    s.redo or (s.next_dispatch < len(s.order) and s.next_dispatch < s.granted)):
+                return True
+        return False
 
     def _all_streams(self):
         for c in self.clients.values():
