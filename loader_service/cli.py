@@ -64,7 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _service_options(p: argparse.ArgumentParser, demo_default: bool = False) -> None:
     src = p.add_mutually_exclusive_group(required=False)
     src.add_argument("--data", action="append", metavar="DIR",
-                     help="dataset folder (ImageFolder layout or packed); repeat for several (env LOADER_DATA)")
+                     help="dataset: an ImageFolder or packed folder, WebDataset .tar shard(s) (a file, a folder, or a "
+                          "pattern like shards-{000..009}.tar), or an .h5 file; repeat for several (env LOADER_DATA)")
     src.add_argument("--demo", action="store_true", default=None, help="serve the embedded demo dataset")
     p.add_argument("--demo-size", type=int, help="images in the demo dataset (default 2000)")
     p.add_argument("--workers", type=int, help="decode worker processes (default: CPU count)")

@@ -18,7 +18,7 @@ START_METHODS = ("spawn", "forkserver", "fork")
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    data: Tuple[str, ...] = ()  # dataset folders: ImageFolder layout, or packed datasets
+    data: Tuple[str, ...] = ()  # datasets: ImageFolder, packed, WebDataset shards, HDF5 (sources/detect.py)
     demo: bool = False  # serve the embedded demo dataset
     demo_size: int = DEFAULT_COUNT
     workers: int = max(1, os.cpu_count() or 1)
@@ -41,7 +41,8 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         if not self.data and not self.demo:
-            raise ValueError("no dataset: give --data DIR (ImageFolder or packed) or --demo")
+            raise ValueError("no dataset: give --data PATH (ImageFolder, packed, WebDataset shards or HDF5) "
+                             "or --demo")
         if not 0 <= self.workers <= self.max_workers:
             raise ValueError(f"workers must be in [0, {self.max_workers}], got {self.workers}")
         for name in ("data_port", "http_port"):

@@ -4,7 +4,6 @@ stopped together. ``Service`` is what the CLI runs and what tests and benchmarks
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 from typing import Dict, Optional
@@ -13,18 +12,14 @@ from .auth import resolve_token
 from .config import ServiceConfig
 from .dispatcher import Dispatcher
 from .shm import sweep_stale
-from .sources import Source
+from .sources import Source, open_path
 from .sources.demo import ensure_demo
-from .sources.imagefolder import ImageFolderSource
-from .sources.packed import PackedSource
 
 log = logging.getLogger("loader_service")
 
 
 def open_datasets(config: ServiceConfig) -> Dict[str, Source]:
     """Open every configured dataset; names must be unique."""
-    from .sources.detect import open_path
-
     sources: Dict[str, Source] = {}
     try:
         if config.demo:

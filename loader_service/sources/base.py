@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any, Tuple
 
 import numpy as np
 
@@ -13,9 +14,13 @@ class SourceSpec:
     """How a worker process reopens a source: small, msgpack/pickle friendly."""
 
     name: str
-    kind: str  # "imagefolder" | "packed"
+    kind: str  # "imagefolder" | "packed" | "webdataset" | "hdf5"
     path: str
-    index: str = ""  # shared-memory segment holding the index, where the kind uses one
+    index: str = ""  # where the index lives, if apart from path: a shared-memory segment, a folder
+    options: Tuple[Tuple[str, Any], ...] = ()  # kind-specific settings as (key, value) pairs
+
+    def option(self, key: str, default: Any = None) -> Any:
+        return dict(self.options).get(key, default)
 
     def __post_init__(self) -> None:
         if self.kind not in SOURCE_KINDS:

@@ -1,0 +1,74 @@
+"""Pick the source kind for a dataset path, and open it.
+
+* a folder with ``meta.json``: packed;
+* a ``.tar`` file, a brace pattern such as ``train-{000..146}.tar``, or a folder holding
+  ``.tar`` files (its top-level shards, sorted): webdataset;
+* a ``.h5`` / ``.hdf5`` file: hdf5;
+* any other folder: imagefolder (``root/<class>/<image>``).
+
+Anything else (a missing path, an unreadable one, another kind of file, compressed tars, a
+folder with no images) is an error that says which path and why.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .base import Source
+
+HDF5_EXTS = (".h5", ".hdf5")
+COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
+
+
+def detect_kind(path: str) -> str:
+    """The source kind for ``path`` (no data is read beyond a folder listing)."""
+    from .webdataset import is_pattern
+
+    if is_pattern(path):
+        return "webdataset"
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    if not os.access(path, os.R_OK) or (os.path.isdir(path) and not os.access(path, os.X_OK)):
+        raise PermissionError(f"cannot read dataset {path}: permission denied")
+    lower = path.lower()
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "meta.json")):
+            return "packed"
+        with os.scandir(path) as entries:
+            if any(e.name.endswith(".tar") and not e.name.startswith(".") and e.is_file() for e in entries):
+                return "webdataset"
+        return "imagefolder"
+    if lower.endswith(COMPRESSED_TAR):
+        raise ValueError(f"{path}: compressed tar shards cannot be read by offset; repack them as plain .tar")
+    if lower.endswith(".tar"):
+        return "webdataset"
+    if lower.endswith(HDF5_EXTS):
+        return "hdf5"
+    raise ValueError(f"{path}: unsupported dataset file; expected a folder (ImageFolder or packed), "
+                     "a .tar shard (or a folder or {000..009} pattern of them) or an .h5/.hdf5 file")
+
+
+def open_path(path: str, **options) -> Source:
+    """Open the dataset at ``path`` as whichever source :func:`detect_kind` picks.
+
+    ``options`` go to that source (``name`` for any; ``label_map`` for webdataset;
+    ``rdcc_nbytes``, ``rdcc_nslots``, ``rdcc_w0``, ``images``, ``labels`` for hdf5).
+    """
+    kind = detect_kind(path)
+    if kind == "packed":
+        from .packed import PackedSource
+
+        return PackedSource(path, **options)
+    if kind == "webdataset":
+        from .webdataset import WebDatasetSource
+
+        return WebDatasetSource.open(path, **options)
+    if kind == "hdf5":
+        from .hdf5 import HDF5Source
+
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"{path}: empty file, not an HDF5 dataset")
+        return HDF5Source(path, **options)
+    from .imagefolder import ImageFolderSource
+
+    return ImageFolderSource.scan(path, **options)
