@@ -21,7 +21,7 @@ class ServiceConfig:
     data: Tuple[str, ...] = ()  # datasets: ImageFolder, packed, WebDataset shards, HDF5 (sources/detect.py)
     demo: bool = False  # serve the embedded demo dataset
     demo_size: int = DEFAULT_COUNT
-    workers: int = max(1, os.cpu_count() or 1)
+    workers: int = -1  # -1: the CPUs this process may use (affinity and cgroup quota, as in a container)
     max_workers: int = 256
     host: str = "127.0.0.1"
     data_port: int = 5555  # 0: pick a free port
@@ -40,6 +40,8 @@ class ServiceConfig:
     api_token_file: str = ""
 
     def __post_init__(self) -> None:
+        if self.workers == -1:
+            object.__setattr__(self, "workers", available_cpus())
         if not self.data and not self.demo:
             raise ValueError("no dataset: give --data PATH (ImageFolder, packed, WebDataset shards or HDF5) "
                              "or --demo")
@@ -75,6 +77,23 @@ class ServiceConfig:
                 values[f.name] = _parse(f.name, f.type, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (the
+    limit of a container or pod, which os.cpu_count() does not see)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
 
 
 def _parse(name: str, typ, raw: str):

@@ -3,7 +3,9 @@ inet socket may outlive it (services started by a test are stopped by its fixtur
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 # before anything imports the demo module: tests never touch the user's cache
 _CACHE = tempfile.mkdtemp(prefix="loader-test-cache-")
 os.environ["LOADER_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 from loader_service import shm  # noqa: E402
 from loader_service.config import ServiceConfig  # noqa: E402

@@ -1,0 +1,173 @@
+"""The compose stack for real: images built offline, service + demo trainer up on host
+networking, exactly-once delivery checked from inside the trainer image, workers scaled over
+REST, and a graceful `docker compose down`.
+
+    sudo .ci/container-prereqs.sh                          # once per machine
+    python -m pytest tests/container -q -m container       # ~5 min cold, less warm
+
+Runs on a private dockerd (see harness.py); skipped, with the reason, where that cannot run.
+The tests share one stack and run in file order; the last one takes it down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from . import harness
+
+pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
+
+DEMO_SIZE = 512
+WORKERS = 2
+SCALED = 3
+VERIFY = "/home/loader/verify_epoch.py"
+
+
+def http(method: str, url: str, body=None, token: str = None, timeout: float = 10):
+    """(status, parsed JSON or text). Loopback only."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def stack(engine, images):
+    """`docker compose up -d` (service + trainer) on free loopback ports; down at the end."""
+    data_port, http_port = harness.free_port(), harness.free_port()
+    while http_port == data_port:
+        http_port = harness.free_port()
+    token = secrets.token_urlsafe(16)
+    env = {
+        "DATA_PORT": str(data_port), "HTTP_PORT": str(http_port), "HOSTNET_BIND": "127.0.0.1",
+        "LOADER_DEMO_SIZE": str(DEMO_SIZE), "LOADER_WORKERS": str(WORKERS), "LOADER_API_TOKEN": token,
+        "LOADER_SHM_SIZE": "1g", "LOADER_MAX_SHM_MB": "768",
+        "TRAINER_EPOCHS": "1", "TRAINER_BATCH_SIZE": "64",
+        "LOADER_IMAGE": images["service"], "TRAINER_IMAGE": images["trainer"],
+    }
+    compose = harness.Compose(engine, f"loadertest{os.getpid()}", env)
+    s = {"compose": compose, "token": token, "data_port": data_port, "url": f"http://127.0.0.1:{http_port}",
+         "endpoint": f"tcp://127.0.0.1:{data_port}", "down": False}
+    try:
+        t0 = time.monotonic()
+        # --no-build: the images were just built; compose must not try to build or pull.
+        compose("up", "-d", "--no-build", "--pull", "never", timeout=400,
+                what="docker compose up -d")
+        s["up_s"] = round(time.monotonic() - t0, 1)
+        yield s
+    finally:
+        if not s["down"]:
+            print("\n--- compose logs (stack torn down by the fixture) ---\n" + compose.logs(tail="80"))
+            compose("down", "-v", "--timeout", "30", timeout=120, check=False)
+        left = engine.cli("ps", "-a", "-q", timeout=30).stdout.split()
+        assert not left, f"containers left behind: {left}"
+
+
+def test_service_is_healthy_with_the_intended_settings(stack):
+    compose = stack["compose"]
+    info = compose.wait_state("loader", lambda st: st.get("Health", {}).get("Status") == "healthy", 240, "healthy")
+    assert info["Config"]["User"] == "10001:10001", "the service must not run as root"
+    assert info["HostConfig"]["ShmSize"] == 1 << 30, "shm_size must reach the container"
+    assert info["HostConfig"]["NetworkMode"] == "host"
+    assert info["HostConfig"]["ReadonlyRootfs"] is True, "read-only root filesystem, as in Kubernetes"
+    assert info["Config"]["Healthcheck"]["Test"][0] == "CMD"
+    assert info["Path"] == "/usr/bin/tini", "tini must be PID 1"
+    status, body = http("GET", stack["url"] + "/readyz")
+    assert status == 200 and body["ready"] is True, body
+    status, body = http("GET", stack["url"] + "/v1/status")
+    assert status == 200 and body["datasets"]["demo"]["length"] == DEMO_SIZE, body
+    assert body["workers"]["target"] == WORKERS
+    # the service image carries no torch (the trainer image does)
+    p = stack["compose"].engine.cli("run", "--rm", "--network", "none", "--entrypoint", "python3",
+                                    info["Config"]["Image"], "-c", "import torch", timeout=60, check=False)
+    assert p.returncode != 0 and "No module named 'torch'" in p.stderr, p.stderr[-500:]
+
+
+def test_demo_trainer_finishes_an_epoch(stack):
+    compose = stack["compose"]
+    info = compose.wait_state("trainer", lambda st: st["Status"] == "exited", 300, "finished")
+    logs = compose.logs("trainer")
+    assert info["State"]["ExitCode"] == 0, f"trainer exit code {info['State']['ExitCode']}\n{logs}"
+    assert f"done: {DEMO_SIZE} images" in logs, logs
+    assert "img/s" in logs
+    assert info["Config"]["User"] == "10001:10001"
+
+
+def verify(stack, world_size: int, epoch: int):
+    """Run verify_epoch.py in the trainer image (compose run: same image, host network)."""
+    compose = stack["compose"]
+    script = os.path.join(os.path.dirname(__file__), "verify_epoch.py")
+    p = compose("run", "--rm", "--no-deps", "-T", "-v", f"{script}:{VERIFY}:ro", "trainer",
+                "python3", VERIFY, "--endpoint", stack["endpoint"], "--world-size", str(world_size),
+                "--epoch", str(epoch), "--expect", str(DEMO_SIZE), timeout=300, check=False,
+                what=f"verify_epoch.py world_size={world_size}")
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert p.returncode == 0 and lines, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    result = json.loads(lines[-1])
+    assert result["ok"] and result["n"] == DEMO_SIZE, result
+    return result
+
+
+def test_exactly_once_per_epoch_from_the_trainer_image(stack):
+    one = verify(stack, world_size=1, epoch=0)
+    assert one["per_rank"] == [DEMO_SIZE]
+    two = verify(stack, world_size=2, epoch=1)
+    assert sum(two["per_rank"]) == DEMO_SIZE
+
+
+def test_scale_workers_over_rest(stack):
+    url, token = stack["url"], stack["token"]
+    status, _ = http("PUT", url + "/v1/workers", {"count": SCALED})
+    assert status == 401, "scaling without a token must be refused"
+    status, _ = http("PUT", url + "/v1/workers", {"count": SCALED}, token="not-the-token")
+    assert status == 403
+    status, body = http("PUT", url + "/v1/workers", {"count": SCALED}, token=token)
+    assert status == 200, body
+    assert body["previous"] == WORKERS and body["target"] == SCALED, body
+    deadline = time.monotonic() + 120
+    while True:
+        status, body = http("GET", url + "/v1/status")
+        counts = body["workers"]["counts"]
+        if body["workers"]["target"] == SCALED and counts.get("idle", 0) + counts.get("busy", 0) == SCALED:
+            break
+        assert time.monotonic() < deadline, f"workers did not reach {SCALED}: {body['workers']}"
+        time.sleep(0.5)
+    status, text = http("GET", url + "/metrics")
+    assert status == 200 and f"loader_workers_target {float(SCALED)}" in text, text[:2000]
+    # and still exactly once with the new pool
+    verify(stack, world_size=1, epoch=2)
+
+
+def test_compose_down_is_graceful(stack):
+    compose = stack["compose"]
+    t0 = time.monotonic()
+    compose("stop", "--timeout", "30", timeout=120, what="docker compose stop")
+    took = time.monotonic() - t0
+    info = compose.inspect("loader")
+    logs = compose.logs("loader")
+    assert info["State"]["ExitCode"] == 0, f"service exit code {info['State']['ExitCode']} (137 = killed)\n{logs}"
+    assert not info["State"]["OOMKilled"]
+    assert "SIGTERM: stopping" in logs, logs[-2000:]
+    assert took < 30, f"stop took {took:.1f}s: the service did not stop on SIGTERM in time"
+    compose("down", "-v", "--timeout", "30", timeout=120, what="docker compose down")
+    stack["down"] = True
+    assert not compose("ps", "-a", "-q", timeout=30).stdout.split()
+    print(f"\ncompose up {stack['up_s']}s, stop {took:.1f}s")

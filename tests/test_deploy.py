@@ -1,0 +1,506 @@
+"""Deployment files, checked offline and fast (no Docker, no cluster):
+
+* Kubernetes: the kustomize base and the example overlay are rendered (by ``kubectl
+  kustomize`` where kubectl exists, and always by the small renderer below, which must agree
+  with it), every manifest is validated against the Kubernetes API schemas with
+  ``kubernetes-validate`` (strict: unknown fields fail), and the pieces are checked to fit
+  together (selectors, ports, probes, /dev/shm, the token file, the service's own config).
+* Compose: docker-compose.yml and the host-network override, parsed as YAML: shm_size,
+  healthchecks, ports, profiles, dependencies, the files they mount, the Dockerfile targets.
+* Monitoring: Prometheus configs, the Grafana provisioning and the dashboard's metric names
+  against the metrics the service exports.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from loader_service.config import ServiceConfig
+
+yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read the deployment files (dev extra)")
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+BASE, OVERLAY = K8S / "base", K8S / "overlays" / "example"
+# Oldest and newest API versions we check against (kubernetes-validate ships both).
+K8S_VERSIONS = ("1.29.0", "1.37.0")
+SERVICE_USER = 10001
+# LOADER_* variables read outside ServiceConfig.
+EXTRA_ENV = {"LOADER_CACHE_DIR"}
+CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding",
+                  "CustomResourceDefinition", "PriorityClass"}
+
+
+# ============================================================================ a tiny kustomize
+class Unsupported(ValueError):
+    pass
+
+
+_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "namespace", "images", "replicas", "secretGenerator",
+                       "configMapGenerator", "generatorOptions", "patches"}
+
+
+def render(path: Path) -> list:
+    """Render a kustomization with the subset of kustomize this repo uses: resources (files and
+    kustomization dirs), generators from literals without hash suffixes, strategic-merge
+    patches by file, then namespace, images and replicas. Anything else raises Unsupported,
+    so a new feature in a kustomization cannot be silently ignored here."""
+    k = yaml.safe_load((path / "kustomization.yaml").read_text())
+    unknown = set(k) - _KUSTOMIZATION_KEYS
+    if unknown:
+        raise Unsupported(f"{path}: kustomization fields {sorted(unknown)} are not handled by the test renderer")
+    docs = []
+    for res in k.get("resources", []):
+        p = (path / res).resolve()
+        if p.is_dir():
+            docs += render(p)
+        else:
+            docs += [d for d in yaml.safe_load_all(p.read_text()) if d]
+    no_hash = k.get("generatorOptions", {}).get("disableNameSuffixHash", False)
+    for key, kind in (("secretGenerator", "Secret"), ("configMapGenerator", "ConfigMap")):
+        for gen in k.get(key, []):
+            if set(gen) - {"name", "literals", "options", "type"}:
+                raise Unsupported(f"{path}: {key} fields {sorted(set(gen) - {'name', 'literals', 'options', 'type'})}")
+            if not (no_hash or gen.get("options", {}).get("disableNameSuffixHash")):
+                raise Unsupported(f"{path}: {key} {gen['name']} needs disableNameSuffixHash for the test renderer")
+            data = dict(lit.split("=", 1) for lit in gen.get("literals", []))
+            obj = {"apiVersion": "v1", "kind": kind, "metadata": {"name": gen["name"]}}
+            if kind == "Secret":
+                obj["type"] = gen.get("type", "Opaque")
+                obj["data"] = {a: base64.b64encode(b.encode()).decode() for a, b in data.items()}
+            else:
+                obj["data"] = data
+            docs.append(obj)
+    for patch in k.get("patches", []):
+        if set(patch) != {"path"}:
+            raise Unsupported(f"{path}: only `patches: - path: FILE` (strategic merge) is handled, got {patch}")
+        for pd in yaml.safe_load_all((path / patch["path"]).read_text()):
+            hits = [i for i, d in enumerate(docs) if d["kind"] == pd["kind"]
+                    and d["metadata"]["name"] == pd["metadata"]["name"]]
+            if len(hits) != 1:
+                target = f"{pd['kind']}/{pd['metadata']['name']}"
+                raise ValueError(f"patch {patch['path']}: {len(hits)} targets for {target}")
+            docs[hits[0]] = _merge(docs[hits[0]], pd)
+    ns = k.get("namespace")
+    for d in docs:
+        if ns and d["kind"] not in CLUSTER_SCOPED:
+            d["metadata"]["namespace"] = ns
+        for c in _containers(d):
+            for img in k.get("images", []):
+                name, tag = _split_image(c["image"])
+                if name == img["name"]:
+                    c["image"] = img.get("newName", name) + (
+                        "@" + img["digest"] if "digest" in img else ":" + img["newTag"] if "newTag" in img
+                        else (":" + tag if tag else ""))
+        for r in k.get("replicas", []):
+            if d["kind"] in ("Deployment", "StatefulSet", "ReplicaSet") and d["metadata"]["name"] == r["name"]:
+                d["spec"]["replicas"] = r["count"]
+    return docs
+
+
+def _merge(base, patch):
+    """Strategic merge, as far as these manifests need it: maps merge (null deletes a key),
+    lists of named maps merge by name, other lists are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = copy.deepcopy(base)
+        for key, value in patch.items():
+            if value is None:
+                out.pop(key, None)
+            elif key in out:
+                out[key] = _merge(out[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+        return out
+    if (isinstance(base, list) and isinstance(patch, list) and base + patch
+            and all(isinstance(x, dict) and "name" in x for x in base + patch)):
+        out = copy.deepcopy(base)
+        for item in patch:
+            i = next((i for i, x in enumerate(out) if x["name"] == item["name"]), None)
+            if i is None:
+                out.append(_merge({}, item))
+            else:
+                out[i] = _merge(out[i], item)
+        return out
+    return copy.deepcopy(patch)
+
+
+def _split_image(image: str):
+    if "@" in image:
+        return image.split("@", 1)[0], None
+    name, _, tag = image.rpartition(":")
+    if not name or "/" in tag:
+        return image, None
+    return name, tag
+
+
+def _containers(doc: dict) -> list:
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return spec.get("containers", []) + spec.get("initContainers", [])
+
+
+def _normalize(obj):
+    """Order-insensitive form for comparing renderings: named lists sorted by name."""
+    if isinstance(obj, dict):
+        return {k: _normalize(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        items = [_normalize(x) for x in obj]
+        if items and all(isinstance(x, dict) and "name" in x for x in items):
+            items.sort(key=lambda x: str(x["name"]))
+        return items
+    return obj
+
+
+def _key(doc):
+    return (doc["kind"], doc["metadata"].get("namespace", ""), doc["metadata"]["name"])
+
+
+@pytest.fixture(scope="module", params=["base", "overlay"])
+def rendered(request):
+    path = BASE if request.param == "base" else OVERLAY
+    docs = render(path)
+    return request.param, {_key(d): d for d in docs}
+
+
+def _one(docs: dict, kind: str) -> dict:
+    found = [d for (k, _, _), d in docs.items() if k == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _named(docs: dict, kind: str, name: str) -> dict:
+    found = [d for (k, _, n), d in docs.items() if k == kind and n == name]
+    assert found, f"no {kind}/{name} in the rendering"
+    return found[0]
+
+
+# ---------------------------------------------------------------------------- kubernetes
+@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl not installed: the built-in renderer is used alone")
+@pytest.mark.parametrize("path", [BASE, OVERLAY], ids=["base", "overlay"])
+def test_builtin_renderer_agrees_with_kubectl_kustomize(path):
+    p = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    theirs = {_key(d): _normalize(d) for d in yaml.safe_load_all(p.stdout) if d}
+    ours = {_key(d): _normalize(d) for d in render(path)}
+    assert sorted(ours) == sorted(theirs)
+    for key in ours:
+        assert ours[key] == theirs[key], f"{key} differs between the test renderer and kubectl kustomize"
+
+
+def test_renderer_refuses_what_it_does_not_handle(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: []\ncommonLabels: {a: b}\n")
+    with pytest.raises(Unsupported, match="commonLabels"):
+        render(tmp_path)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_manifests_are_valid_kubernetes_objects(rendered, version):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (dev extra) missing")
+
+    _, docs = rendered
+    errors = []
+    for key, doc in docs.items():
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{key}: {exc.message} at {'/'.join(map(str, exc.path))}")
+    assert not errors, "\n".join(errors)
+
+
+def test_workload_fits_together(rendered):
+    which, docs = rendered
+    sts = _one(docs, "StatefulSet")
+    pod = sts["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    spec = pod["spec"]
+    (c,) = spec["containers"]
+    assert set(sts["spec"]["selector"]["matchLabels"].items()) <= set(labels.items())
+
+    # headless Service for per-pod DNS, a regular one for the REST API
+    headless = _named(docs, "Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert {"data", "http"} <= set(ports)
+    for svc in [d for (k, _, _), d in docs.items() if k == "Service"]:
+        assert set(svc["spec"]["selector"].items()) <= set(labels.items()), svc["metadata"]["name"]
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports, f"{svc['metadata']['name']}: targetPort {p['targetPort']} not a port name"
+
+    # config: the ConfigMap is a valid service configuration and agrees with the pod
+    cm_name = c["envFrom"][0]["configMapRef"]["name"]
+    env = _named(docs, "ConfigMap", cm_name)["data"]
+    fields_env = {f"LOADER_{f.name.upper()}" for f in fields(ServiceConfig)}
+    assert set(env) - fields_env - EXTRA_ENV == set(), "unknown LOADER_* variables"
+    config = ServiceConfig.from_env(environ=env)  # raises if a value is invalid
+    assert config.host == "0.0.0.0"
+    assert (config.data_port, config.http_port) == (ports["data"], ports["http"])
+    if which == "overlay":
+        assert not config.demo and config.data == ("/data",)
+
+    # probes
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+
+    # /dev/shm: RAM-backed, bounded, bigger than the service's cap, inside the memory limit
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    shm_bytes = _quantity(shm["sizeLimit"])
+    assert config.max_shm_bytes < shm_bytes, "LOADER_MAX_SHM_MB must stay below the /dev/shm sizeLimit"
+    res = c["resources"]
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(res[kind]), f"resources.{kind} needs cpu and memory"
+    assert _quantity(res["limits"]["memory"]) > shm_bytes, "memory limit must cover /dev/shm (it counts)"
+    assert config.workers <= _quantity(res["limits"]["cpu"]), "more workers than CPUs"
+
+    # non-root, read-only root filesystem with writable /tmp and cache
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] == SERVICE_USER
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    if c["securityContext"].get("readOnlyRootFilesystem"):
+        assert "/tmp" in mounts and env.get("LOADER_CACHE_DIR") in mounts
+
+    # the API token: a Secret mounted as a file that LOADER_API_TOKEN_FILE names
+    token_dir, token_file = os.path.split(env["LOADER_API_TOKEN_FILE"])
+    secret_vol = volumes[mounts[token_dir]["name"]]["secret"]
+    assert token_file in [i["path"] for i in secret_vol.get("items", [{"path": token_file}])]
+    if which == "overlay":
+        secret = _named(docs, "Secret", secret_vol["secretName"])
+        assert "token" in secret["data"]
+
+    # the dataset volume
+    assert mounts["/data"]["readOnly"] is True
+    if which == "overlay":
+        claim = volumes[mounts["/data"]["name"]]["persistentVolumeClaim"]["claimName"]
+        _named(docs, "PersistentVolumeClaim", claim)
+
+    # Prometheus scrape annotations point at the REST port
+    ann = pod["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
+    assert int(ann["prometheus.io/port"]) == ports["http"]
+
+    # PDB and HPA act on this StatefulSet
+    pdb = _one(docs, "PodDisruptionBudget")
+    assert set(pdb["spec"]["selector"]["matchLabels"].items()) <= set(labels.items())
+    hpa = _one(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                             "name": sts["metadata"]["name"]}
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    assert hpa["spec"]["minReplicas"] <= sts["spec"]["replicas"] <= hpa["spec"]["maxReplicas"]
+
+
+def test_overlay_customizes_the_base():
+    docs = {_key(d): d for d in render(OVERLAY)}
+    sts = _one(docs, "StatefulSet")
+    assert sts["spec"]["replicas"] == 4
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example.com/ml/loader-service:0.1.0"
+    for kind, ns, name in docs:
+        if kind not in CLUSTER_SCOPED:
+            assert ns == "data-loading", f"{kind}/{name} not in the overlay's namespace"
+
+
+def _quantity(q) -> float:
+    """Kubernetes quantity -> number (bytes or cores)."""
+    m = re.fullmatch(r"([0-9.]+)(m|k|M|G|T|Ki|Mi|Gi|Ti)?", str(q))
+    assert m, f"bad quantity {q!r}"
+    mult = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
+            "Ti": 2**40}[m.group(2)]
+    return float(m.group(1)) * mult
+
+
+# ============================================================================ compose
+class _ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+# Compose's merge tags in override files: keep the value, remember the tag.
+for _tag in ("!reset", "!override"):
+    _ComposeLoader.add_constructor(_tag, lambda loader, node, tag=_tag: {
+        "__tag__": tag, "value": (loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode) else
+                                  loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else
+                                  loader.construct_scalar(node))})
+
+
+def _compose(name: str) -> dict:
+    return yaml.load((ROOT / name).read_text(), Loader=_ComposeLoader)
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-+])([^}]*))?\}")
+
+
+def interpolate(value: str, env: dict = {}) -> str:  # noqa: B006 (read-only default)
+    """Compose's ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:+alt} with `env` (default: empty)."""
+
+    def sub(m):
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        val = env.get(name)
+        if op == ":-":
+            return val if val else arg
+        if op == "-":
+            return val if val is not None else arg
+        if op == ":+":
+            return arg if val else ""
+        return val or ""
+
+    return _VAR.sub(sub, str(value))
+
+
+def _size(s: str) -> int:
+    m = re.fullmatch(r"(\d+)([bkmg]?)", s.lower())
+    assert m, f"bad size {s!r}"
+    return int(m.group(1)) * {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2)]
+
+
+def test_compose_service_settings():
+    c = _compose("docker-compose.yml")
+    svc = c["services"]["loader"]
+    env = {k: interpolate(v) for k, v in svc["environment"].items()}
+    assert set(env) - {f"LOADER_{f.name.upper()}" for f in fields(ServiceConfig)} - EXTRA_ENV == set()
+    config = ServiceConfig.from_env(environ=env)  # the defaults make a valid configuration
+    assert config.demo and config.host == "0.0.0.0"
+    # /dev/shm: set, and larger than what the service may put there
+    shm = _size(interpolate(svc["shm_size"]))
+    assert shm >= 256 * 2**20 and config.max_shm_bytes < shm
+    # healthcheck in exec form against the REST port; restart policy; graceful stop
+    hc = svc["healthcheck"]
+    assert hc["test"][0] == "CMD" and "/readyz" in " ".join(hc["test"])
+    assert {"interval", "timeout", "retries", "start_period"} <= set(hc)
+    assert svc["restart"] in ("unless-stopped", "always", "on-failure")
+    assert svc.get("stop_signal", "SIGTERM") == "SIGTERM"
+    assert svc["read_only"] is True and "/tmp" in svc["tmpfs"] and svc["cap_drop"] == ["ALL"]
+    # ports 5555 (data) and 8080 (REST) inside, published on the host
+    published = {interpolate(p).split(":")[-1] for p in svc["ports"]}
+    assert published == {str(config.data_port), str(config.http_port)}
+    mounts = [interpolate(v).split(":") for v in svc["volumes"]]
+    assert ["dataset", "/data", "ro"] in mounts and any(m[1] == env["LOADER_CACHE_DIR"] for m in mounts)
+    assert interpolate(svc["environment"]["LOADER_DATA"], {"DATASET_DIR": "/srv/x"}) == "/data"
+    assert "profiles" not in svc
+
+
+def test_compose_trainer_and_profiles():
+    c = _compose("docker-compose.yml")
+    services = c["services"]
+    trainer = services["trainer"]
+    assert trainer["depends_on"]["loader"]["condition"] == "service_healthy"
+    cmd = [interpolate(x) for x in trainer["command"]]
+    assert cmd[:3] == ["python3", "-m", "client.demo"]
+    assert cmd[cmd.index("--endpoint") + 1] == "tcp://loader:5555"
+    assert "profiles" not in trainer
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["monitoring"], f"{name} belongs to the monitoring profile"
+    # the files compose mounts exist
+    for svc in services.values():
+        for v in svc.get("volumes", []):
+            src = interpolate(v).split(":")[0]
+            if src.startswith("./"):
+                assert (ROOT / src).exists(), f"{src} is mounted but missing"
+    # build targets exist in the Dockerfile, with the base image as a build arg
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.M | re.I)
+    for name in ("loader", "trainer"):
+        b = services[name]["build"]
+        assert b["target"] in stages and b["args"]["BASE_IMAGE"]
+        assert b["network"] == "none", "builds are offline (and engines without a bridge cannot give them one)"
+    assert set(c["volumes"]) >= {"dataset", "loader-cache"}
+
+
+def test_hostnet_override_covers_every_service():
+    base = _compose("docker-compose.yml")["services"]
+    over = _compose("docker-compose.hostnet.yml")["services"]
+    assert set(over) == set(base), "every service needs network_mode: host in the override"
+    for name, svc in over.items():
+        assert svc["network_mode"] == "host", name
+        if "ports" in base[name]:
+            assert svc.get("ports") == {"__tag__": "!reset", "value": []}, f"{name}: reset its ports"
+    env = over["loader"]["environment"]
+    assert interpolate(env["LOADER_DATA_PORT"], {"DATA_PORT": "15555"}) == "15555"
+    assert interpolate(env["LOADER_HTTP_PORT"], {"HTTP_PORT": "18080"}) == "18080"
+    cmd = [interpolate(x, {"DATA_PORT": "15555"}) for x in over["trainer"]["command"]]
+    assert cmd[cmd.index("--endpoint") + 1] == "tcp://127.0.0.1:15555"
+    prom = over["prometheus"]["volumes"]
+    assert prom["__tag__"] == "!override" and (ROOT / prom["value"][0].split(":")[0]).exists()
+
+
+def test_dockerfile_and_context():
+    text = (ROOT / "Dockerfile").read_text()
+    assert not re.search(r"^#\s*syntax=", text, re.M), "a syntax line makes BuildKit pull a frontend image"
+    assert re.search(r"^ARG BASE_IMAGE=\S+", text, re.M)
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.M | re.I)
+    assert {"service", "trainer"} <= set(stages) and stages[-1] == "service", "service is the default target"
+    assert re.search(rf"^USER {SERVICE_USER}", text, re.M)
+    assert re.search(r"^HEALTHCHECK .*\n?.*CMD", text, re.M) and "/healthz" in text
+    assert re.search(r'^ENTRYPOINT \["/usr/bin/tini", "--"', text, re.M)
+    assert "--no-index" in text, "images install from the pre-downloaded wheels only"
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert ignore[ignore.index("*") if "*" in ignore else 0] == "*", ".dockerignore is an allow-list"
+    assert "!deploy/docker/wheels/service/" in ignore
+
+
+def test_requirements_split_keeps_torch_out_of_the_service():
+    import runpy
+
+    mod = runpy.run_path(str(ROOT / "deploy" / "docker" / "requirements.py"))
+    service = mod["requirements"]("service", str(ROOT / "pyproject.toml"))
+    trainer = mod["requirements"]("trainer", str(ROOT / "pyproject.toml"))
+    assert not any(r.lower().startswith("torch") for r in service)
+    assert any(r.lower().startswith("torch") for r in trainer)
+    assert any(r.lower().startswith("fastapi") for r in service) and any(r.startswith("pyzmq") for r in service)
+
+
+@pytest.mark.parametrize("script", [".ci/container-prereqs.sh", "deploy/docker/build-base.sh",
+                                    "deploy/docker/fetch-wheels.sh"])
+def test_shell_scripts_parse(script):
+    path = ROOT / script
+    assert os.access(path, os.X_OK), f"{script} is not executable"
+    p = subprocess.run(["sh", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+
+
+# ============================================================================ monitoring
+def _exported_metrics() -> set:
+    """Metric names the service exports, as Prometheus exposes them."""
+    src = (ROOT / "loader_service" / "metrics.py").read_text()
+    names = set()
+    for m in re.finditer(r'(Counter|Gauge)MetricFamily\(\s*"(loader_\w+)"', src):
+        names.add(m.group(2) + ("_total" if m.group(1) == "Counter" else ""))
+    for m in re.finditer(r'\(\s*"(loader_\w+)",\s*"\w+",\s*"[^"]*"\s*\)', src):  # the counters table
+        names.add(m.group(1) + "_total")
+    return names
+
+
+def test_prometheus_configs():
+    for name, target in (("prometheus.yml", "loader:8080"), ("prometheus.hostnet.yml", "127.0.0.1:8080")):
+        cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / name).read_text())
+        (job,) = cfg["scrape_configs"]
+        assert job["metrics_path"] == "/metrics"
+        assert job["static_configs"][0]["targets"] == [target]
+
+
+def test_grafana_dashboard_uses_exported_metrics():
+    exported = _exported_metrics()
+    assert {"loader_samples_total", "loader_workers_target", "loader_stage_seconds_total"} <= exported
+    dash = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "loader-service.json").read_text())
+    assert dash["uid"] and dash["panels"]
+    used = set()
+    for panel in dash["panels"]:
+        for t in panel["targets"]:
+            assert t["datasource"]["uid"] == "prometheus"
+            used |= set(re.findall(r"\bloader_\w+", t["expr"]))
+    assert used - exported == set(), f"dashboard queries metrics the service does not export: {used - exported}"
+    ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert ds["datasources"][0]["uid"] == "prometheus"
+    prov = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/loader-service.yml").read_text())
+    grafana = _compose("docker-compose.yml")["services"]["grafana"]
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
+    assert mounted[prov["providers"][0]["options"]["path"]] == "./deploy/grafana/dashboards"
