@@ -35,6 +35,7 @@ class LoaderConfig:
     device_prefetch: int = 2  # batches copied to the device ahead of the one in use
     replica_timeout: float = 10.0  # with several replicas: one down this long loses its batches to the others
     heartbeat_s: float = 2.0  # ZMTP heartbeat towards the service; a silent one counts as down after 3x
+    epoch_lookahead: bool = True  # start epoch e+1 on the service once all of epoch e is asked for
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, str) or "://" not in self.endpoint:

@@ -68,6 +68,8 @@ class RemoteLoader:
         self._sink = make_sink(self.config)
         self._ctx: Optional[zmq.Context] = None
         self._replicas: List[Replica] = []
+        self._spare: List[Replica] = []  # a second connection per replica, for epoch lookahead
+        self._lookahead: Optional[int] = None  # the epoch already streaming on the spare set
         self._stream = 0
         self._epoch = 0
         self._next_batch = 0
@@ -129,9 +131,9 @@ class RemoteLoader:
         if self._closed:
             return
         self._closed = True
-        for r in self._replicas:
+        for r in self._replicas + self._spare:
             r.close()
-        self._replicas = []
+        self._replicas, self._spare = [], []
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -162,12 +164,16 @@ class RemoteLoader:
             self._describe()
         total = self._raw_len()
         reps = self._connect()
-        for r in reps:
-            r.dead = False
-        todo = list(range(start, total))
-        for i, r in enumerate(reps):
-            r.assign(todo[i :: len(reps)])
-            self._hello(r, epoch)
+        if self._lookahead == epoch and start == 0:
+            # this epoch has been streaming on the spare connections since the last one ended
+            reps = self._spare
+            self._replicas, self._spare = self._spare, self._replicas
+            for r in reps:
+                r.promote = True
+        else:
+            self._deal(reps, epoch, start, total)
+        self._lookahead = None
+        lookahead_sent = not c.epoch_lookahead
         pending: Dict[int, Batch] = {}  # received, waiting for their turn
         owner: Dict[int, Replica] = {}
         limit = c.prefetch * len(reps) + c.device_prefetch  # bound on received-but-not-yielded
@@ -213,6 +219,10 @@ class RemoteLoader:
                                 owner[msg.index] = r
                                 received += 1
                                 self._credit(r, owed=len(pending) >= limit)
+                                if not lookahead_sent and all(x.dead or x.asked >= len(x.todo) for x in reps):
+                                    # everything of this epoch is asked for: let the next one start
+                                    lookahead_sent = True
+                                    self._start_lookahead(epoch + 1, total)
                                 for b in self._sink.ready(final=received == need):
                                     pending[b.index] = b
                             elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.UNKNOWN_CLIENT:
@@ -231,6 +241,23 @@ class RemoteLoader:
         finally:
             self._sink.end()
 
+    def _deal(self, reps: List[Replica], epoch: int, start: int, total: int, lookahead: bool = False) -> None:
+        """Deal batches start..total round-robin to the replicas and start their streams."""
+        todo = list(range(start, total))
+        for i, r in enumerate(reps):
+            r.dead = False
+            r.assign(todo[i :: len(reps)])
+            self._hello(r, epoch, lookahead)
+
+    def _start_lookahead(self, epoch: int, total: int) -> None:
+        """Start ``epoch`` on the spare connections, so the service never idles between epochs.
+        Used if the next iteration is that epoch from its start; otherwise replaced."""
+        if not self._spare:
+            assert self._ctx is not None
+            self._spare = [Replica(self._ctx, e, self.config.heartbeat_s) for e in self.endpoints]
+        self._deal(self._spare, epoch, 0, total, lookahead=True)
+        self._lookahead = epoch
+
     def _poll_ms(self, reps: List[Replica]) -> int:
         # with several replicas, wake up in time to notice one that stays down
         t = self.config.timeout
@@ -238,7 +265,7 @@ class RemoteLoader:
             t = min(t, self.config.replica_timeout / 2)
         return max(1, int(t * 1000))
 
-    def _hello(self, r: Replica, epoch: int) -> None:
+    def _hello(self, r: Replica, epoch: int, lookahead: bool = False) -> None:
         """Start a new stream on ``r`` for its remaining batches (nothing if none remain)."""
         c = self.config
         todo = r.remaining()
@@ -251,11 +278,12 @@ class RemoteLoader:
         r.stream = self._stream
         contiguous = todo == list(range(todo[0], todo[0] + len(todo))) and todo[-1] == self._raw_len() - 1
         r.asked = min(c.prefetch, len(todo))
+        r.promote = False
         r.send(P.Hello(stream=r.stream, batch_size=c.batch_size, image_size=c.image_size, seed=c.seed, epoch=epoch,
                        rank=c.rank, world_size=c.world_size, shuffle=c.shuffle, drop_last=c.drop_last,
                        train=c.train, start_batch=todo[0] if contiguous else 0, prefetch=c.prefetch,
                        dataset=c.dataset, scale=list(c.scale), ratio=list(c.ratio), job=c.job,
-                       batches=[] if contiguous else todo))
+                       batches=[] if contiguous else todo, lookahead=lookahead))
 
     def _restart(self, r: Replica, epoch: int) -> None:
         if r.todo_set:
@@ -270,8 +298,9 @@ class RemoteLoader:
             r.owed += 1
             return
         s = self._stats
-        r.send(P.Credit(stream=r.stream, n=1, wait_s=s.wait_s, h2d_s=s.h2d_s, consumed=s.batches))
+        r.send(P.Credit(stream=r.stream, n=1, wait_s=s.wait_s, h2d_s=s.h2d_s, consumed=s.batches, promote=r.promote))
         r.asked += 1
+        r.promote = False
 
     def _pay_owed(self, reps: List[Replica], buffered: int, limit: int) -> None:
         for r in reps:

@@ -41,6 +41,7 @@ class Replica:
         self.todo_set: Set[int] = set()
         self.asked = 0  # batches requested of the current stream (its prefetch plus credits)
         self.owed = 0  # credits held back while the reorder buffer is full
+        self.promote = False  # tell the service, with the next credit, that this stream is current
 
     def assign(self, batches: List[int]) -> None:
         self.todo = list(batches)

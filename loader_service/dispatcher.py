@@ -100,6 +100,7 @@ class Stream:
     sending: List[Tuple[zmq.MessageTracker, int]] = field(default_factory=list)
     retired: bool = False
     finished: bool = False
+    lookahead: bool = False  # low priority until the client promotes it
     samples_sent: int = 0
     skipped: int = 0
     wait_s: float = 0.0
@@ -431,7 +432,7 @@ class Dispatcher:
         stream = Stream(client=ident, hello=hello, source=source, plan=plan,
                         segment=Segment.create(nslots * slot_bytes, tag="slots"), slot_bytes=slot_bytes,
                         free_slots=list(range(nslots - 1, -1, -1)), granted=hello.prefetch,
-                        order=order, next_dispatch=0, next_send=0, num_batches=nb)
+                        order=order, next_dispatch=0, next_send=0, num_batches=nb, lookahead=hello.lookahead)
         client.stream = stream
         self.counters.streams += 1
         self._send(ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=nb,
@@ -452,6 +453,8 @@ class Dispatcher:
         if s is None or s.id != msg.stream:
             return  # credit for a stream that already ended or was replaced
         s.granted += msg.n
+        if msg.promote:
+            s.lookahead = False
         self.counters.client_wait_s += max(0.0, msg.wait_s - s.wait_s)
         self.counters.client_h2d_s += max(0.0, msg.h2d_s - s.h2d_s)
         s.wait_s, s.h2d_s = msg.wait_s, msg.h2d_s
@@ -478,7 +481,8 @@ class Dispatcher:
         if not streams:
             return
         self._rr = (self._rr + 1) % len(streams)
-        streams = streams[self._rr:] + streams[: self._rr]  # take turns across clients
+        streams = streams[self._rr:] + streams[: self._rr]  # take turns across clients ...
+        streams.sort(key=lambda s: s.lookahead)  # ... and serve early next epochs only when idle
         while idle and streams:
             for s in list(streams):
                 if not idle:
@@ -486,6 +490,8 @@ class Dispatcher:
                 if not s.dispatchable():
                     streams.remove(s)
                     continue
+                if s.lookahead and any(not x.lookahead and x.dispatchable() for x in streams):
+                    break  # a current epoch can still use this worker
                 self._dispatch(s, idle.pop())
 
     def _dispatch(self, s: Stream, worker) -> None:

@@ -103,6 +103,7 @@ class Hello(Message):
     ratio: list = field(default_factory=lambda: [3 / 4, 4 / 3])
     job: str = ""
     batches: list = field(default_factory=list)
+    lookahead: bool = False  # the next epoch, started early: served only when nothing else waits
 
     def check(self) -> None:
         _range(self, "stream", 0)
@@ -140,6 +141,7 @@ class Credit(Message):
     wait_s: float = 0.0  # total seconds the trainer has waited in next() this stream
     h2d_s: float = 0.0  # total seconds spent in host-to-device copies this stream
     consumed: int = 0  # batches the trainer has taken this stream
+    promote: bool = False  # a lookahead stream is now the trainer's current epoch
 
     def check(self) -> None:
         _range(self, "stream", 0)

@@ -274,3 +274,28 @@ def test_worker_killed_mid_epoch_loses_and_doubles_nothing(service):
     st = status(service)
     assert st["workers"]["deaths"] == 1
     wait_for(lambda: status(service)["workers"]["counts"].get("idle", 0) == 2, what="the pool to be back to 2")
+
+
+def test_epoch_lookahead_changes_nothing_but_timing(service):
+    with RemoteLoader(service.endpoint, **KW, epoch_lookahead=False) as plain:
+        ref = [collect(plain) for _ in range(3)]  # epochs 0, 1, 2 by auto-advance
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        got = [collect(ld) for _ in range(2)]
+        assert ld._lookahead == 2  # epoch 2 is already streaming on the spare connections
+        ld.set_epoch(0)  # ... but the trainer jumps elsewhere: the lookahead must not leak in
+        again = collect(ld)
+        ld.set_epoch(2)
+        last = collect(ld)
+    assert [b["images"] for e in got for b in e] == [b["images"] for e in ref[:2] for b in e]
+    assert [b["images"] for b in again] == [b["images"] for b in ref[0]]
+    assert [b["images"] for b in last] == [b["images"] for b in ref[2]]
+
+
+def test_lookahead_is_not_adopted_for_a_resumed_position(service):
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        full = [collect(ld) for _ in range(2)]
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        collect(ld)  # epoch 0; epoch 1 starts streaming ahead
+        ld.load_state_dict(dict(ld.state_dict(), epoch=1, next_batch=5))
+        rest = collect(ld)
+    assert indices_of(rest) == indices_of(full[1][5:])
