@@ -175,7 +175,6 @@ class RemoteLoader:
         self._lookahead = None
         lookahead_sent = not c.epoch_lookahead
         pending: Dict[int, Batch] = {}  # received, waiting for their turn
-        owner: Dict[int, Replica] = {}
         limit = c.prefetch * len(reps) + c.device_prefetch  # bound on received-but-not-yielded
         next_yield, received, need = start, 0, total - start
         last_message = time.monotonic()
@@ -192,7 +191,7 @@ class RemoteLoader:
                     now = time.monotonic()
                     if not events:
                         if now - last_message > c.timeout:
-                            self._raise_timeout(reps, now - last_message)
+                            self._raise_timeout(reps)
                         self._fail_over_dead(reps, epoch, now)
                         continue
                     for r in reps:
@@ -216,7 +215,6 @@ class RemoteLoader:
                                 if not r.received(msg.index):
                                     raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
                                 self._sink.push(msg, payload)
-                                owner[msg.index] = r
                                 received += 1
                                 self._credit(r, owed=len(pending) >= limit)
                                 if not lookahead_sent and all(x.dead or x.asked >= len(x.todo) for x in reps):
@@ -230,7 +228,6 @@ class RemoteLoader:
                 self._stats.wait_s += time.perf_counter() - t0
                 self._stats.h2d_s = getattr(self._sink, "h2d_s", 0.0)
                 batch = pending.pop(next_yield)
-                owner.pop(next_yield)
                 self._pay_owed(reps, len(pending), limit)
                 next_yield += 1
                 self._stats.batches += 1
@@ -355,7 +352,7 @@ class RemoteLoader:
                                   else msg.message, msg.traceback)
         return msg, payload
 
-    def _raise_timeout(self, reps: List[Replica], silent_s: float) -> None:
+    def _raise_timeout(self, reps: List[Replica]) -> None:
         c = self.config
         down = [r for r in reps if r.down_since is not None]
         where = ", ".join(r.endpoint for r in reps)
@@ -381,7 +378,7 @@ class RemoteLoader:
             left = deadline - time.monotonic()
             events = dict(poller.poll(max(0, left) * 1000)) if left > 0 else {}
             if not events:
-                self._raise_timeout(reps, self.config.timeout)
+                self._raise_timeout(reps)
             for r in reps:
                 if r.monitor in events and r.on_monitor():
                     r.send(describe)

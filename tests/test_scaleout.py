@@ -17,9 +17,10 @@ KW = dict(batch_size=8, image_size=32, seed=6)
 
 def test_two_replicas_give_the_same_bytes_in_the_same_order_as_one(make_service):
     a, b = make_service(), make_service()
-    with RemoteLoader(a.endpoint, **KW) as one:
+    # no lookahead: the service-side sample counts below must cover exactly one epoch per loader
+    with RemoteLoader(a.endpoint, **KW, epoch_lookahead=False) as one:
         ref = collect(one)
-    with RemoteLoader([a.endpoint, b.endpoint], **KW, epoch_lookahead=False) as two:  # count one epoch
+    with RemoteLoader([a.endpoint, b.endpoint], **KW, epoch_lookahead=False) as two:
         got = collect(two)
         assert len(two) == DEMO_SIZE // 8
     assert [x["index"] for x in got] == list(range(DEMO_SIZE // 8))
