@@ -127,6 +127,7 @@ class Stream:
 class Client:
     ident: bytes
     fd: int = -1
+    fd_gen: int = 0  # which connection on that fd number (see Dispatcher.fd_gen)
     job: str = ""
     stream_id: int = -1  # highest stream this client started
     stream: Optional[Stream] = None
@@ -182,6 +183,11 @@ class Dispatcher:
         self._calls: "queue.SimpleQueue[Tuple[Callable, Future]]" = queue.SimpleQueue()
         self.clients: Dict[bytes, Client] = {}
         self.fd_owner: Dict[int, bytes] = {}
+        # The kernel reuses fd numbers, so a disconnect names a connection by (fd, generation):
+        # the n-th EVENT_ACCEPTED on an fd is its generation n. For one fd the monitor reports
+        # accepted/disconnected strictly alternately (the old connection's disconnect is emitted
+        # before its fd is closed, the new one's accept after the fd is reused).
+        self.fd_gen: Dict[int, int] = {}
         self.tasks: Dict[int, Stream] = {}
         self.retiring: List[Stream] = []
         self.counters = Counters()
@@ -330,8 +336,14 @@ class Dispatcher:
     def _on_monitor(self, frames) -> None:
         ev = parse_monitor_message([f.bytes for f in frames])
         fd = ev["value"]
-        if ev["event"] == zmq.EVENT_DISCONNECTED:
-            ident = self.fd_owner.pop(fd, None)
+        if ev["event"] == zmq.EVENT_ACCEPTED:
+            self.fd_gen[fd] = self.fd_gen.get(fd, 0) + 1
+        elif ev["event"] == zmq.EVENT_DISCONNECTED:
+            ident = self.fd_owner.get(fd)
+            client = self.clients.get(ident) if ident is not None else None
+            if client is not None and client.fd_gen > self.fd_gen.get(fd, 0):
+                return  # the owner came on a later connection that reused this fd number
+            self.fd_owner.pop(fd, None)
             if ident is not None:
                 self._drop_client(ident, "disconnected")
 
@@ -339,8 +351,14 @@ class Dispatcher:
         ident = frames[0].bytes
         fd = frames[-1].get(zmq.SRCFD)
         client = self.clients.get(ident)
-        if client is not None and client.fd != fd:
-            self._bind_fd(client, fd)
+        if client is None or client.fd != fd:
+            # A new connection's accept is reported before any of its messages can arrive, but
+            # the monitor may not have been read yet: read it now, so that the disconnect of an
+            # earlier connection on this fd number is not taken for this one's.
+            self._drain(self.monitor, self._on_monitor)
+            client = self.clients.get(ident)
+            if client is not None and client.fd != fd:
+                self._bind_fd(client, fd)
         try:
             msg, _ = P.decode(frames[1:], expect=(P.Hello, P.Credit, P.Bye, P.Describe))
         except P.ProtocolError as exc:
@@ -369,8 +387,9 @@ class Dispatcher:
         if owner is not None and owner != client.ident:
             # the fd was reused: its previous connection is gone even if we missed the event
             self._drop_client(owner, "connection replaced")
-        self.fd_owner.pop(client.fd, None)
-        client.fd = fd
+        if self.fd_owner.get(client.fd) == client.ident:
+            del self.fd_owner[client.fd]
+        client.fd, client.fd_gen = fd, self.fd_gen.get(fd, 0)
         self.fd_owner[fd] = client.ident
 
     def _describe(self, ident: bytes, msg: P.Describe) -> None:
