@@ -43,10 +43,15 @@ def ensure_demo(count: int = DEFAULT_COUNT, seed: int = 0, processes: int = 0, q
         raise ValueError(f"demo dataset size must be >= 1, got {count}")
     path = demo_path(count, seed)
     if not os.path.exists(os.path.join(path, "meta.json")):
+        from tqdm import tqdm
+
         if not quiet:
             print(f"generating the demo dataset ({count} JPEGs, once) into {path} ...", file=sys.stderr, flush=True)
+        samples = _generate(count, seed, processes or os.cpu_count() or 1)
         try:
-            write_packed(path, _generate(count, seed, processes or os.cpu_count() or 1), CLASSES)
+            with tqdm(samples, total=count, desc="demo dataset", unit="img", disable=quiet, file=sys.stderr,
+                      leave=False, dynamic_ncols=True) as bar:
+                write_packed(path, bar, CLASSES)
         except OSError:
             if not os.path.exists(os.path.join(path, "meta.json")):  # not a concurrent writer's win
                 raise
