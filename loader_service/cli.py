@@ -78,6 +78,8 @@ def _service_options(p: argparse.ArgumentParser, demo_default: bool = False) -> 
     p.add_argument("--autoscale", metavar="MIN:MAX", help="let the autoscaler set the worker count in this range")
     p.add_argument("--autoscale-interval", type=float, dest="autoscale_interval_s", metavar="SECONDS")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--status-log", type=float, dest="status_log_s", metavar="SECONDS",
+                   help="log clients, img/s and workers this often while serving (default 30; 0 = never)")
     p.set_defaults(demo_default=demo_default)
 
 
@@ -86,7 +88,7 @@ def _config(args) -> ServiceConfig:
         data=tuple(args.data) if args.data else None, demo=args.demo, demo_size=args.demo_size,
         workers=args.workers, host=args.host, data_port=args.data_port, http_port=args.http_port,
         max_shm_mb=args.max_shm_mb, on_error=args.on_error, log_level=args.log_level,
-        autoscale=args.autoscale, autoscale_interval_s=args.autoscale_interval_s,
+        autoscale=args.autoscale, autoscale_interval_s=args.autoscale_interval_s, status_log_s=args.status_log_s,
     )
     if args.demo_default:  # `demo` runs everything in one process on free ports
         overrides.update(demo=True, data=())

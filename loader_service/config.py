@@ -36,6 +36,7 @@ class ServiceConfig:
     log_level: str = "info"
     autoscale: str = ""  # "MIN:MAX" turns the autoscaler on
     autoscale_interval_s: float = 2.0
+    status_log_s: float = 30.0  # log a throughput line this often while clients are served; 0: never
     api_token: str = ""  # guards mutating REST calls; see auth.py for the fallbacks
     api_token_file: str = ""
 
@@ -61,6 +62,8 @@ class ServiceConfig:
             AutoscalePolicy.parse(self.autoscale, self.autoscale_interval_s)  # raises if malformed
         if self.max_shm_mb < 1 or self.demo_size < 1 or self.heartbeat_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("max_shm_mb, demo_size, heartbeat_s and stop_timeout_s must be positive")
+        if self.status_log_s < 0:
+            raise ValueError(f"status_log_s must be >= 0 (0 turns the log line off), got {self.status_log_s}")
 
     @property
     def max_shm_bytes(self) -> int:

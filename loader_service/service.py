@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from typing import Dict, Optional
+import time
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .auth import resolve_token
 from .config import ServiceConfig
@@ -52,8 +53,9 @@ class Service:
         self._stopped = False
         self._stop_lock = threading.Lock()  # a second stop() waits for the first to finish
         self.api_token = ""
-        self._autoscale_stop = threading.Event()
-        self._autoscale_thread: Optional[threading.Thread] = None
+        self._periodic_stop = threading.Event()
+        self._periodic: List[threading.Thread] = []  # the autoscaler and the status log line
+        self._progress: Optional[Tuple[float, int, int]] = None  # (time, samples, bytes) at the last line
 
     @property
     def endpoint(self) -> str:
@@ -75,10 +77,12 @@ class Service:
         try:
             self.dispatcher = Dispatcher(self.config, self.sources)
             self._start_http()
-            if self.dispatcher.autoscaler is not None:
-                self._autoscale_thread = threading.Thread(target=self._autoscale_loop, name="loader-autoscale",
-                                                          daemon=True)
-                self._autoscale_thread.start()
+            d = self.dispatcher
+            if d.autoscaler is not None:
+                self._every(d.autoscaler.policy.interval_s, lambda: d.call(d.autoscaler.step).result(),
+                            "loader-autoscale")
+            if self.config.status_log_s > 0:
+                self._every(self.config.status_log_s, self._log_progress, "loader-status-log")
         except BaseException:
             self.stop()
             raise
@@ -107,17 +111,39 @@ class Service:
             log.exception("the dispatcher crashed")
             raise
 
-    def _autoscale_loop(self) -> None:
+    def _every(self, interval_s: float, fn: Callable[[], None], name: str) -> None:
+        """Run ``fn`` every ``interval_s`` on a thread of its own until :meth:`stop`."""
+
+        def loop() -> None:
+            # Event.wait is the interval timer: stop() sets the event and the loop ends at once
+            while not self._periodic_stop.wait(interval_s):
+                try:
+                    fn()
+                except RuntimeError:  # the dispatcher stopped
+                    return
+                except Exception:
+                    log.exception("%s failed", name)
+
+        t = threading.Thread(target=loop, name=name, daemon=True)
+        t.start()
+        self._periodic.append(t)
+
+    def _log_progress(self) -> None:
+        """One log line of what the service did since the last one, while it has work."""
         d = self.dispatcher
-        assert d is not None and d.autoscaler is not None
-        # Event.wait is the interval timer: stop() sets the event and the loop ends at once
-        while not self._autoscale_stop.wait(d.autoscaler.policy.interval_s):
-            try:
-                d.call(d.autoscaler.step).result()
-            except RuntimeError:  # the dispatcher stopped
-                return
-            except Exception:
-                log.exception("autoscaler step failed")
+        assert d is not None
+        st = d.call(d.status).result()
+        t, now = st["totals"], time.monotonic()
+        last, self._progress = self._progress, (now, t["samples"], t["bytes"])
+        streaming = sum(1 for c in st["clients"] if c["stream"] is not None)
+        if last is None or (t["samples"] == last[1] and not streaming):
+            return  # nothing to say: keep an idle service's log quiet
+        dt = max(now - last[0], 1e-9)
+        workers = " ".join(f"{k} {v}" for k, v in sorted(st["workers"]["counts"].items())) or "none"
+        log.info("serving %d clients (%d streaming): %.0f img/s, %.1f MiB/s over %.0fs; %d samples delivered, "
+                 "%d skipped; workers: %s; batch slots %.0f MiB", len(st["clients"]), streaming,
+                 (t["samples"] - last[1]) / dt, (t["bytes"] - last[2]) / dt / 2**20, dt, t["samples"],
+                 t["skipped"], workers, st["shm_bytes"] / 2**20)
 
     def _start_http(self) -> None:
         import uvicorn
@@ -153,9 +179,10 @@ class Service:
             self._stopped = True
 
     def _stop(self) -> None:
-        self._autoscale_stop.set()
-        if self._autoscale_thread is not None and self._autoscale_thread is not threading.current_thread():
-            self._autoscale_thread.join()
+        self._periodic_stop.set()
+        for t in self._periodic:
+            if t is not threading.current_thread():
+                t.join()
         if self.dispatcher is not None:
             self.dispatcher.stop(self.config.drain_s)
             if self._thread is not None and self._thread is not threading.current_thread():

@@ -11,6 +11,7 @@ import zmq
 
 from client import LoaderError, LoaderTimeout, RemoteLoader
 from loader_service import protocol as P
+from loader_service.config import ServiceConfig
 from loader_service.plan import PlanSpec, epoch_permutation, make_plan
 
 from .conftest import DEMO_SIZE, write_imagefolder
@@ -299,3 +300,38 @@ def test_lookahead_is_not_adopted_for_a_resumed_position(service):
         ld.load_state_dict(dict(ld.state_dict(), epoch=1, next_batch=5))
         rest = collect(ld)
     assert indices_of(rest) == indices_of(full[1][5:])
+
+
+def test_service_logs_throughput_while_serving_and_stays_quiet_when_idle(make_service, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="loader_service")
+    svc = make_service(status_log_s=0)  # no log thread: this test calls the log step itself
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "loader_service" and "img/s" in r.getMessage()]
+
+    svc._log_progress()  # the baseline: says nothing
+    with RemoteLoader(svc.endpoint, **KW, epoch_lookahead=False) as ld:
+        assert sorted(indices_of(collect(ld))) == list(range(N))
+    svc._log_progress()
+    assert len(lines()) == 1
+    assert f"{N} samples delivered, 0 skipped" in lines()[0] and "workers: idle 2" in lines()[0]
+    svc._log_progress()  # idle, nothing delivered since: quiet
+    assert len(lines()) == 1
+
+
+def test_service_logs_throughput_on_its_own_interval(make_service, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="loader_service")
+    svc = make_service(status_log_s=0.05)
+    with RemoteLoader(svc.endpoint, **KW, epoch_lookahead=False) as ld:
+        collect(ld)
+    wait_for(lambda: any(f"{N} samples delivered" in r.getMessage() for r in caplog.records),
+             what="the periodic throughput line")
+
+
+def test_status_log_interval_is_validated():
+    with pytest.raises(ValueError, match="status_log_s must be >= 0"):
+        ServiceConfig(demo=True, status_log_s=-1)
