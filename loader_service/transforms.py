@@ -1,10 +1,16 @@
 """Decode and augment one sample into a uint8 HWC slot. Shared by the service's workers and
 by the benchmark's baselines, so every contender does exactly the same work.
 
+A sample is what a source's ``read`` returns (:data:`loader_service.sources.base.Sample`):
+encoded bytes, or an already-decoded uint8 array ``H x W x 3`` (RGB) or ``H x W`` (grey).
+
 * JPEG: libjpeg-turbo through simplejpeg. For RandomResizedCrop the crop is chosen from the
   header's size first and the JPEG is decoded at the smallest DCT scale (n/8) that still gives
   the crop at least the output resolution: fewer pixels decoded, same determinism.
 * PNG (and JPEGs libjpeg-turbo cannot convert, such as CMYK): OpenCV; Pillow as a last resort.
+* Arrays: no decode at all. The crop box, flip and resize (and every random draw) are those
+  of a decoded image of the same size, so an array gives the very bytes its PNG would; a grey
+  crop becomes RGB (three equal channels, as a grey PNG decodes) before the resize.
 * Randomness comes from a generator seeded by (seed, epoch, sample index), never from the
   worker, so a sample is the same bytes whichever worker makes it.
 """
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import numpy as np
 
@@ -31,9 +37,11 @@ except ImportError:  # pragma: no cover
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
+Sample = Union[bytes, np.ndarray]  # the contract is loader_service.sources.base.Sample
+
 
 class DecodeError(ValueError):
-    """The bytes are not an image this service can decode."""
+    """The sample is not an image this service can decode (or, for an array, use)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,12 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, epoch, index, 0x6175676D]))  # "augm"
 
 
-def process_sample(data: bytes, spec: TransformSpec, rng: np.random.Generator, out: np.ndarray) -> None:
-    """Decode ``data`` and write the transformed image into ``out`` (size, size, 3) uint8."""
+def process_sample(data: Sample, spec: TransformSpec, rng: np.random.Generator, out: np.ndarray) -> None:
+    """Write the transformed ``data`` into ``out`` (size, size, 3) uint8.
+
+    ``data``: encoded bytes (decoded here) or a uint8 array ``H x W x 3`` RGB / ``H x W`` grey
+    (used as is). Both take the same path below; only the size lookup and the decode differ.
+    """
     size = spec.image_size
     if spec.train:
         h, w = image_size_of(data)
@@ -76,13 +88,18 @@ def process_sample(data: bytes, spec: TransformSpec, rng: np.random.Generator, o
     y0, x0 = int(round(top * fy)), int(round(left * fx))
     y1 = min(max(int(round((top + ch) * fy)), y0 + 1), img.shape[0])
     x1 = min(max(int(round((left + cw) * fx)), x0 + 1), img.shape[1])
-    resize_into(img[y0:y1, x0:x1], out)
+    crop = img[y0:y1, x0:x1]
+    if crop.ndim == 2:  # a grey array: RGB like a grey PNG's decode, before the resize so the math is the same
+        crop = gray_to_rgb(crop)
+    resize_into(crop, out)
     if flip:
         out[:] = out[:, ::-1].copy()
 
 
-def image_size_of(data: bytes) -> Tuple[int, int]:
-    """(height, width) from the header alone."""
+def image_size_of(data: Sample) -> Tuple[int, int]:
+    """(height, width) from the header alone (of an array: its shape, once checked)."""
+    if isinstance(data, np.ndarray):
+        return check_pixels(data).shape[:2]
     if data[:3] == JPEG_MAGIC and simplejpeg is not None:
         try:
             h, w, _, _ = simplejpeg.decode_jpeg_header(data)
@@ -97,11 +114,15 @@ def image_size_of(data: bytes) -> Tuple[int, int]:
     return img.shape[0], img.shape[1]
 
 
-def decode_scaled(data: bytes, h: int, w: int, min_h: int, min_w: int) -> Tuple[np.ndarray, float, float]:
+def decode_scaled(data: Sample, h: int, w: int, min_h: int, min_w: int) -> Tuple[np.ndarray, float, float]:
     """Decode, downscaling in the DCT domain when the JPEG is much larger than needed.
 
-    Returns the image and its scale factors relative to (h, w).
+    Returns the image and its scale factors relative to (h, w). An array comes back as it is
+    (no copy; still grey if it was), at scale 1.
     """
+    if isinstance(data, np.ndarray):
+        img = check_pixels(data)
+        return img, img.shape[0] / h, img.shape[1] / w
     if data[:3] == JPEG_MAGIC and simplejpeg is not None and (min_h < h or min_w < w):
         try:
             img = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w)
@@ -112,8 +133,14 @@ def decode_scaled(data: bytes, h: int, w: int, min_h: int, min_w: int) -> Tuple[
     return img, img.shape[0] / h, img.shape[1] / w
 
 
-def decode(data: bytes) -> np.ndarray:
-    """Full-size RGB uint8 (H, W, 3). Raises :class:`DecodeError` with the reason."""
+def decode(data: Sample) -> np.ndarray:
+    """Full-size RGB uint8 (H, W, 3). Raises :class:`DecodeError` with the reason.
+
+    An array is checked and returned as is, or made RGB if grey.
+    """
+    if isinstance(data, np.ndarray):
+        img = check_pixels(data)
+        return gray_to_rgb(img) if img.ndim == 2 else img
     if not data:
         raise DecodeError("empty file")
     if data[:3] == JPEG_MAGIC and simplejpeg is not None:
@@ -129,6 +156,22 @@ def decode(data: bytes) -> np.ndarray:
             raise DecodeError("corrupt or truncated image (decoder gave up)")
         return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     return _decode_pillow(data)  # pragma: no cover
+
+
+def check_pixels(img: np.ndarray) -> np.ndarray:
+    """``img`` if it is a decoded sample (uint8, H x W x 3 or H x W, not empty), else :class:`DecodeError`."""
+    if img.dtype != np.uint8 or not (img.ndim == 2 or (img.ndim == 3 and img.shape[2] == 3)) \
+            or img.shape[0] < 1 or img.shape[1] < 1:
+        raise DecodeError(f"a decoded sample must be a uint8 array H x W x 3 (RGB) or H x W (grey), "
+                          f"got {img.dtype} of shape {img.shape}")
+    return img
+
+
+def gray_to_rgb(img: np.ndarray) -> np.ndarray:
+    """(H, W) grey -> (H, W, 3) C-contiguous, three equal channels (as OpenCV decodes a grey PNG)."""
+    if cv2 is not None:
+        return cv2.cvtColor(np.ascontiguousarray(img), cv2.COLOR_GRAY2RGB)
+    return np.repeat(img[:, :, None], 3, axis=2)  # pragma: no cover
 
 
 def _decode_pillow(data: bytes) -> np.ndarray:
@@ -196,7 +239,8 @@ def center_crop_params(h: int, w: int, fraction: float) -> Tuple[int, int, int, 
 
 def transform_batch(samples, spec: TransformSpec, seed: int, epoch: int, indices, out: np.ndarray,
                     read=None) -> Optional[list]:
-    """Process a whole batch (used by the benchmark baselines): ``samples[i]`` are bytes."""
+    """Process a whole batch (used by the benchmark baselines): ``samples[i]`` (or ``read(idx)``)
+    are samples as a source's ``read`` returns them: bytes or arrays."""
     for j, idx in enumerate(indices):
         data = samples[j] if read is None else read(int(idx))
         process_sample(data, spec, sample_rng(seed, epoch, int(idx)), out[j])

@@ -159,6 +159,54 @@ def test_raw_hdf5_arrays_arrive_pixel_exact(datasets):
         src.close()
 
 
+def test_raw_hdf5_arrays_are_read_as_arrays_never_encoded(datasets, tmp_path, monkeypatch):
+    import cv2
+
+    from loader_service.transforms import TransformSpec, process_sample, sample_rng
+
+    def no_encoding(*a, **k):
+        raise AssertionError("a raw HDF5 image was encoded")
+
+    monkeypatch.setattr(cv2, "imencode", no_encoding)
+    grey = datasets["raw"][..., 1]
+    with h5py.File(tmp_path / "grey1.h5", "w") as f:  # N x H x W x 1: read as H x W grey
+        f.create_dataset("images", data=grey[..., None])
+        f.create_dataset("labels", data=datasets["raw_labels"])
+    for path, want in ((datasets["paths"]["hdf5-raw"], datasets["raw"]), (str(tmp_path / "grey1.h5"), grey)):
+        src = open_source(open_path(path).spec())  # as a worker opens it
+        try:
+            for i in (0, 7, N - 1):
+                got = src.read(i)
+                assert isinstance(got, np.ndarray) and got.dtype == np.uint8 and got.shape == want[i].shape
+                assert np.array_equal(got, want[i])
+                out = np.zeros((16, 16, 3), np.uint8)
+                process_sample(got, TransformSpec(16), sample_rng(0, 0, i), out)
+        finally:
+            src.close()
+
+
+def test_raw_hdf5_serves_the_bytes_of_the_same_pixels_stored_as_png(make_service, datasets, tmp_path):
+    """Through the workers: raw arrays and a PNG-encoded HDF5 of the same pixels give the same batches."""
+    import cv2
+
+    from loader_service.sources.hdf5 import write_hdf5
+
+    raw = datasets["raw"]
+    pngs = [(f"s{i}", cv2.imencode(".png", raw[i][:, :, ::-1])[1].tobytes(), int(lab))
+            for i, lab in enumerate(datasets["raw_labels"])]
+    write_hdf5(str(tmp_path / "png.h5"), iter(pngs), N, chunk=8)
+    seen = {}
+    for name, path in (("raw", datasets["paths"]["hdf5-raw"]), ("png", str(tmp_path / "png.h5"))):
+        svc = make_service(data=(path,), demo=False, workers=2)
+        for train in (True, False):
+            with RemoteLoader(svc.endpoint, train=train, **KW) as ld:
+                seen[name, train] = _per_sample(collect(ld))
+        svc.stop()
+    for train in (True, False):
+        assert sorted(seen["raw", train]) == list(range(N))
+        assert seen["raw", train] == seen["png", train]
+
+
 # ---------------------------------------------------------------------------- detection
 def test_detection_opens_every_format_with_identical_samples(datasets):
     paths = datasets["paths"]

@@ -108,3 +108,74 @@ def test_transform_spec_validation():
         T.TransformSpec(scale=(0.5, 0.2))
     with pytest.raises(ValueError, match="ratio"):
         T.TransformSpec(ratio=(0, 1))
+
+
+# ---------------------------------------------------------------------------- decoded arrays
+def _png(img: np.ndarray) -> bytes:
+    """Lossless PNG of an RGB (H, W, 3) or grey (H, W) uint8 array."""
+    import cv2
+
+    ok, buf = cv2.imencode(".png", img[:, :, ::-1] if img.ndim == 3 else img)
+    assert ok
+    return buf.tobytes()
+
+
+def _noise(shape, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:shape[0], 0:shape[1]]
+    base = (xx * 3 + yy * 5) % 256
+    if len(shape) == 3:
+        base = np.stack([base, (xx + 2 * yy) % 256, (xx * yy) % 256], -1)
+    return (base ^ rng.integers(0, 32, size=shape)).astype(np.uint8)
+
+
+def _both(arr, spec, seed, epoch, index):
+    """process_sample of the array and of its PNG, each with a fresh generator; and the generators after."""
+    outs, after = [], []
+    for data in (arr, _png(arr)):
+        out = np.full((spec.image_size, spec.image_size, 3), 17, np.uint8)
+        rng = T.sample_rng(seed, epoch, index)
+        T.process_sample(data, spec, rng, out)
+        outs.append(out)
+        after.append(rng.random())
+    return outs, after
+
+
+# 75x101 -> 32: crops shrink by more than 2x (INTER_AREA) or less (bilinear); -> 160: upscale
+@pytest.mark.parametrize("size", [32, 160])
+def test_rgb_array_gives_the_bytes_of_its_png(size):
+    arr = _noise((75, 101, 3))
+    for spec in (T.TransformSpec(size), T.TransformSpec(size, scale=(0.01, 0.05)), T.TransformSpec(size, flip=False)):
+        for seed in range(12):
+            (a, p), (ra, rp) = _both(arr, spec, seed, 1, seed * 7)
+            assert a.tobytes() == p.tobytes(), (spec, seed)
+            assert ra == rp, "the array path must draw exactly what the PNG path draws"
+    spec = T.TransformSpec(size, train=False)
+    (a, p), (ra, rp) = _both(arr, spec, 0, 0, 0)
+    assert a.tobytes() == p.tobytes() and ra == rp
+    # a strided view (a slice of a bigger array) is as good as a C-contiguous one
+    big = _noise((90, 120, 3), seed=1)
+    view = big[5:80, 7:108]
+    assert not view.flags.c_contiguous
+    for spec in (T.TransformSpec(size), T.TransformSpec(size, train=False)):
+        assert run(view, spec, 3, 0, 4).tobytes() == run(_png(np.ascontiguousarray(view)), spec, 3, 0, 4).tobytes()
+
+
+def test_grey_array_gives_the_rgb_bytes_of_its_grey_png():
+    grey = _noise((61, 47))
+    for spec in (T.TransformSpec(24), T.TransformSpec(96), T.TransformSpec(24, train=False)):
+        for seed in range(8):
+            (a, p), (ra, rp) = _both(grey, spec, seed, 0, seed)
+            assert a.tobytes() == p.tobytes(), (spec, seed)
+            assert ra == rp
+            assert np.array_equal(a[..., 0], a[..., 1]) and np.array_equal(a[..., 0], a[..., 2])
+    assert np.array_equal(T.decode(grey), T.decode(_png(grey)))  # decode() of a sample: RGB either way
+    assert T.decode(grey).shape == (61, 47, 3)
+
+
+@pytest.mark.parametrize("bad", [np.zeros((8, 8, 3), np.float32), np.zeros((8, 8, 1), np.uint8),
+                                 np.zeros((8, 8, 4), np.uint8), np.zeros((0, 8, 3), np.uint8),
+                                 np.zeros((2, 8, 8, 3), np.uint8)])
+def test_arrays_outside_the_sample_contract_are_refused(bad):
+    with pytest.raises(T.DecodeError, match="uint8 array H x W x 3"):
+        run(bad, T.TransformSpec(16))

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Tuple, Union
 
 import numpy as np
+
+Sample = Union[bytes, np.ndarray]
+"""What :meth:`Source.read` returns, and :func:`~loader_service.transforms.process_sample` takes:
+
+* ``bytes``: an encoded image file, JPEG or PNG (the worker decodes it); or
+* ``numpy.ndarray``: pixels already decoded, ``uint8``, shape ``(H, W, 3)`` (RGB) or ``(H, W)``
+  (grey; it becomes RGB like a grey PNG does). Any strides. The worker crops, flips and resizes
+  it with the same math and the same random draws as a decoded image of that size, so a
+  raw array gives the very bytes its lossless (PNG) encoding would.
+
+Nothing else: a source with other layouts (``H x W x 1``, BGR, ...) converts before returning.
+"""
 
 
 @dataclass(frozen=True)
@@ -28,7 +40,7 @@ class SourceSpec:
 
 
 class Source(abc.ABC):
-    """Random access to encoded samples and their integer labels."""
+    """Random access to samples (see :data:`Sample`) and their integer labels."""
 
     name: str
     labels: np.ndarray  # int64, one per sample; the dispatcher sends these with each batch
@@ -37,8 +49,8 @@ class Source(abc.ABC):
     def __len__(self) -> int: ...
 
     @abc.abstractmethod
-    def read(self, i: int) -> bytes:
-        """The encoded bytes of sample ``i`` (JPEG or PNG)."""
+    def read(self, i: int) -> Sample:
+        """Sample ``i``: encoded bytes (JPEG or PNG) or a decoded uint8 array; see :data:`Sample`."""
 
     @abc.abstractmethod
     def describe(self, i: int) -> str:

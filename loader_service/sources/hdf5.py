@@ -4,9 +4,10 @@ Images are either
 
 * encoded: a 1-D variable-length uint8 dataset (``h5py.vlen_dtype(np.uint8)``), one JPEG or
   PNG per element, which is what ``loader-service pack --format hdf5`` writes; or
-* raw: a uint8 array ``N x H x W x 3`` (RGB) or ``N x H x W`` (grey). The decode path takes
-  JPEG or PNG bytes, so a raw image is handed to it as an uncompressed PNG (lossless, so the
-  pixels arrive unchanged; it costs an encode and a decode per sample).
+* raw: a uint8 array ``N x H x W x 3`` (RGB), ``N x H x W`` or ``N x H x W x 1`` (grey).
+  ``read`` hands such an image to the worker as the array itself (``H x W x 3`` or ``H x W``,
+  see :data:`~loader_service.sources.base.Sample`): no encode, no decode, and the worker's
+  crop/flip/resize gives the same bytes as it would for a PNG of the same pixels.
 
 Dataset names: ``images`` (else ``image``, ``imgs``, ``data``, ``x``) and ``labels`` (else
 ``label``, ``targets``, ``y``), or given explicitly. Class names come from the file's
@@ -41,7 +42,7 @@ from typing import Optional
 
 import numpy as np
 
-from .base import Source, SourceSpec, register
+from .base import Sample, Source, SourceSpec, register
 
 IMAGE_KEYS = ("images", "image", "imgs", "data", "x")
 LABEL_KEYS = ("labels", "label", "targets", "y")
@@ -152,13 +153,16 @@ class HDF5Source(Source):
     def __len__(self) -> int:
         return self._len
 
-    def read(self, i: int) -> bytes:
+    def read(self, i: int) -> Sample:
+        """The encoded bytes, or for a raw dataset the pixels: ``H x W x 3`` RGB or ``H x W`` grey."""
         if self._ds is None or self._pid != os.getpid():
             self._ds = self._open()[self.images_key]
         value = self._ds[i]
         if not self.raw:
             return value.tobytes()
-        return encode_png(value)
+        if value.ndim == 3 and value.shape[-1] == 1:
+            return value[:, :, 0]  # H x W x 1 -> H x W: the grey layout a Sample allows
+        return value
 
     def describe(self, i: int) -> str:
         return f"{self.path}:/{self.images_key}[{i}]"
@@ -170,18 +174,6 @@ class HDF5Source(Source):
             except Exception:  # pragma: no cover - closing a dead handle
                 pass
         self._file = self._ds = None
-
-
-def encode_png(img: np.ndarray) -> bytes:
-    """An RGB (or grey) uint8 array as a PNG without compression: fast, lossless."""
-    import cv2
-
-    if img.ndim == 3 and img.shape[-1] == 3:
-        img = img[:, :, ::-1]  # OpenCV writes BGR
-    ok, buf = cv2.imencode(".png", np.ascontiguousarray(img), [cv2.IMWRITE_PNG_COMPRESSION, 0])
-    if not ok:  # pragma: no cover
-        raise ValueError("could not encode the raw image as PNG")
-    return buf.tobytes()
 
 
 def _pick(f, given: Optional[str], candidates, what: str, path: str) -> str:
