@@ -6,8 +6,9 @@ change goes through one place. Mutating endpoints need ``Authorization: Bearer <
 health, readiness, status and metrics stay open.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: FastAPI reads the body model from the handler's
+# annotation, and that model is built per service (scale_request_model), so it must be the class
+# itself, not a name to look up in this module.
 import asyncio
 from typing import TYPE_CHECKING, Dict, Optional
 
@@ -24,11 +25,20 @@ if TYPE_CHECKING:
     from .service import Service
 
 
-class ScaleRequest(BaseModel):
-    """Set the number of decode worker processes."""
+def scale_request_model(max_workers: int) -> type:
+    """The body of ``PUT /v1/workers`` for a service that allows at most ``max_workers``.
 
-    model_config = ConfigDict(extra="forbid")
-    count: int = Field(..., ge=0, le=1024, description="target number of worker processes")
+    Strict: ``"2"``, ``2.0`` and ``false`` are not counts. The bound is the service's own, so
+    the schema tells clients the real limit and every refusal is the same 422 shape.
+    """
+
+    class ScaleRequest(BaseModel):
+        """Set the number of decode worker processes."""
+
+        model_config = ConfigDict(extra="forbid", strict=True)
+        count: int = Field(..., ge=0, le=max_workers, description="target number of worker processes")
+
+    return ScaleRequest
 
 
 class ScaleResponse(BaseModel):
@@ -98,6 +108,8 @@ def make_app(service: "Service") -> FastAPI:
         seconds, client stall, and the autoscaler's recent decisions."""
         d = dispatcher()
         return await on_dispatcher(d.status)
+
+    ScaleRequest = scale_request_model(service.config.max_workers)
 
     @app.put("/v1/workers", tags=["control"], response_model=ScaleResponse, dependencies=[Depends(require_token)],
              responses={401: {"description": "no token"}, 403: {"description": "wrong token"},

@@ -1,5 +1,7 @@
 """REST control plane: live scaling keeps exactly-once, auth, validation, metrics, autoscaler."""
 
+import itertools
+import json
 import os
 import subprocess
 import sys
@@ -7,10 +9,15 @@ import time
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
 
 from client import RemoteLoader
+from loader_service.http_api import scale_request_model
 
 from .conftest import DEMO_SIZE
 from .helpers import status, wait_for
@@ -78,12 +85,14 @@ def test_mutations_need_the_token(svc, headers, code, detail):
 
 @pytest.mark.parametrize("body, field", [
     ({"count": -1}, "count"), ({"count": "many"}, "count"), ({}, "count"), ({"count": 2, "extra": 1}, "extra"),
-    ({"count": 10**6}, "count"),
+    ({"count": 10**6}, "count"), ({"count": 257}, "count"),  # above the service's max_workers (256)
+    ({"count": "2"}, "count"), ({"count": 2.0}, "count"), ({"count": False}, "count"),  # strict: not counts
 ])
 def test_bad_bodies_get_422_naming_the_field(svc, body, field):
     r = httpx.put(f"{svc.http_url}/v1/workers", json=body, headers=AUTH, timeout=10)
     assert r.status_code == 422
     assert any(field in str(e["loc"]) for e in r.json()["detail"])
+    assert status(svc)["workers"]["target"] == 1  # refused: nothing changed
 
 
 def test_read_only_endpoints_are_open_and_ready_reports_workers(svc):
@@ -91,7 +100,10 @@ def test_read_only_endpoints_are_open_and_ready_reports_workers(svc):
     r = httpx.get(f"{svc.http_url}/readyz", timeout=10).json()
     assert r["ready"] and r["data_port"] == svc.dispatcher.data_port
     assert httpx.get(f"{svc.http_url}/healthz", timeout=10).json() == {"status": "ok"}
-    assert "/v1/workers" in httpx.get(f"{svc.http_url}/openapi.json", timeout=10).json()["paths"]
+    schema = httpx.get(f"{svc.http_url}/openapi.json", timeout=10).json()
+    assert "/v1/workers" in schema["paths"]
+    count = schema["components"]["schemas"]["ScaleRequest"]["properties"]["count"]
+    assert (count["type"], count["minimum"], count["maximum"]) == ("integer", 0, svc.config.max_workers)
     assert httpx.get(f"{svc.http_url}/docs", timeout=10).status_code == 200
 
 
@@ -133,6 +145,80 @@ def test_fuzzed_requests_never_get_5xx(svc, method, path, body, auth):
         body = dict(body, count=body["count"] % 4)  # keep the machine sane if it is valid
     r = httpx.request(method, f"{svc.http_url}{path}", json=body, headers=headers, timeout=10)
     assert r.status_code < 500, (method, path, body, r.status_code, r.text)
+
+
+# Codes a schema-generated request may honestly get besides the ones its operation documents:
+# 400 is FastAPI's "There was an error parsing the body" for a body it cannot decode (bytes that are not UTF-8),
+# 422 FastAPI's validation error (documented already for every operation that takes input). 401/403/409 are
+# documented on PUT /v1/workers; 404/405 cannot happen, every request goes to a path and method of the schema.
+UNDOCUMENTED_OK_WITH_BODY = {400, 422}
+# Schema-driven auth variants; "generated" keeps whatever Authorization schemathesis made (or left out).
+AUTH_VARIANTS = {"valid": f"Bearer {TOKEN}", "wrong": "Bearer wrong-token", "missing": None, "generated": ...}
+
+
+def _clamp_scale(case, max_workers):
+    """Keep PUT /v1/workers cheap: a body the service would accept (checked with the service's own model)
+    with a count in 4..max_workers gets count % 4, so the fuzzer asks for at most 3 worker processes
+    instead of up to 256. Everything else is left alone: it must get 401/403/422 and spawn nothing."""
+    if case.operation.label != "PUT /v1/workers":
+        return case
+    body = case.body
+    if isinstance(body, (bytes, str)):
+        try:
+            body = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return case
+    try:
+        count = scale_request_model(max_workers).model_validate(body).count
+    except ValidationError:
+        return case
+    if 3 < count <= max_workers:
+        case.body = dict(body, count=count % 4)
+    return case
+
+
+def test_schema_fuzzed_requests_never_get_5xx(svc):
+    """Every operation of the live /openapi.json, fuzzed from the schema itself (schemathesis): valid and
+    invalid inputs, with the right, a wrong, no or a generated token. No 5xx (the one documented 5xx, 503 of
+    GET /readyz while no worker is up, must be that readiness answer), and no status code nobody explains."""
+    schema = schemathesis.openapi.from_url(f"{svc.http_url}/openapi.json", timeout=10)
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert {op.label for op in ops} >= {"GET /healthz", "GET /readyz", "GET /v1/status", "PUT /v1/workers",
+                                        "GET /metrics"}
+    ops.sort(key=lambda op: op.method.upper() == "GET")  # mutate first: the reads then see a churned pool
+    max_workers = svc.config.max_workers
+    for op in ops:
+        takes_input = bool(op.body) or any(True for _ in op.iter_parameters())
+        responses = schema.raw_schema["paths"][op.path][op.method.lower()]["responses"]
+        allowed = {int(code) for code in responses if code.isdigit()}
+        if op.body:
+            allowed |= UNDOCUMENTED_OK_WITH_BODY
+        # an operation with no input has nothing to make invalid: negative generation is unsatisfiable there
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if takes_input else [])
+        for mode, auth in itertools.product(modes, AUTH_VARIANTS):
+            # database=None: this inner test is one function for every operation, and the example database
+            # keys on the function, so stored examples would be replayed into other operations
+            @settings(max_examples=(30 if auth == "valid" else 12) if takes_input else 2, deadline=None,
+                      database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+            @given(case=op.as_strategy(generation_mode=mode).map(lambda c: _clamp_scale(c, max_workers)))
+            def one(case):
+                value = AUTH_VARIANTS[auth]
+                if value is not ...:
+                    case.headers.pop("Authorization", None)  # a case-insensitive dict
+                    if value is not None:
+                        case.headers["Authorization"] = value
+                r = case.call(base_url=svc.http_url, timeout=10)
+                where = (f"{mode.value}, {auth} token, body {case.body!r}: {case.as_curl_command()}\n"
+                         f"-> {r.status_code} {r.text[:500]}")  # the repr: curl shows raw bytes lossily
+                if op.label == "GET /readyz" and r.status_code == 503:  # documented: not ready (e.g. scaled to 0)
+                    assert r.json()["ready"] is False and r.json()["reason"], where
+                else:
+                    case.validate_response(r, checks=[not_a_server_error])
+                assert r.status_code in allowed, where
+                if r.status_code == 400:
+                    assert r.json()["detail"] == "There was an error parsing the body", where
+
+            one()
 
 
 def test_operator_cli_status_and_scale(svc):
