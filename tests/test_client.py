@@ -52,6 +52,58 @@ def test_batches_are_owned_by_the_trainer(service):
         assert all(torch.equal(b.raw, copy) for b, copy in kept)
 
 
+def test_batches_outlive_the_loader_and_are_writable(service):
+    """The CPU images tensor wraps the received zmq message: it must stay valid (and writable,
+    for in-place ops in a training step) after the loader, its sockets and context are gone."""
+    with RemoteLoader(service.endpoint, batch_size=8, image_size=32, epoch_lookahead=False) as ld:
+        batches = list(ld)
+        copies = [b.raw.clone() for b in batches]
+    assert all(torch.equal(b.raw, c) for b, c in zip(batches, copies))
+    b = batches[0]
+    b.raw[0] = 7  # in place, as a training step's augmentation might
+    assert int(b.raw[0].min()) == int(b.raw[0].max()) == 7
+    assert b.labels.dtype == torch.int64 and b.labels.is_contiguous()
+
+
+def test_malformed_batch_from_a_service_is_a_clear_error():
+    """A peer that answers with a Batch whose frames do not match its header: LoaderError, no hang."""
+    import threading
+
+    import zmq
+
+    from loader_service import protocol as P
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def fake_service():
+        while True:
+            frames = router.recv_multipart()
+            ident, (msg, _) = frames[0], P.decode(frames[1:])
+            if isinstance(msg, P.Describe):
+                router.send_multipart([ident, *P.encode(P.DatasetInfo(dataset="x", length=8, num_classes=1))])
+            elif isinstance(msg, P.Hello):
+                router.send_multipart([ident, *P.encode(P.Accept(stream=msg.stream, epoch=0, num_batches=2,
+                                                                 num_samples=8, dataset_length=8, dataset="x"))])
+                header = P.encode_header(P.Batch(stream=msg.stream, epoch=0, index=0, indices=[0, 1, 2, 3],
+                                                 shape=[4, 8, 8, 3]))
+                router.send_multipart([ident, header, b"\0" * 100, b"\0" * 32])  # 100 != 4*8*8*3 bytes
+                return
+
+    t = threading.Thread(target=fake_service, daemon=True)
+    t.start()
+    try:
+        with RemoteLoader(f"tcp://127.0.0.1:{port}", batch_size=4, image_size=8, timeout=30) as ld:
+            with pytest.raises(LoaderError, match=r"malformed batch from the service: Batch frames are \[100, 32\]"):
+                next(iter(ld))
+    finally:
+        t.join()
+        router.close()
+        ctx.term()
+
+
 def test_echo_yields_each_batch_k_times(service):
     with RemoteLoader(service.endpoint, batch_size=16, image_size=32, echo=3) as ld:
         assert len(ld) == 3 * DEMO_SIZE // 16
