@@ -27,6 +27,12 @@ SEGMENT_CACHE = 4  # mappings a worker keeps open; bounds what unlinked segments
 # these dataset indices, the way a decoder crash on a poison file would kill it.
 CRASH_INDICES = frozenset(int(x) for x in os.environ.get("LOADER_FAULT_CRASH_INDICES", "").split(",") if x.strip())
 
+# Benchmark hook (bench/bench_transport.py): with LOADER_BENCH_SKIP_DECODE=1 a worker neither
+# reads nor decodes; it reports every task done at once and leaves its slot's bytes untouched
+# (zeros in a fresh segment), so only dispatch, transport and the client are measured. Never
+# set it outside that benchmark: clients would be served blank images.
+BENCH_SKIP_DECODE = os.environ.get("LOADER_BENCH_SKIP_DECODE", "").strip() not in ("", "0")
+
 
 def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn) -> None:
     """Entry point of a worker process. Returns when told to stop or when the service dies."""
@@ -82,6 +88,9 @@ def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments)
     except Exception as exc:
         return P.Done(task=task.task, worker=worker_id, ok=False, error=f"task setup failed: {exc}",
                       traceback=traceback.format_exc())
+    if BENCH_SKIP_DECODE:
+        del out
+        return P.Done(task=task.task, worker=worker_id, ok=True)
     skipped: list = []
     k = 0
     for pos, idx in enumerate(task.indices):

@@ -61,3 +61,42 @@ def test_benchmark_runs_and_reports_three_contenders(tmp_path):
         assert contenders[name]["trainer_cpu_s_per_1000_img"] is not None
     assert len(result["targets"]) == 3
     assert "| service + RemoteLoader | 1 |" in stdout
+
+
+TRANSPORT_SCRIPT = os.path.join(ROOT, "bench", "bench_transport.py")
+
+
+@pytest.mark.slow
+def test_transport_benchmark_reports_both_rows(tmp_path):
+    out = tmp_path / "transport.json"
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, BENCH_SMOKE_TAG=tag)  # LOADER_CACHE_DIR from conftest: the test's demo cache
+    env.pop("LOADER_BENCH_SKIP_DECODE", None)  # the script sets it for its service itself
+    # 4 x 96 x 96 x 3 = 108 KiB: above the zero-copy threshold; 32 images = 8 batches per epoch,
+    # so the service's row crosses epoch boundaries
+    batches = 12
+    cmd = [sys.executable, TRANSPORT_SCRIPT, "--batch-size", "4", "--image-size", "96", "--workers", "1",
+           "--batches", str(batches), "--warmup", "3", "--rounds", "1", "--demo-size", "32", "--json", str(out)]
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # SIGTERM: the benchmark stops its raw sender and its service on the way out
+            stdout, stderr = proc.communicate(timeout=60)
+            pytest.fail(f"the transport benchmark did not finish in 240s:\n{stdout}\n{stderr}")
+    assert proc.returncode == 0, f"transport benchmark failed:\n{stdout}\n{stderr}"
+    assert not _tagged_processes(tag), f"the benchmark left processes behind: {_tagged_processes(tag)}"
+
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert set(rows) == {"raw_pyzmq", "service_client"}
+    for name, row in rows.items():
+        assert row["batches"] == batches, (name, row)
+        for key in ("batches_per_s", "images_per_s", "mb_per_s"):
+            assert row[key] > 0, (name, key, row)
+        assert row["images_per_s"] == pytest.approx(4 * row["batches_per_s"]), (name, row)
+    assert rows["service_client"]["decode_skipped"] is True  # the worker hook was honoured
+    assert result["target"]["pct_of_raw"] > 0
+    assert "| raw pyzmq ROUTER -> DEALER |" in stdout
+    assert "| service (decode off) + RemoteLoader |" in stdout
+    assert ("PASS " in stdout) != ("MISS " in stdout)

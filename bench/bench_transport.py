@@ -1,0 +1,444 @@
+#!/usr/bin/env python
+"""Transport benchmark: the service's data path with decoding switched off, against a raw
+pyzmq program that moves the same messages over the same socket types.
+
+    python bench/bench_transport.py [--batch-size 64] [--image-size 224] [--workers 2] [--window W]
+                                    [--seconds 5 | --batches N] [--warmup 20] [--rounds 3] [--json PATH]
+
+Both rows move the same messages: a msgpack header frame shaped like ``protocol.Batch`` (0.1-0.4
+KB at batch 64), an image frame of ``batch x size x size x 3`` uint8 bytes (9.63 MB at 64 x 224)
+and a labels frame of ``batch`` int64, from a ROUTER in another process to a DEALER in this
+one, over ``tcp://127.0.0.1``, with the same flow control: the receiver asks for ``--window``
+batches up front and for one more after each batch it receives (the client's credits; window
+default ``max(4, 2 x workers)``, what ``bench_throughput.py`` gives ``RemoteLoader`` as prefetch).
+
+1. **raw pyzmq**: a spawned process binds a ROUTER (``SNDHWM=RCVHWM=0`` like the service's)
+   and answers each credit with one batch: the header packed with msgpack, the image frame
+   sent zero-copy (``zmq.Frame(buf, track=True)``) from one of ``window`` preallocated
+   buffers, each reused only after zmq's tracker says its last send completed (the rule the
+   service follows), the labels frame from preallocated bytes. The buffers are filled once,
+   so they are real pages like the service's slots (an untouched zeroed buffer maps the
+   kernel's shared zero page and flatters the sender). This process receives with a
+   DEALER: ``recv`` the header and ``msgpack.unpackb`` it, ``recv_into`` the image and labels
+   frames into one preallocated numpy buffer each, and sends a one-batch credit. This is the
+   most a pyzmq program can move with this message shape and flow; it is the 100%.
+2. **service + RemoteLoader, decode off**: ``python -m loader_service serve --demo
+   --workers N`` in its own process with ``LOADER_BENCH_SKIP_DECODE=1`` (the benchmark hook in
+   ``loader_service/worker.py``: a worker neither reads nor decodes, it reports each task done
+   at once and leaves the slot's bytes untouched), consumed by ``RemoteLoader(prefetch=window,
+   drop_last=True)`` in this process (so every batch is full). What remains is the real path:
+   the dispatcher's task round trip to a worker through its internal socket, ordering, the
+   header encode, the zero-copy send from a shared-memory slot with its tracker, and on the
+   client side header decode, checks, the images tensor wrapping the received message, the
+   credit, reordering and epoch boundaries (every ``demo-size // batch`` batches: a new stream
+   with fresh slots; epoch lookahead on, the default). Its first batch must arrive all zeros,
+   which shows decoding really was off.
+
+The service binds tcp only (``Dispatcher`` has no ipc endpoint), so there is no ipc row.
+
+How to read the table:
+
+* Each row is timed from the first batch after ``--warmup`` batches until ``--seconds``
+  have passed (or ``--batches`` have arrived); the receiving loop only counts batches, it
+  does not touch their pixels. ``MB/s`` is image payload, 10^6 bytes per second.
+* ``% of raw``: the service's batches/s over the raw program's; the target is >= 80%. With
+  ``--rounds`` > 1 the rows alternate (raw, service, raw, service, ...) and the table shows
+  each row's median; every round's ratio is printed below it.
+* ``CPU ms / batch``: user + system CPU per batch of the receiving process (this one, all
+  its threads, zmq's I/O thread included) and of the sending side (the raw process, or the
+  service process plus its workers). On a machine with few cores these two compete with each
+  other and with anything else running, so the CPU columns say more than the rates about
+  where the difference comes from.
+
+The PASS/MISS line checks the project's target; the exit status does not depend on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shlex
+import signal
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator, List, Optional
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+for _p in (ROOT, BENCH):  # run as a script from anywhere: the project and bench_throughput's helpers
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import zmq  # noqa: E402
+
+from bench_throughput import START_TIMEOUT_S, ServiceProcess, cpu_seconds, log, machine  # noqa: E402
+from client import RemoteLoader  # noqa: E402
+from loader_service.sources.demo import ensure_demo  # noqa: E402
+
+RAW, SERVICE = "raw_pyzmq", "service_client"
+LABELS = {RAW: "raw pyzmq ROUTER -> DEALER", SERVICE: "service (decode off) + RemoteLoader"}
+TARGET = 0.80  # DESIGN.md: transport alone >= 80% of raw pyzmq on the same socket type
+SKIP_DECODE_ENV = "LOADER_BENCH_SKIP_DECODE"
+STOP_JOIN_S = 10.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    batch_size: int
+    image_size: int
+    workers: int
+    window: int
+    warmup: int  # batches received before the clock starts
+    seconds: float  # timed length of a row, unless batches is set
+    batches: int  # > 0: time exactly this many batches instead
+    demo_size: int
+
+    @property
+    def image_bytes(self) -> int:
+        return self.batch_size * self.image_size * self.image_size * 3
+
+
+@dataclass
+class Run:
+    """One timed run of one row."""
+
+    batches: int
+    seconds: float
+    receiver_cpu_s: float
+    sender_cpu_s: float
+    image_bytes: int
+    batch_size: int
+
+    @property
+    def batches_per_s(self) -> float:
+        return self.batches / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def images_per_s(self) -> float:
+        return self.batches_per_s * self.batch_size
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.batches_per_s * self.image_bytes / 1e6
+
+    def cpu_ms_per_batch(self, cpu_s: float) -> float:
+        return 1000.0 * cpu_s / self.batches if self.batches else 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "batches_per_s": self.batches_per_s, "images_per_s": self.images_per_s,
+                "mb_per_s": self.mb_per_s, "receiver_cpu_ms_per_batch": self.cpu_ms_per_batch(self.receiver_cpu_s),
+                "sender_cpu_ms_per_batch": self.cpu_ms_per_batch(self.sender_cpu_s)}
+
+
+def timed(next_batch: Callable[[], None], settings: Settings, senders: Callable[[], List[psutil.Process]]) -> Run:
+    """Receive ``warmup`` batches, then time the rest (by seconds or by count)."""
+    for _ in range(settings.warmup):
+        next_batch()
+    me, procs = psutil.Process(), senders()
+    cpu0, scpu0 = cpu_seconds([me]), cpu_seconds(procs)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        next_batch()
+        n += 1
+        if settings.batches > 0:
+            if n >= settings.batches:
+                break
+        elif time.perf_counter() - t0 >= settings.seconds:
+            break
+    t1 = time.perf_counter()
+    cpu, scpu = cpu_seconds([me]) - cpu0, cpu_seconds(procs) - scpu0
+    return Run(n, t1 - t0, cpu, scpu, settings.image_bytes, settings.batch_size)
+
+
+# ---------------------------------------------------------------------------------- raw pyzmq
+def _batch_header(k: int, n: int, size: int) -> bytes:
+    """A header with the keys and value types of ``protocol.Batch`` (plain msgpack, no dataclass)."""
+    return msgpack.packb({"v": 1, "t": 11, "stream": 1, "epoch": 0, "index": k,
+                          "indices": list(range(k * n, k * n + n)), "shape": [n, size, size, 3], "padding": 0,
+                          "skipped": [], "dtype": "uint8"}, use_bin_type=True)
+
+
+def _raw_router(settings: Settings, conn) -> None:
+    """The raw sender (a spawned process): one batch per credit until the parent says stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    ctx = zmq.Context(1)
+    sock = ctx.socket(zmq.ROUTER)
+    trackers: List[Optional[zmq.MessageTracker]] = [None] * settings.window
+    try:
+        for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            sock.setsockopt(opt, val)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        n, size = settings.batch_size, settings.image_size
+        # written once, so every page is real memory: an untouched zeroed buffer would map the
+        # kernel's one shared zero page and make the send copies unrealistically cache-friendly
+        slots = [np.full(settings.image_bytes, 0x5A, np.uint8) for _ in range(settings.window)]
+        labels = np.zeros(n, np.int64).tobytes()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(conn.fileno(), zmq.POLLIN)  # "stop", or EOF if the parent is gone
+        conn.send(("ready", f"tcp://127.0.0.1:{port}"))
+        k = 0
+        while True:
+            events = dict(poller.poll())
+            if conn.fileno() in events:
+                return
+            while True:
+                try:
+                    ident, header = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                for _ in range(msgpack.unpackb(header, raw=False)["n"]):
+                    slot = k % settings.window
+                    t = trackers[slot]
+                    if t is not None and not t.done:
+                        t.wait()  # never rewrite a buffer zmq may still be sending
+                    frame = zmq.Frame(slots[slot], track=True)
+                    sock.send_multipart([ident, _batch_header(k, n, size), frame, labels])
+                    trackers[slot] = frame.tracker
+                    del frame  # as the dispatcher's does: a live Frame object keeps its tracker pending
+                    k += 1
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        sock.close(0)
+        ctx.term()  # returns once zmq has let go of every zero-copy frame
+
+
+def bench_raw(settings: Settings) -> Run:
+    mpctx = mp.get_context("spawn")
+    parent, child = mpctx.Pipe()
+    proc = mpctx.Process(target=_raw_router, args=(settings, child), name="raw-pyzmq-router")
+    ctx = zmq.Context(1)
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        proc.start()
+        child.close()
+        if not parent.poll(START_TIMEOUT_S):
+            raise TimeoutError(f"the raw ROUTER process did not start within {START_TIMEOUT_S:.0f}s")
+        try:
+            kind, endpoint = parent.recv()
+        except EOFError:
+            proc.join(STOP_JOIN_S)
+            raise RuntimeError(f"the raw ROUTER process exited (code {proc.exitcode}) before it was ready") from None
+        if kind != "ready":
+            raise RuntimeError(f"the raw ROUTER process failed:\n{endpoint}")
+        for opt, val in ((zmq.LINGER, 0), (zmq.RCVHWM, 0)):
+            sock.setsockopt(opt, val)
+        sock.connect(endpoint)
+        images = np.empty(settings.image_bytes, np.uint8)
+        labels = np.empty(settings.batch_size, np.int64)
+        want = (settings.image_bytes, labels.nbytes)
+        credit = msgpack.packb({"v": 1, "t": 2, "stream": 1, "n": 1}, use_bin_type=True)
+        sock.send(msgpack.packb({"v": 1, "t": 2, "stream": 1, "n": settings.window}, use_bin_type=True))
+
+        def next_batch() -> None:
+            header = msgpack.unpackb(sock.recv(), raw=False)
+            got = (sock.recv_into(images), sock.recv_into(labels))
+            if got != want or sock.getsockopt(zmq.RCVMORE) or header["t"] != 11:
+                raise RuntimeError(f"raw: unexpected message: frames {got}, header {header}")
+            sock.send(credit)
+
+        return timed(next_batch, settings, lambda: [psutil.Process(proc.pid)])
+    finally:
+        sock.close(0)
+        ctx.term()
+        if proc.pid is not None:
+            with contextlib.suppress(OSError):
+                parent.send(("stop", None))
+            proc.join(STOP_JOIN_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(STOP_JOIN_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        parent.close()
+
+
+# --------------------------------------------------------------- service + RemoteLoader
+@contextlib.contextmanager
+def skip_decode_env():
+    """LOADER_BENCH_SKIP_DECODE=1 in the environment a child process is started with."""
+    old = os.environ.get(SKIP_DECODE_ENV)
+    os.environ[SKIP_DECODE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[SKIP_DECODE_ENV]
+        else:
+            os.environ[SKIP_DECODE_ENV] = old
+
+
+def _epochs(loader: RemoteLoader) -> Iterator:
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def bench_service(settings: Settings) -> "tuple[Run, bool]":
+    """Returns the run and whether decoding was really off (the first batch is all zeros)."""
+    cmd = [sys.executable, "-m", "loader_service", "serve", "--demo", "--demo-size", str(settings.demo_size),
+           "--workers", str(settings.workers), "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0",
+           "--log-level", "warning"]
+    with skip_decode_env():  # Popen copies the environment now; the service's workers inherit it
+        svc = ServiceProcess(cmd)
+    try:
+        endpoint = svc.wait_ready(START_TIMEOUT_S)
+        with RemoteLoader(endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
+                          prefetch=settings.window, drop_last=True) as loader:
+            batches = _epochs(loader)
+            try:
+                first = next(batches)
+                shape = (settings.batch_size, settings.image_size, settings.image_size, 3)
+                if tuple(first.images.shape) != shape:
+                    raise RuntimeError(f"service: batch of shape {tuple(first.images.shape)}, expected {shape}")
+                skipped = not bool(first.raw.any())
+                if not skipped:
+                    log(f"warning: the service decoded images: is {SKIP_DECODE_ENV} honoured by "
+                        "loader_service/worker.py?")
+                del first
+
+                def next_batch() -> None:
+                    next(batches)
+
+                run = timed(next_batch, settings, lambda: svc.processes())
+            finally:
+                batches.close()
+        return run, skipped
+    finally:
+        svc.stop()
+
+
+# ----------------------------------------------------------------------------------- report
+def summarize(runs: List[Run]) -> dict:
+    """Median of each figure over the rounds."""
+    med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
+    return {"batches_per_s": med(lambda r: r.batches_per_s), "images_per_s": med(lambda r: r.images_per_s),
+            "mb_per_s": med(lambda r: r.mb_per_s),
+            "receiver_cpu_ms_per_batch": med(lambda r: r.cpu_ms_per_batch(r.receiver_cpu_s)),
+            "sender_cpu_ms_per_batch": med(lambda r: r.cpu_ms_per_batch(r.sender_cpu_s)),
+            "batches": sum(r.batches for r in runs), "seconds": sum(r.seconds for r in runs)}
+
+
+def report(results: dict, header: dict) -> dict:
+    """Print the table and the target check; return the check."""
+    s = header["settings"]
+    timing = f"{s['batches']} batches" if s["batches"] > 0 else f"{s['seconds']:g} s"
+    print(f"\nmachine: {header['machine']} | batch: {s['batch_size']} x {s['image_size']}x{s['image_size']}x3 uint8 "
+          f"({header['image_mb']:.2f} MB image frame + {8 * s['batch_size']} B labels + ~{header['header_bytes']} B "
+          f"header) | window: {s['window']} batches | service workers: {s['workers']} | timed: {timing} per row "
+          f"per round after {s['warmup']} warm-up batches, {header['rounds']} round(s), median shown | "
+          f"transport: tcp://127.0.0.1 (ipc: {header['ipc']}) | command: `{header['command']}`\n")
+    print("| row | processes (sender -> receiver) | batches/s | images/s | MB/s | % of raw | "
+          "receiver CPU ms / batch | sender CPU ms / batch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    raw = results[RAW]["summary"]["batches_per_s"]
+    procs = {RAW: "1 -> 1", SERVICE: f"1 + {s['workers']} workers -> 1"}
+    for name, r in results.items():
+        m = r["summary"]
+        pct = 100.0 * m["batches_per_s"] / raw if raw else 0.0
+        print(f"| {LABELS[name]} | {procs[name]} | {m['batches_per_s']:.1f} | {m['images_per_s']:.0f} | "
+              f"{m['mb_per_s']:.0f} | {pct:.1f}% | {m['receiver_cpu_ms_per_batch']:.2f} | "
+              f"{m['sender_cpu_ms_per_batch']:.2f} |")
+    ratios = [100.0 * sv.batches_per_s / rw.batches_per_s if rw.batches_per_s else 0.0
+              for rw, sv in zip(results[RAW]["runs"], results[SERVICE]["runs"])]
+    if len(ratios) > 1:
+        print("\n% of raw per round: " + ", ".join(f"{x:.1f}%" for x in ratios))
+    pct = 100.0 * results[SERVICE]["summary"]["batches_per_s"] / raw if raw else 0.0
+    check = {"target": f"transport alone (no decode) >= {100 * TARGET:.0f}% of raw pyzmq", "pass": pct >= 100 * TARGET,
+             "pct_of_raw": pct, "pct_of_raw_per_round": ratios,
+             "detail": f"{pct:.1f}% ({results[SERVICE]['summary']['batches_per_s']:.1f} vs {raw:.1f} batches/s)"}
+    if not results[SERVICE]["decode_skipped"]:
+        check["detail"] += "; WARNING: the service decoded, so this is not the transport alone"
+    print(f"\n{'PASS' if check['pass'] else 'MISS'} {check['target']}: {check['detail']}")
+    return check
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt  # unwind through every finally: the raw process and the service stop
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--workers", type=int, default=2, help="the service's worker processes")
+    p.add_argument("--window", type=int, help="batches in flight (credits); default max(4, 2 x workers)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--seconds", type=float, default=5.0, help="timed length of each row per round (default 5)")
+    g.add_argument("--batches", type=int, default=0, help="time this many batches per row per round instead")
+    p.add_argument("--warmup", type=int, default=20, help="batches received before the clock starts")
+    p.add_argument("--rounds", type=int, default=3, help="alternate raw and service this many times; medians shown")
+    p.add_argument("--demo-size", type=int, default=2000, help="demo images the service serves (its epoch length)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.window is None:
+        args.window = max(4, 2 * args.workers)
+    for name in ("batch_size", "workers", "window", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.image_size < 8 or args.warmup < 0 or args.batches < 0 or args.seconds <= 0:
+        p.error("--image-size must be >= 8, --warmup and --batches >= 0, --seconds > 0")
+    if args.demo_size < args.batch_size:
+        p.error("--demo-size must be at least --batch-size (the service drops the last partial batch)")
+    if args.window > 256:
+        p.error("--window must be <= 256 (the client's prefetch limit)")
+
+    settings = Settings(args.batch_size, args.image_size, args.workers, args.window, args.warmup, args.seconds,
+                        args.batches, args.demo_size)
+    command = shlex.join([os.path.basename(sys.executable)] + sys.argv) if argv is None else shlex.join(argv)
+    header = {"machine": machine(), "command": command, "settings": asdict(settings), "rounds": args.rounds,
+              "image_mb": settings.image_bytes / 1e6,
+              "header_bytes": len(_batch_header(0, args.batch_size, args.image_size)),
+              "ipc": "skipped: the service binds tcp only"}
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    results = {RAW: {"runs": []}, SERVICE: {"runs": [], "decode_skipped": True}}
+    try:
+        ensure_demo(args.demo_size).close()  # generate it now if needed, not while the service starts
+        log(f"transport benchmark: batch {args.batch_size} x {args.image_size}px "
+            f"({settings.image_bytes / 1e6:.2f} MB), "
+            f"window {args.window}, {args.workers} service workers, {args.rounds} round(s)")
+        for i in range(args.rounds):
+            log(f"round {i + 1}/{args.rounds}: {LABELS[RAW]} ...")
+            r = bench_raw(settings)
+            results[RAW]["runs"].append(r)
+            log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
+            log(f"round {i + 1}/{args.rounds}: {LABELS[SERVICE]} ...")
+            r, skipped = bench_service(settings)
+            results[SERVICE]["runs"].append(r)
+            results[SERVICE]["decode_skipped"] &= skipped
+            log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    for r in results.values():
+        r["summary"] = summarize(r["runs"])
+    check = report(results, header)
+    if args.json:
+        out = dict(header)
+        out["rows"] = {name: {"label": LABELS[name], **r["summary"], "runs": [x.to_json() for x in r["runs"]],
+                              **({"decode_skipped": r["decode_skipped"]} if name == SERVICE else {})}
+                       for name, r in results.items()}
+        out["target"] = check
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
