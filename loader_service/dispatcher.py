@@ -131,6 +131,9 @@ class Client:
     job: str = ""
     stream_id: int = -1  # highest stream this client started
     stream: Optional[Stream] = None
+    # the slots of its last stream, kept for its next one: an epoch then starts on memory that is
+    # already faulted in (here, in the workers' mappings and zmq's sends) instead of a new segment
+    spare: Optional[Segment] = None
     connected: float = field(default_factory=time.monotonic)
     batches: int = 0
     samples: int = 0
@@ -441,15 +444,21 @@ class Dispatcher:
                  else np.arange(hello.start_batch, nb, dtype=np.int64))
         slot_bytes = hello.batch_size * hello.image_size * hello.image_size * 3
         nslots = max(1, min(hello.prefetch, len(order)))
-        in_use = sum(s.segment.size for s in self._all_streams())
+        spare, client.spare = client.spare, None
+        if spare is not None and spare.size != nslots * slot_bytes:
+            spare.close()  # another shape of job: its memory goes back before the capacity check
+            spare = None
+        in_use = self._shm_in_use()  # the spare is detached: not counted, reused or closed below
         if in_use + nslots * slot_bytes > self.config.max_shm_bytes:
+            if spare is not None:
+                spare.close()
             self._send(ident, P.Error(code=P.ErrorCode.NO_CAPACITY, stream=hello.stream, message=(
                 f"this job needs {nslots * slot_bytes / 2**20:.1f} MiB of batch slots (prefetch {nslots} x "
                 f"{slot_bytes / 2**20:.1f} MiB) but {in_use / 2**20:.1f} of {self.config.max_shm_bytes / 2**20:.0f} "
                 "MiB are in use; lower prefetch or batch size, or raise --max-shm-mb")))
             return
         stream = Stream(client=ident, hello=hello, source=source, plan=plan,
-                        segment=Segment.create(nslots * slot_bytes, tag="slots"), slot_bytes=slot_bytes,
+                        segment=spare or Segment.create(nslots * slot_bytes, tag="slots"), slot_bytes=slot_bytes,
                         free_slots=list(range(nslots - 1, -1, -1)), granted=hello.prefetch,
                         order=order, next_dispatch=0, next_send=0, num_batches=nb, lookahead=hello.lookahead)
         client.stream = stream
@@ -486,6 +495,9 @@ class Dispatcher:
             del self.fd_owner[client.fd]
         if client.stream is not None:
             self._retire(client.stream)
+        if client.spare is not None:
+            client.spare.close()
+            client.spare = None
         log.info("client %s %s", ident.hex()[:12], why)
 
     def _send(self, ident: bytes, msg: P.Message) -> None:
@@ -734,6 +746,11 @@ class Dispatcher:
                 return True
         return False
 
+    def _shm_in_use(self) -> int:
+        """Bytes of batch slots: every stream's, and the spares kept for clients' next streams."""
+        return (sum(s.segment.size for s in self._all_streams())
+                + sum(c.spare.size for c in self.clients.values() if c.spare is not None))
+
     def _all_streams(self):
         for c in self.clients.values():
             if c.stream is not None:
@@ -755,6 +772,10 @@ class Dispatcher:
             for s in self.retiring:
                 if s.inflight or s.sending:
                     keep.append(s)
+                    continue
+                c = self.clients.get(s.client)  # gone (dropped, or the service stopping): no one to keep it for
+                if c is not None and c.spare is None:
+                    c.spare = s.segment
                 else:
                     s.segment.close()
             self.retiring = keep
@@ -805,7 +826,7 @@ class Dispatcher:
             },
             "stage_s": {"read": round(c.read_s, 3), "decode_augment": round(c.decode_s, 3),
                         "client_wait": round(c.client_wait_s, 3), "client_h2d": round(c.client_h2d_s, 3)},
-            "shm_bytes": sum(s.segment.size for s in self._all_streams()),
+            "shm_bytes": self._shm_in_use(),
             "autoscaler": self.autoscaler.status() if self.autoscaler else {"enabled": False},
         }
 

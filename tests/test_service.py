@@ -335,3 +335,25 @@ def test_service_logs_throughput_on_its_own_interval(make_service, caplog):
 def test_status_log_interval_is_validated():
     with pytest.raises(ValueError, match="status_log_s must be >= 0"):
         ServiceConfig(demo=True, status_log_s=-1)
+
+
+def test_a_clients_next_epoch_reuses_its_batch_slots_and_leaving_frees_them(service):
+    from loader_service import shm
+
+    def slot_segments():
+        return sorted(n for n in shm.list_segments(os.getpid()) if "-slots-" in n)
+
+    with RemoteLoader(service.endpoint, **KW, prefetch=2, epoch_lookahead=False) as ld:
+        seen, epochs = [], []
+        for _ in range(3):
+            epochs.append(collect(ld))
+            seen.append(slot_segments())
+        assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 1  # one segment, kept across epochs
+        assert status(service)["shm_bytes"] == 2 * KW["batch_size"] * KW["image_size"] ** 2 * 3
+        # a resume near the end needs fewer slots: another size, so a new segment replaces the spare
+        ld.load_state_dict(dict(ld.state_dict(), epoch=3, next_batch=len(ld) - 1))
+        tail = collect(ld)
+        assert len(slot_segments()) == 1 and slot_segments() != seen[0]
+    assert [sorted(indices_of(e)) for e in epochs] == [list(range(N))] * 3
+    assert indices_of(tail) == list(make_plan(PlanSpec(N, KW["batch_size"], KW["seed"], 3)).batch(len(epochs[0]) - 1))
+    wait_for(lambda: not slot_segments() and status(service)["shm_bytes"] == 0, what="the slots to be freed")
