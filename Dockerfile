@@ -1,22 +1,32 @@
-# Images of the disaggregated data loader, built with no network and no image registry.
+# Images of the disaggregated data loader.
 #
 #   service  (default target) the CPU-side loader service: numpy, pyzmq, FastAPI, decoders; no torch
 #   trainer  the client library + torch (CPU build) + the demo trainer (python -m client.demo)
 #
-# Before building (see docs/deployment.md, "Air-gapped build"):
+# The ordinary build (a machine with internet access; what `docker compose up` does):
+#   docker build --target service -t remote-loader/service:0.1.0 .
+#   docker build --target trainer -t remote-loader/trainer:0.1.0 .
+# starts from python:3.11-slim-bookworm (tini added with apt) and installs the Python packages
+# from the package index: PyPI, and torch from PyTorch's CPU-only index (TORCH_INDEX_URL).
+#
+# The air-gapped build (no network, no registry; docs/deployment.md, "Air-gapped build"):
 #   sudo deploy/docker/build-base.sh      # debootstrap Debian bookworm -> image loader-base:bookworm
 #   deploy/docker/fetch-wheels.sh         # every wheel the images install -> deploy/docker/wheels/
-#   DOCKER_BUILDKIT=0 docker build --target service -t remote-loader/service:0.1.0 .
-#   DOCKER_BUILDKIT=0 docker build --target trainer -t remote-loader/trainer:0.1.0 .
+#   DOCKER_BUILDKIT=0 docker build --network none --build-arg BASE_IMAGE=loader-base:bookworm \
+#       --build-arg WHEELS=required --target service -t remote-loader/service:0.1.0 .
+# (or `docker compose -f docker-compose.yml -f docker-compose.airgap.yml build`). Wheels in
+# deploy/docker/wheels/<target>/ are always used when present (pip --no-index); WHEELS=required
+# makes their absence an error instead of a fallback to the index.
 #
 # No `# syntax=` line and no BuildKit-only instructions (RUN --mount, heredocs): the file builds
 # with the classic builder of Debian's docker.io as well as with BuildKit, and BuildKit would try
 # to pull a syntax frontend image from a registry.
 #
-# BASE_IMAGE: any Debian-based image with python3 (>= 3.11, for the wheels and tomllib); the
-# default is the debootstrapped one. On a base without tini/python3-venv (e.g. debian:bookworm-slim)
-# the base stage installs them with apt, which then needs the network.
-ARG BASE_IMAGE=loader-base:bookworm
+# BASE_IMAGE: any Debian-based image with python3 (>= 3.11, for the wheels and tomllib): the
+# official python:3.11-slim-bookworm (default; its python3 is /usr/local/bin/python3), the
+# debootstrapped loader-base:bookworm, debian:bookworm-slim, ... The base stage installs with
+# apt whatever the base lacks of tini and python3-venv (then it needs the network).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS base
@@ -28,42 +38,48 @@ ENV LANG=C.UTF-8 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 RUN set -eu; \
-    if ! command -v tini >/dev/null 2>&1 || ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
-        apt-get update && apt-get install -y --no-install-recommends tini python3 python3-venv ca-certificates \
+    pkgs=""; \
+    [ -x /usr/bin/tini ] || pkgs="$pkgs tini"; \
+    python3 -c 'import ensurepip, venv' 2>/dev/null || pkgs="$pkgs python3 python3-venv"; \
+    [ -s /etc/ssl/certs/ca-certificates.crt ] || pkgs="$pkgs ca-certificates"; \
+    if [ -n "$pkgs" ]; then \
+        apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $pkgs \
         && rm -rf /var/lib/apt/lists/*; \
     fi; \
     groupadd --system --gid 10001 loader; \
     useradd --system --uid 10001 --gid loader --home-dir /home/loader --create-home --shell /usr/sbin/nologin loader
 
 # ---------------------------------------------------------------------------------------------
-# Build stages: a virtual environment in /opt/venv, installed from the wheels only (--no-index).
+# Build stages: a virtual environment in /opt/venv (deploy/docker/pip-install.sh: from the wheels
+# in deploy/docker/wheels/<target>/ if there are any, --no-index; else from the package index).
+# The wheels folders hold a tracked .keep file, so these COPYs work when they have no wheels.
 FROM base AS build-service
+ARG WHEELS=auto
 COPY deploy/docker/wheels/service/ /wheels/service/
-COPY pyproject.toml deploy/docker/requirements.py /src/
-RUN python3 -m venv /opt/venv \
-    && python3 /src/requirements.py service /src/pyproject.toml > /tmp/requirements.txt \
-    && pip install --no-index --find-links /wheels/service -r /tmp/requirements.txt
-# The project itself, from source (its build backend is in the wheels too). --no-deps: the
-# project's own dependency list includes torch, which the service never imports.
+COPY pyproject.toml deploy/docker/requirements.py deploy/docker/pip-install.sh /src/
+RUN python3 -m venv /opt/venv && sh /src/pip-install.sh deps service
+# The project itself, from source. --no-deps: the project's own dependency list includes torch,
+# which the service never imports.
 COPY pyproject.toml README.m[d] /src/
 COPY loader_service/ /src/loader_service/
 COPY client/ /src/client/
-RUN pip install --no-index --find-links /wheels/service --no-deps /src \
+RUN sh /src/pip-install.sh project service \
     && loader-service --help >/dev/null \
     && python3 -c 'import loader_service.service, loader_service.http_api' \
     && ! python3 -c 'import torch' 2>/dev/null
 
 FROM base AS build-trainer
+ARG WHEELS=auto
+# Where torch comes from without wheels: the CPU-only build (PyPI's torch is the CUDA one).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY deploy/docker/wheels/trainer/ /wheels/trainer/
 COPY deploy/docker/wheels/service/ /wheels/service/
-COPY pyproject.toml deploy/docker/requirements.py /src/
-RUN python3 -m venv /opt/venv \
-    && python3 /src/requirements.py trainer /src/pyproject.toml > /tmp/requirements.txt \
-    && pip install --no-index --find-links /wheels/trainer --find-links /wheels/service -r /tmp/requirements.txt
+COPY pyproject.toml deploy/docker/requirements.py deploy/docker/pip-install.sh /src/
+RUN python3 -m venv /opt/venv && sh /src/pip-install.sh deps trainer
 COPY pyproject.toml README.m[d] /src/
 COPY loader_service/ /src/loader_service/
 COPY client/ /src/client/
-RUN pip install --no-index --find-links /wheels/trainer --find-links /wheels/service --no-deps /src \
+RUN sh /src/pip-install.sh project trainer \
     && python3 -c 'import torch, client; from client.demo import consume'
 
 # ---------------------------------------------------------------------------------------------

@@ -5,8 +5,11 @@
   with it), every manifest is validated against the Kubernetes API schemas with
   ``kubernetes-validate`` (strict: unknown fields fail), and the pieces are checked to fit
   together (selectors, ports, probes, /dev/shm, the token file, the service's own config).
-* Compose: docker-compose.yml and the host-network override, parsed as YAML: shm_size,
-  healthchecks, ports, profiles, dependencies, the files they mount, the Dockerfile targets.
+* Compose: docker-compose.yml and the host-network and air-gapped overrides, parsed as YAML:
+  shm_size, healthchecks, ports, profiles, dependencies, the files they mount, the Dockerfile
+  targets and build settings (online by default, offline with the air-gapped override).
+* Images: the Dockerfile, its allow-list build context, and deploy/docker/pip-install.sh's
+  choice between the wheels (--no-index) and the package index, run with a stand-in pip.
 * Monitoring: Prometheus configs, the Grafana provisioning and the dashboard's metric names
   against the metrics the service exports.
 """
@@ -20,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -406,13 +410,39 @@ def test_compose_trainer_and_profiles():
             src = interpolate(v).split(":")[0]
             if src.startswith("./"):
                 assert (ROOT / src).exists(), f"{src} is mounted but missing"
-    # build targets exist in the Dockerfile, with the base image as a build arg
-    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.M | re.I)
+    # build targets exist in the Dockerfile; the ordinary build: the Dockerfile's public base
+    # image and the build network of the engine (the package index must be reachable)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", dockerfile, re.M | re.I)
     for name in ("loader", "trainer"):
         b = services[name]["build"]
-        assert b["target"] in stages and b["args"]["BASE_IMAGE"]
-        assert b["network"] == "none", "builds are offline (and engines without a bridge cannot give them one)"
+        assert b["target"] in stages
+        assert interpolate(b["args"]["BASE_IMAGE"]) == _dockerfile_arg("BASE_IMAGE") == PUBLIC_BASE
+        assert interpolate(b["args"]["BASE_IMAGE"], {"BASE_IMAGE": "my/base:1"}) == "my/base:1"
+        assert "network" not in b, "the ordinary build needs the network (air-gapped: docker-compose.airgap.yml)"
+        assert "WHEELS" not in b["args"], "the ordinary build uses wheels when present, the index otherwise"
+    assert services["loader"]["build"]["target"] == "service" and services["trainer"]["build"]["target"] == "trainer"
+    torch_index = interpolate(services["trainer"]["build"]["args"]["TORCH_INDEX_URL"])
+    assert torch_index == _dockerfile_arg("TORCH_INDEX_URL") and torch_index.endswith("/cpu"), \
+        "the trainer's torch must be the CPU build (PyPI's is the CUDA one)"
     assert set(c["volumes"]) >= {"dataset", "loader-cache"}
+
+
+def test_airgap_override_makes_the_build_offline():
+    base = _compose("docker-compose.yml")["services"]
+    over = _compose("docker-compose.airgap.yml")["services"]
+    built = {name for name, svc in base.items() if "build" in svc}
+    assert set(over) == built == {"loader", "trainer"}, "the override covers exactly the services that build"
+    for name, svc in over.items():
+        assert set(svc) == {"build"}, f"{name}: the air-gapped override changes the build only"
+        b = svc["build"]
+        assert b["network"] == "none", "no network during the build (and bridge-less engines cannot give one)"
+        assert b["args"]["WHEELS"] == "required", "wheels only: no fallback to the package index"
+        assert interpolate(b["args"]["BASE_IMAGE"]) == "loader-base:bookworm", "the debootstrapped base image"
+        assert interpolate(b["args"]["BASE_IMAGE"], {"BASE_IMAGE": "my/base:1"}) == "my/base:1"
+    # build-base.sh makes the image the override names
+    assert re.search(r"^BASE_IMAGE=\$\{BASE_IMAGE:-loader-base:bookworm\}",
+                     (ROOT / "deploy/docker/build-base.sh").read_text(), re.M)
 
 
 def test_hostnet_override_covers_every_service():
@@ -432,19 +462,109 @@ def test_hostnet_override_covers_every_service():
     assert prom["__tag__"] == "!override" and (ROOT / prom["value"][0].split(":")[0]).exists()
 
 
+PUBLIC_BASE = "python:3.11-slim-bookworm"
+
+
+def _dockerfile_arg(name: str) -> str:
+    """The default of an ARG in the Dockerfile (the same wherever it is declared)."""
+    values = set(re.findall(rf"^ARG {name}=(\S+)", (ROOT / "Dockerfile").read_text(), re.M))
+    assert len(values) == 1, f"ARG {name}: {values or 'no default'}"
+    return values.pop()
+
+
 def test_dockerfile_and_context():
     text = (ROOT / "Dockerfile").read_text()
     assert not re.search(r"^#\s*syntax=", text, re.M), "a syntax line makes BuildKit pull a frontend image"
-    assert re.search(r"^ARG BASE_IMAGE=\S+", text, re.M)
+    assert _dockerfile_arg("BASE_IMAGE") == PUBLIC_BASE, "the default build starts from the public Python image"
+    assert _dockerfile_arg("WHEELS") == "auto"
     stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.M | re.I)
     assert {"service", "trainer"} <= set(stages) and stages[-1] == "service", "service is the default target"
     assert re.search(rf"^USER {SERVICE_USER}", text, re.M)
     assert re.search(r"^HEALTHCHECK .*\n?.*CMD", text, re.M) and "/healthz" in text
     assert re.search(r'^ENTRYPOINT \["/usr/bin/tini", "--"', text, re.M)
-    assert "--no-index" in text, "images install from the pre-downloaded wheels only"
+    # the base stage adds tini (python:slim has none) where the base lacks it, at the path used above
+    assert "[ -x /usr/bin/tini ] || pkgs=" in text
+    assert text.count("pip-install.sh deps") == 2 and text.count("pip-install.sh project") == 2
     ignore = (ROOT / ".dockerignore").read_text().split()
     assert ignore[ignore.index("*") if "*" in ignore else 0] == "*", ".dockerignore is an allow-list"
-    assert "!deploy/docker/wheels/service/" in ignore
+    # everything the Dockerfile copies from the context is admitted by the allow-list and exists
+    # in a fresh checkout: the wheels folders through their tracked .keep files
+    for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M):
+        for src in line.split()[:-1]:
+            src = src.rstrip("/")
+            if "[" in src:  # README.m[d]: optional by design
+                continue
+            assert any(src == a[1:].rstrip("/") or src.startswith(a[1:]) for a in ignore if a.startswith("!")), \
+                f"COPY {src}: not in .dockerignore's allow-list"
+            assert (ROOT / src).exists(), f"COPY {src}: missing"
+    for target in ("service", "trainer"):
+        keep = f"deploy/docker/wheels/{target}/.keep"
+        assert (ROOT / keep).is_file(), f"{keep} keeps the folder the Dockerfile copies"
+        if shutil.which("git") and (ROOT / ".git").exists():
+            ignored = subprocess.run(["git", "check-ignore", "-q", keep], cwd=ROOT, timeout=30).returncode
+            assert ignored == 1, f"{keep} must not be git-ignored (the folder would vanish from a clone)"
+            wheel = f"deploy/docker/wheels/{target}/x-1-py3-none-any.whl"
+            assert subprocess.run(["git", "check-ignore", "-q", wheel], cwd=ROOT, timeout=30).returncode == 0, \
+                "downloaded wheels must stay out of git"
+
+
+@pytest.fixture
+def pip_install(tmp_path):
+    """Run deploy/docker/pip-install.sh as the build does, with a stand-in `pip` that logs its
+    arguments, and the project's pyproject.toml and requirements.py in a stand-in /src."""
+    src, wheels, bin_ = tmp_path / "src", tmp_path / "wheels", tmp_path / "bin"
+    for d in (src, wheels / "service", wheels / "trainer", bin_):
+        d.mkdir(parents=True)
+    shutil.copy(ROOT / "pyproject.toml", src)
+    shutil.copy(ROOT / "deploy/docker/requirements.py", src)
+    log = tmp_path / "pip.log"
+    (bin_ / "pip").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    (bin_ / "pip").chmod(0o755)
+    (bin_ / "python3").symlink_to(shutil.which("python3") if sys.version_info < (3, 11) else sys.executable)
+
+    def run(step, target, wheels_for=(), **env):
+        for t in wheels_for:
+            (wheels / t / "numpy-2.0.0-cp311-cp311-manylinux_2_17_x86_64.whl").write_bytes(b"")
+        log.write_text("")
+        p = subprocess.run(["sh", str(ROOT / "deploy/docker/pip-install.sh"), step, target], capture_output=True,
+                           text=True, timeout=60, env={"PATH": f"{bin_}:/usr/bin:/bin", "WHEELS_DIR": str(wheels),
+                                                        "SRC_DIR": str(src), **env})
+        return p.returncode, p.stderr, log.read_text().splitlines()
+
+    return run
+
+
+def test_pip_install_without_wheels_uses_the_index(pip_install):
+    rc, err, calls = pip_install("deps", "service")
+    assert rc == 0, err
+    assert calls == [f"install -r {calls[0].split()[-1]}"] and "from the package index" in err
+    rc, err, calls = pip_install("project", "service")
+    assert rc == 0 and calls == [f"install --no-deps {calls[0].split()[-1]}"], (err, calls)
+    # the trainer: torch from the CPU index first, then the rest from the index
+    rc, err, calls = pip_install("deps", "trainer")
+    assert rc == 0, err
+    assert calls[0].startswith("install --index-url https://download.pytorch.org/whl/cpu torch"), calls
+    assert calls[1].startswith("install -r ") and len(calls) == 2
+    rc, err, calls = pip_install("deps", "trainer", TORCH_INDEX_URL="http://mirror.example/torch-cpu")
+    assert calls[0].startswith("install --index-url http://mirror.example/torch-cpu torch"), calls
+
+
+def test_pip_install_with_wheels_is_offline(pip_install):
+    rc, err, calls = pip_install("deps", "service", wheels_for=["service"], WHEELS="required")
+    assert rc == 0, err
+    assert len(calls) == 1 and calls[0].startswith("install --no-index --find-links ") and "/wheels/service" in calls[0]
+    rc, err, calls = pip_install("project", "trainer", wheels_for=["trainer"])
+    assert rc == 0, err
+    assert len(calls) == 1 and calls[0].startswith("install --no-index") and "--no-deps" in calls[0]
+    assert "/wheels/trainer" in calls[0] and "/wheels/service" in calls[0], "the build backend is in service/"
+
+
+def test_pip_install_airgapped_without_wheels_fails_at_once(pip_install):
+    for step in ("deps", "project"):
+        rc, err, calls = pip_install(step, "trainer", WHEELS="required")
+        assert rc == 3 and calls == [] and "fetch-wheels.sh" in err, (rc, err, calls)
+    rc, err, calls = pip_install("deps", "service", WHEELS="sometimes")
+    assert rc == 2 and calls == []
 
 
 def test_requirements_split_keeps_torch_out_of_the_service():
@@ -459,7 +579,7 @@ def test_requirements_split_keeps_torch_out_of_the_service():
 
 
 @pytest.mark.parametrize("script", [".ci/container-prereqs.sh", "deploy/docker/build-base.sh",
-                                    "deploy/docker/fetch-wheels.sh"])
+                                    "deploy/docker/fetch-wheels.sh", "deploy/docker/pip-install.sh"])
 def test_shell_scripts_parse(script):
     path = ROOT / script
     assert os.access(path, os.X_OK), f"{script} is not executable"

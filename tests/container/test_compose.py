@@ -1,6 +1,7 @@
-"""The compose stack for real: images built offline, service + demo trainer up on host
-networking, exactly-once delivery checked from inside the trainer image, workers scaled over
-REST, and a graceful `docker compose down`.
+"""The compose stack for real: images built offline (the air-gapped build, opted into
+explicitly: --network none, WHEELS=required, the debootstrapped base), service + demo trainer up
+on host networking with the air-gapped override files, exactly-once delivery checked from inside
+the trainer image, workers scaled over REST, and a graceful `docker compose down`.
 
     sudo .ci/container-prereqs.sh                          # once per machine
     python -m pytest tests/container -q -m container       # ~5 min cold, less warm
@@ -79,6 +80,24 @@ def stack(engine, images):
             compose("down", "-v", "--timeout", "30", timeout=120, check=False)
         left = engine.cli("ps", "-a", "-q", timeout=30).stdout.split()
         assert not left, f"containers left behind: {left}"
+
+
+def test_compose_resolves_the_airgapped_build(engine, images):
+    """Compose itself merges the override files into the offline build that harness.build_images
+    ran with `docker build`; without them it is the ordinary, online build."""
+    def build_settings(*files):
+        cfg = json.loads(harness.Compose(engine, "loaderconfig", {}, files=files)(
+            "config", "--format", "json", timeout=60, what="docker compose config").stdout)
+        return {name: cfg["services"][name]["build"] for name in ("loader", "trainer")}
+
+    for name, b in build_settings("docker-compose.yml", "docker-compose.airgap.yml",
+                                  "docker-compose.hostnet.yml").items():
+        assert b.get("network") == "none", (name, b)
+        assert b["args"]["WHEELS"] == "required" and b["args"]["BASE_IMAGE"] == images["base"], (name, b)
+    for name, b in build_settings("docker-compose.yml").items():
+        assert "network" not in b and "WHEELS" not in b["args"], (name, b)
+        assert b["args"]["BASE_IMAGE"] == "python:3.11-slim-bookworm", (name, b)
+    assert b["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
 
 
 def test_service_is_healthy_with_the_intended_settings(stack):
