@@ -89,7 +89,7 @@ def test_transport_benchmark_reports_both_rows(tmp_path):
 
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert set(rows) == {"raw_pyzmq", "service_client"}
+    assert set(rows) == {"raw_pyzmq", "raw_pyzmq_zero_copy", "service_client"}
     for name, row in rows.items():
         assert row["batches"] == batches, (name, row)
         for key in ("batches_per_s", "images_per_s", "mb_per_s"):
@@ -97,6 +97,7 @@ def test_transport_benchmark_reports_both_rows(tmp_path):
         assert row["images_per_s"] == pytest.approx(4 * row["batches_per_s"]), (name, row)
     assert rows["service_client"]["decode_skipped"] is True  # the worker hook was honoured
     assert result["target"]["pct_of_raw"] > 0
-    assert "| raw pyzmq ROUTER -> DEALER |" in stdout
+    assert "| raw pyzmq ROUTER -> DEALER, recv_into |" in stdout
+    assert "| raw pyzmq ROUTER -> DEALER, recv(copy=False) |" in stdout
     assert "| service (decode off) + RemoteLoader |" in stdout
     assert ("PASS " in stdout) != ("MISS " in stdout)
