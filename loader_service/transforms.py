@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import numpy as np
+
+from .sources.base import Sample
 
 try:
     import cv2
@@ -36,8 +38,6 @@ except ImportError:  # pragma: no cover
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-Sample = Union[bytes, np.ndarray]  # the contract is loader_service.sources.base.Sample
 
 
 class DecodeError(ValueError):
