@@ -83,6 +83,19 @@ def test_mutations_need_the_token(svc, headers, code, detail):
     assert status(svc)["workers"]["target"] == 1
 
 
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe", b'{"count": "many"}', b""])
+def test_auth_is_checked_before_the_body_is_read(svc, content):
+    url = f"{svc.http_url}/v1/workers"
+    r = httpx.put(url, content=content, headers={"Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+    r = httpx.put(url, content=content, headers={"Content-Type": "application/json", **{"Authorization": "Bearer x"}},
+                  timeout=10)
+    assert r.status_code == 403
+    r = httpx.put(url, content=content, headers={"Content-Type": "application/json", **AUTH}, timeout=10)
+    assert r.status_code in (400, 422)  # with the token, the body's own error
+    assert status(svc)["workers"]["target"] == 1
+
+
 @pytest.mark.parametrize("body, field", [
     ({"count": -1}, "count"), ({"count": "many"}, "count"), ({}, "count"), ({"count": 2, "extra": 1}, "extra"),
     ({"count": 10**6}, "count"), ({"count": 257}, "count"),  # above the service's max_workers (256)
