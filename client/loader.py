@@ -73,6 +73,7 @@ class RemoteLoader:
         self._stream = 0
         self._epoch = 0
         self._next_batch = 0
+        self._epoch_set = False  # set_epoch since the last iteration: no auto-advance (see __iter__)
         self._dataset_length: Optional[int] = None
         self._stats = LoaderStats()
         self._closed = False
@@ -90,18 +91,26 @@ class RemoteLoader:
         """Select the epoch the next iteration serves (as with DistributedSampler).
 
         Setting the epoch the cursor is already in keeps its position, so a loader restored
-        from a mid-epoch ``state_dict`` resumes where it was.
+        from a ``state_dict`` resumes where it was: mid-epoch, the rest of it; at the end of an
+        epoch, nothing (the usual ``for epoch in range(saved_epoch, epochs): set_epoch(epoch)``
+        loop then goes on with the next epoch, as it should).
         """
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if epoch != self._epoch:
             self._epoch, self._next_batch = epoch, 0
+        self._epoch_set = True
 
     def __iter__(self) -> Iterator[Batch]:
+        """The rest of the current epoch. Iterating again without :meth:`set_epoch` once an
+        epoch is done starts the next one, like a DataLoader."""
         if self._closed:
             raise RuntimeError("this RemoteLoader is closed")
-        if self._dataset_length is not None and self._next_batch >= self._raw_len():
-            self._epoch, self._next_batch = self._epoch + 1, 0  # like a DataLoader: next epoch
+        if self._dataset_length is None:
+            self._describe()
+        if not self._epoch_set and self._next_batch >= self._raw_len():
+            self._epoch, self._next_batch = self._epoch + 1, 0
+        self._epoch_set = False
         return self._iterate(self._epoch, self._next_batch)
 
     def state_dict(self) -> dict:

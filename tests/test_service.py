@@ -357,3 +357,26 @@ def test_a_clients_next_epoch_reuses_its_batch_slots_and_leaving_frees_them(serv
     assert [sorted(indices_of(e)) for e in epochs] == [list(range(N))] * 3
     assert indices_of(tail) == list(make_plan(PlanSpec(N, KW["batch_size"], KW["seed"], 3)).batch(len(epochs[0]) - 1))
     wait_for(lambda: not slot_segments() and status(service)["shm_bytes"] == 0, what="the slots to be freed")
+
+
+def test_resume_from_an_epoch_end_checkpoint_in_the_usual_loop(service):
+    """``for epoch in range(saved_epoch, E): set_epoch(epoch)`` after loading a state taken at the
+    end of an epoch: that epoch yields nothing more, the next ones are whole and correctly numbered."""
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        ld.set_epoch(0)
+        collect(ld)
+        state = ld.state_dict()
+        assert (state["epoch"], state["next_batch"]) == (0, N // 16)
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        ld.load_state_dict(state)
+        got = {}
+        for epoch in range(state["epoch"], 2):
+            ld.set_epoch(epoch)
+            got[epoch] = collect(ld)
+    assert got[0] == []
+    assert sorted(indices_of(got[1])) == list(range(N))
+    assert indices_of(got[1]) == list(make_plan(PlanSpec(N, 16, KW["seed"], 1)).indices[: N])
+    # without set_epoch, a restored end-of-epoch state moves on to the next epoch (DataLoader-like)
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        ld.load_state_dict(state)
+        assert indices_of(collect(ld)) == indices_of(got[1])
