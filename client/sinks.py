@@ -70,10 +70,7 @@ def _recv_frames(sock: zmq.Socket, msg: P.Batch, images: torch.Tensor, labels: t
     while sock.getsockopt(zmq.RCVMORE):
         sock.recv()
         extra += 1
-    try:
-        P.check_data_sizes(msg, sizes + [0] * extra)
-    except P.ProtocolError as exc:
-        raise LoaderError(exc.code, f"malformed batch from the service: {exc}") from None
+    _check_sizes(msg, sizes + [0] * extra)
 
 
 def _recv_data_frames(sock: zmq.Socket, msg: P.Batch) -> List[zmq.Frame]:
@@ -81,11 +78,15 @@ def _recv_data_frames(sock: zmq.Socket, msg: P.Batch) -> List[zmq.Frame]:
     frames = []
     while sock.getsockopt(zmq.RCVMORE):
         frames.append(sock.recv(copy=False))
+    _check_sizes(msg, [f.buffer.nbytes for f in frames])
+    return frames
+
+
+def _check_sizes(msg: P.Batch, sizes: List[int]) -> None:
     try:
-        P.check_data_sizes(msg, [f.buffer.nbytes for f in frames])
+        P.check_data_sizes(msg, sizes)
     except P.ProtocolError as exc:
         raise LoaderError(exc.code, f"malformed batch from the service: {exc}") from None
-    return frames
 
 
 def _skipped(msg: P.Batch) -> List[Tuple[int, str]]:

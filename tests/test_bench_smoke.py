@@ -1,5 +1,5 @@
-"""Smoke test of the throughput benchmark: it runs end to end with tiny settings, reports all
-three contenders with the right sample counts, and leaves no process behind. No speed is
+"""Smoke tests of the throughput and transport benchmarks: each runs end to end with tiny
+settings, reports every row with the right counts, and leaves no process behind. No speed is
 asserted (the machine running the tests may be busy)."""
 
 from __future__ import annotations
@@ -29,24 +29,31 @@ def _tagged_processes(tag: str) -> list:
     return found
 
 
-@pytest.mark.slow
-def test_benchmark_runs_and_reports_three_contenders(tmp_path):
-    out = tmp_path / "bench.json"
+def _run(script: str, args: list) -> str:
+    """Run a benchmark script to the end; its stdout. Fails on an error, a hang or leftovers."""
     tag = uuid.uuid4().hex
     # conftest put LOADER_CACHE_DIR in os.environ: the benchmark and its service inherit it
     env = dict(os.environ, BENCH_SMOKE_TAG=tag)
-    demo_size, batch_size, epochs = 64, 16, 1
-    cmd = [sys.executable, SCRIPT, "--demo-size", str(demo_size), "--epochs", str(epochs), "--batch-size",
-           str(batch_size), "--workers", "1", "--json", str(out)]
+    env.pop("LOADER_BENCH_SKIP_DECODE", None)  # the transport benchmark sets it for its service itself
+    cmd = [sys.executable, script, *args]
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=240)
         except subprocess.TimeoutExpired:
             proc.terminate()  # SIGTERM: the benchmark stops its service and workers on the way out
             stdout, stderr = proc.communicate(timeout=60)
-            pytest.fail(f"the benchmark did not finish in 240s:\n{stdout}\n{stderr}")
-    assert proc.returncode == 0, f"benchmark failed:\n{stdout}\n{stderr}"
-    assert not _tagged_processes(tag), f"the benchmark left processes behind: {_tagged_processes(tag)}"
+            pytest.fail(f"{script} did not finish in 240s:\n{stdout}\n{stderr}")
+    assert proc.returncode == 0, f"{script} failed:\n{stdout}\n{stderr}"
+    assert not _tagged_processes(tag), f"{script} left processes behind: {_tagged_processes(tag)}"
+    return stdout
+
+
+@pytest.mark.slow
+def test_benchmark_runs_and_reports_three_contenders(tmp_path):
+    out = tmp_path / "bench.json"
+    demo_size, batch_size, epochs = 64, 16, 1
+    stdout = _run(SCRIPT, ["--demo-size", str(demo_size), "--epochs", str(epochs), "--batch-size", str(batch_size),
+                           "--workers", "1", "--json", str(out)])
 
     result = json.loads(out.read_text())
     assert result["images"] == demo_size
@@ -67,25 +74,14 @@ TRANSPORT_SCRIPT = os.path.join(ROOT, "bench", "bench_transport.py")
 
 
 @pytest.mark.slow
-def test_transport_benchmark_reports_both_rows(tmp_path):
+def test_transport_benchmark_reports_every_row(tmp_path):
     out = tmp_path / "transport.json"
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, BENCH_SMOKE_TAG=tag)  # LOADER_CACHE_DIR from conftest: the test's demo cache
-    env.pop("LOADER_BENCH_SKIP_DECODE", None)  # the script sets it for its service itself
     # 4 x 96 x 96 x 3 = 108 KiB: above the zero-copy threshold; 32 images = 8 batches per epoch,
     # so the service's row crosses epoch boundaries
     batches = 12
-    cmd = [sys.executable, TRANSPORT_SCRIPT, "--batch-size", "4", "--image-size", "96", "--workers", "1",
-           "--batches", str(batches), "--warmup", "3", "--rounds", "1", "--demo-size", "32", "--json", str(out)]
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # SIGTERM: the benchmark stops its raw sender and its service on the way out
-            stdout, stderr = proc.communicate(timeout=60)
-            pytest.fail(f"the transport benchmark did not finish in 240s:\n{stdout}\n{stderr}")
-    assert proc.returncode == 0, f"transport benchmark failed:\n{stdout}\n{stderr}"
-    assert not _tagged_processes(tag), f"the benchmark left processes behind: {_tagged_processes(tag)}"
+    stdout = _run(TRANSPORT_SCRIPT, ["--batch-size", "4", "--image-size", "96", "--workers", "1", "--batches",
+                                     str(batches), "--warmup", "3", "--rounds", "1", "--demo-size", "32",
+                                     "--json", str(out)])
 
     result = json.loads(out.read_text())
     rows = result["rows"]
