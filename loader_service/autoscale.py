@@ -12,7 +12,9 @@ hill-climbs the worker count:
 * otherwise hold.
 
 Each decision, with its measurements and reason, is logged, counted in metrics and kept in
-status. ``step`` runs on the dispatcher thread, like every other state change.
+status. It reads nothing but a :class:`~loader_service.status.ServiceStatus` snapshot;
+``Dispatcher.autoscale_step`` builds that snapshot and applies the decision on the dispatcher
+thread, like every other state change.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Deque, Optional
+from typing import TYPE_CHECKING, Deque, Optional
+
+if TYPE_CHECKING:
+    from .status import ServiceStatus
 
 log = logging.getLogger("loader_service.autoscale")
 
@@ -55,23 +60,24 @@ class AutoscalePolicy:
 
 
 class Autoscaler:
-    def __init__(self, policy: AutoscalePolicy, dispatcher):
-        self.policy, self.d = policy, dispatcher
+    def __init__(self, policy: AutoscalePolicy):
+        self.policy = policy
         self.decisions: Deque[dict] = deque(maxlen=50)
         self.counts: Counter = Counter()
         self._last: Optional[dict] = None
         self._probe: Optional[dict] = None  # the scale-up being judged: rate before it
         self._cooldown = 0
 
-    def _measure(self) -> dict:
-        d = self.d
-        return {"t": time.monotonic(), "samples": d.counters.samples, "wait": d.counters.client_wait_s,
-                "busy": d.pool.busy_seconds(), "workers": d.pool.live_count(),
-                "clients": sum(1 for c in d.clients.values() if c.stream is not None)}
+    @staticmethod
+    def _measure(st: "ServiceStatus") -> dict:
+        return {"t": time.monotonic(), "samples": st.totals.samples, "wait": st.stage_s.client_wait,
+                "busy": st.workers.busy_s_total, "workers": st.workers.live,
+                "clients": sum(1 for c in st.clients if c.stream is not None)}
 
-    def step(self) -> Optional[dict]:
-        """Measure, maybe scale. Returns the decision made (None on the first call)."""
-        now, last = self._measure(), self._last
+    def step(self, st: "ServiceStatus") -> Optional[dict]:
+        """Decide from a status snapshot. Returns the decision (None on the first call); the
+        caller scales the pool to ``decision["to"]`` when it differs from ``decision["from"]``."""
+        now, last = self._measure(st), self._last
         self._last = now
         if last is None:
             return None
@@ -112,7 +118,6 @@ class Autoscaler:
         self.counts[action] += 1
         self.decisions.append(decision)
         if target != n:
-            self.d.pool.scale(target)
             log.info("autoscale %s: %d -> %d workers (%s)", action, n, target, reason)
         return decision
 

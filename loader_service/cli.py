@@ -75,6 +75,13 @@ def _service_options(p: argparse.ArgumentParser, demo_default: bool = False) -> 
     p.add_argument("--max-shm-mb", type=int, help="cap on batch slots in shared memory (default 4096)")
     p.add_argument("--on-error", choices=["raise", "skip"], help="a sample that fails to decode: fail the "
                    "client's epoch with the reason (raise, default) or deliver the batch without it (skip)")
+    p.add_argument("--task-deadline", type=float, dest="task_deadline_s", metavar="SECONDS",
+                   help="a task running longer has its worker killed and replaced, and is redone "
+                        "(default 0: derived from measured task times, at least --task-deadline-floor)")
+    p.add_argument("--task-deadline-floor", type=float, dest="task_deadline_floor_s", metavar="SECONDS",
+                   help="the least a task gets when its deadline is derived (default 10)")
+    p.add_argument("--max-skipped", type=int, help="with --on-error skip: samples one stream may skip before it "
+                   "fails with the list (default 1000; 0 = no cap)")
     p.add_argument("--autoscale", metavar="MIN:MAX", help="let the autoscaler set the worker count in this range")
     p.add_argument("--autoscale-interval", type=float, dest="autoscale_interval_s", metavar="SECONDS")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -89,6 +96,8 @@ def _config(args) -> ServiceConfig:
         workers=args.workers, host=args.host, data_port=args.data_port, http_port=args.http_port,
         max_shm_mb=args.max_shm_mb, on_error=args.on_error, log_level=args.log_level,
         autoscale=args.autoscale, autoscale_interval_s=args.autoscale_interval_s, status_log_s=args.status_log_s,
+        task_deadline_s=args.task_deadline_s, task_deadline_floor_s=args.task_deadline_floor_s,
+        max_skipped=args.max_skipped,
     )
     if args.demo_default:  # `demo` runs everything in one process on free ports
         overrides.update(demo=True, data=())
@@ -98,16 +107,20 @@ def _config(args) -> ServiceConfig:
 
 
 def _serve(config: ServiceConfig) -> int:
+    """Run until SIGTERM/SIGINT. Exit code 0 after a clean stop; 1 if the service failed (its
+    dispatcher died, or no worker could start); 2 if it could not start at all."""
+    import time
+
     from .service import Service
 
+    log = logging.getLogger("loader_service")
     svc = Service(config)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
         if not stop.is_set():
             stop.set()
-            logging.getLogger("loader_service").info("%s: stopping", signal.Signals(signum).name)
-            threading.Thread(target=svc.stop, daemon=True).start()
+            log.info("%s: stopping", signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -116,16 +129,28 @@ def _serve(config: ServiceConfig) -> int:
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"loader-service: {exc}", file=sys.stderr)
         return 2
-    if not svc.wait_ready(120):
-        logging.getLogger("loader_service").warning("no worker is up after 120s; see /readyz for why")
-    names = ", ".join(f"{n} ({len(s)} samples)" for n, s in svc.sources.items())
-    print(f"loader-service ready: data {svc.endpoint}  REST {svc.http_url}  datasets: {names}  "
-          f"workers: {config.workers}", flush=True)
-    assert svc._thread is not None
-    while svc._thread.is_alive():
-        svc._thread.join(timeout=None if stop.is_set() else 3600)
+    announced, started = False, time.monotonic()
+    # The main thread only watches: for a signal, the first ready worker, a broken pool or a dead
+    # dispatcher. Each wait is short and the loop ends on any of them, so SIGTERM is prompt in
+    # every state (a pool that cannot start workers included).
+    while not stop.is_set():
+        problem = svc.problem()
+        if problem:
+            log.error("stopping: %s", problem)
+            break
+        if not announced and svc.wait_ready(0.2):
+            announced = True
+            names = ", ".join(f"{n} ({len(s)} samples)" for n, s in svc.sources.items())
+            print(f"loader-service ready: data {svc.endpoint}  REST {svc.http_url}  datasets: {names}  "
+                  f"workers: {config.workers}", flush=True)
+        elif announced or time.monotonic() - started > 120:
+            if not announced:
+                log.warning("no worker is up after 120s; see /readyz for why")
+                announced = True
+            stop.wait(0.5)
+    problem = svc.problem()
     svc.stop()
-    return 0
+    return 1 if problem else 0
 
 
 def _demo(config: ServiceConfig, args) -> int:

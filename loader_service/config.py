@@ -31,6 +31,9 @@ class ServiceConfig:
     heartbeat_s: float = 2.0  # ZMTP heartbeat; silent peers are dropped after 3 intervals
     stop_timeout_s: float = 5.0  # per stage of the worker stop ladder
     drain_s: float = 2.0  # on stop, let tasks in flight finish and go out for up to this long
+    task_deadline_s: float = 0.0  # a task running longer has its worker killed and is redone; 0: from measured times
+    task_deadline_floor_s: float = 10.0  # the least a task gets when the deadline is derived (deadlines.py)
+    max_skipped: int = 1000  # on_error=skip: samples one stream may skip before it fails with the list; 0: no cap
     start_method: str = "spawn"
     io_threads: int = 1
     log_level: str = "info"
@@ -62,6 +65,11 @@ class ServiceConfig:
             AutoscalePolicy.parse(self.autoscale, self.autoscale_interval_s)  # raises if malformed
         if self.max_shm_mb < 1 or self.demo_size < 1 or self.heartbeat_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("max_shm_mb, demo_size, heartbeat_s and stop_timeout_s must be positive")
+        if self.task_deadline_s < 0 or self.task_deadline_floor_s <= 0:
+            raise ValueError("task_deadline_s must be >= 0 (0: derived from measured task times) and "
+                             f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")
+        if self.max_skipped < 0:
+            raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
         if self.status_log_s < 0:
             raise ValueError(f"status_log_s must be >= 0 (0 turns the log line off), got {self.status_log_s}")
 

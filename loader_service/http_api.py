@@ -10,7 +10,7 @@ health, readiness, status and metrics stay open.
 # annotation, and that model is built per service (scale_request_model), so it must be the class
 # itself, not a name to look up in this module.
 import asyncio
-from typing import TYPE_CHECKING, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse, Response
@@ -18,11 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from .auth import check_bearer
-from .dispatcher import AutoscaleConflict
+from .dispatcher import AutoscaleConflict, Dispatcher
 from .metrics import make_registry
-
-if TYPE_CHECKING:
-    from .service import Service
+from .status import ServiceStatus
 
 
 def scale_request_model(max_workers: int) -> type:
@@ -48,7 +46,8 @@ class ScaleResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: str
+    status: str  # "ok" or "failing"
+    problem: str = ""  # why it is failing: the dispatcher died, or no worker can start
 
 
 class Readiness(BaseModel):
@@ -83,21 +82,17 @@ class AuthFirst:
         await self.app(scope, receive, send)
 
 
-def make_app(service: "Service") -> FastAPI:
+def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]) -> FastAPI:
+    """The REST app for one service: ``d`` is its dispatcher (every read and change goes through
+    ``d.call``), ``token()`` the bearer token, ``problem()`` why the service is failing ("" if not)."""
     app = FastAPI(title="loader-service", version=_version(),
                   description="Control plane of the disaggregated data-loading service: health, status, "
                               "metrics, and live scaling of the decode worker pool.")
-    app.add_middleware(AuthFirst, token=lambda: service.api_token)
-
-    def dispatcher():
-        d = service.dispatcher
-        if d is None:
-            raise HTTPException(503, "the service is starting")
-        return d
+    app.add_middleware(AuthFirst, token=token)
 
     async def on_dispatcher(fn, *args):
         try:
-            return await asyncio.wrap_future(dispatcher().call(fn, *args))
+            return await asyncio.wrap_future(d.call(fn, *args))
         except RuntimeError as exc:  # stopped while we waited
             if "stopped" in str(exc):
                 raise HTTPException(503, "the service is stopping") from None
@@ -106,21 +101,24 @@ def make_app(service: "Service") -> FastAPI:
     # Per route: documents the header in the schema and enforces it even on a route missing from
     # GUARDED_PATHS (AuthFirst only moves the check ahead of the body for the listed paths).
     def require_token(authorization: Optional[str] = Header(None, description="Bearer <token>")) -> None:
-        problem = check_bearer(authorization, service.api_token)
-        if problem is not None:
-            status, reason = problem
+        refused = check_bearer(authorization, token())
+        if refused is not None:
+            status, reason = refused
             raise HTTPException(status, reason, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
 
-    @app.get("/healthz", tags=["health"], response_model=Health)
-    async def healthz() -> Health:
-        """Liveness: the process answers."""
+    @app.get("/healthz", tags=["health"], response_model=Health,
+             responses={503: {"model": Health, "description": "failing: the dispatcher died or no worker can start"}})
+    async def healthz():
+        """Liveness: the process answers, its dispatcher thread runs and workers can start."""
+        why = problem()
+        if why:
+            return JSONResponse(Health(status="failing", problem=why).model_dump(), status_code=503)
         return Health(status="ok")
 
     @app.get("/readyz", tags=["health"], response_model=Readiness,
              responses={503: {"model": Readiness, "description": "not ready"}})
     async def readyz():
         """Readiness: the data port is bound and at least one worker is up."""
-        d = dispatcher()
         counts = await on_dispatcher(d.pool.counts)
         reason = ""
         if d.pool.broken:
@@ -130,14 +128,13 @@ def make_app(service: "Service") -> FastAPI:
         body = Readiness(ready=not reason, reason=reason, workers=counts, data_port=d.data_port)
         return JSONResponse(body.model_dump(), status_code=503 if reason else 200)
 
-    @app.get("/v1/status", tags=["status"])
-    async def status() -> dict:
+    @app.get("/v1/status", tags=["status"], response_model=ServiceStatus)
+    async def status() -> ServiceStatus:
         """Workers with their state, clients with their epoch progress, throughput, per-stage
         seconds, client stall, and the autoscaler's recent decisions."""
-        d = dispatcher()
-        return await on_dispatcher(d.status)
+        return await on_dispatcher(d.snapshot)
 
-    ScaleRequest = scale_request_model(service.config.max_workers)
+    ScaleRequest = scale_request_model(d.config.max_workers)
 
     @app.put("/v1/workers", tags=["control"], response_model=ScaleResponse, dependencies=[Depends(require_token)],
              responses={401: {"description": "no token"}, 403: {"description": "wrong token"},
@@ -145,7 +142,6 @@ def make_app(service: "Service") -> FastAPI:
     async def scale(body: ScaleRequest) -> ScaleResponse:
         """Scale the worker pool live. New workers take tasks at once; surplus workers finish
         their task before they exit, so no sample is lost or doubled."""
-        d = dispatcher()
         try:
             return ScaleResponse(**await on_dispatcher(d.scale, body.count))
         except AutoscaleConflict as exc:
@@ -153,7 +149,7 @@ def make_app(service: "Service") -> FastAPI:
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
-    registry = make_registry(lambda: service.dispatcher.call(service.dispatcher.status).result(timeout=10))
+    registry = make_registry(lambda: d.call(d.status).result(timeout=10))
 
     @app.get("/metrics", tags=["status"], response_class=Response)
     async def metrics() -> Response:

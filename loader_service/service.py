@@ -41,9 +41,12 @@ def open_datasets(config: ServiceConfig) -> Dict[str, Source]:
 class Service:
     """Run with ``with Service(cfg) as svc:`` (background thread) or ``Service(cfg).run()``."""
 
-    def __init__(self, config: ServiceConfig):
+    def __init__(self, config: ServiceConfig, sources: Optional[Dict[str, Source]] = None):
+        """``sources``: datasets already open (tests pass a fault-injecting double here); by
+        default they are opened from ``config``. The service closes them when it stops."""
         self.config = config
         self.dispatcher: Optional[Dispatcher] = None
+        self._given_sources = sources
         self.sources: Dict[str, Source] = {}
         self._thread: Optional[threading.Thread] = None
         self._http = None
@@ -73,13 +76,13 @@ class Service:
         if stale:
             log.info("removed %d shared-memory segments left by dead services", len(stale))
         self.api_token, _ = resolve_token(self.config.api_token, self.config.api_token_file)
-        self.sources = open_datasets(self.config)
+        self.sources = self._given_sources if self._given_sources is not None else open_datasets(self.config)
         try:
             self.dispatcher = Dispatcher(self.config, self.sources)
             self._start_http()
             d = self.dispatcher
             if d.autoscaler is not None:
-                self._every(d.autoscaler.policy.interval_s, lambda: d.call(d.autoscaler.step).result(),
+                self._every(d.autoscaler.policy.interval_s, lambda: d.call(d.autoscale_step).result(timeout=30),
                             "loader-autoscale")
             if self.config.status_log_s > 0:
                 self._every(self.config.status_log_s, self._log_progress, "loader-status-log")
@@ -108,8 +111,8 @@ class Service:
         try:
             self.dispatcher.run()
         except BaseException:
+            # loud, and kept: Dispatcher.failure makes /healthz answer 503 and `serve` exit 1
             log.exception("the dispatcher crashed")
-            raise
 
     def _every(self, interval_s: float, fn: Callable[[], None], name: str) -> None:
         """Run ``fn`` every ``interval_s`` on a thread of its own until :meth:`stop`."""
@@ -132,7 +135,7 @@ class Service:
         """One log line of what the service did since the last one, while it has work."""
         d = self.dispatcher
         assert d is not None
-        st = d.call(d.status).result()
+        st = d.call(d.status).result(timeout=30)
         t, now = st["totals"], time.monotonic()
         last, self._progress = self._progress, (now, t["samples"], t["bytes"])
         streaming = sum(1 for c in st["clients"] if c["stream"] is not None)
@@ -158,11 +161,26 @@ class Service:
         self._http_sock = sock
         self.http_port = sock.getsockname()[1]
         assert self.dispatcher is not None
-        cfg = uvicorn.Config(make_app(self), log_level="warning", lifespan="off", access_log=False)
+        d = self.dispatcher
+        cfg = uvicorn.Config(make_app(d, lambda: self.api_token, self.problem), log_level="warning", lifespan="off", access_log=False)
         self._http = uvicorn.Server(cfg)
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [sock]},
                                              name="loader-http", daemon=True)
         self._http_thread.start()
+
+    def problem(self) -> str:
+        """Why the service is failing ("" when it is not): its dispatcher thread died, or no
+        worker can start. ``/healthz`` answers 503 with this, and ``serve`` exits non-zero."""
+        d = self.dispatcher
+        if d is None:
+            return ""
+        if d.failure:
+            return d.failure
+        if self._thread is not None and not self._thread.is_alive() and not self._stopped and not self._stop_lock.locked():
+            return "the dispatcher thread has exited"
+        if d.pool.broken:
+            return d.pool.broken
+        return ""
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until a worker is up (or ``timeout``); True if one is."""
@@ -179,19 +197,22 @@ class Service:
             self._stopped = True
 
     def _stop(self) -> None:
+        # Every join is bounded: a stop must finish even if a thread is stuck (its failure is
+        # logged, and the process exits anyway since every thread here is a daemon).
+        c = self.config
         self._periodic_stop.set()
         for t in self._periodic:
             if t is not threading.current_thread():
-                t.join()
+                _join(t, 30.0)
         if self.dispatcher is not None:
-            self.dispatcher.stop(self.config.drain_s)
+            self.dispatcher.stop(c.drain_s)
             if self._thread is not None and self._thread is not threading.current_thread():
-                self._thread.join()
+                _join(self._thread, c.drain_s + 3 * c.stop_timeout_s + 5.0)
             self.dispatcher.close()
         if self._http is not None:
             self._http.should_exit = True
             if self._http_thread is not None:
-                self._http_thread.join()
+                _join(self._http_thread, 10.0)
         if self._http_sock is not None:
             self._http_sock.close()
         for src in self.sources.values():
@@ -202,3 +223,9 @@ class Service:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _join(t: threading.Thread, timeout: float) -> None:
+    t.join(timeout)
+    if t.is_alive():
+        log.error("thread %s did not stop within %.0fs; leaving it behind", t.name, timeout)

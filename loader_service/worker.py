@@ -17,21 +17,17 @@ from typing import Dict, List
 import zmq
 
 from . import protocol as P
-from .shm import Segment
+from .shm import SHM_DIR, Segment
 from .sources import Source, SourceSpec, open_source
 from .transforms import TransformSpec, process_sample, sample_rng
 
-SEGMENT_CACHE = 4  # mappings a worker keeps open; bounds what unlinked segments can pin
+SEGMENT_CACHE = 4  # mappings a worker keeps open at most
 
-# Fault injection for tests and chaos runs: a worker SIGKILLs itself when it reaches one of
-# these dataset indices, the way a decoder crash on a poison file would kill it.
-CRASH_INDICES = frozenset(int(x) for x in os.environ.get("LOADER_FAULT_CRASH_INDICES", "").split(",") if x.strip())
-
-# Benchmark hook (bench/bench_transport.py): with LOADER_BENCH_SKIP_DECODE=1 a worker neither
-# reads nor decodes; it reports every task done at once and leaves its slot's bytes untouched
-# (zeros in a fresh segment), so only dispatch, transport and the client are measured. Never
-# set it outside that benchmark: clients would be served blank images.
-BENCH_SKIP_DECODE = os.environ.get("LOADER_BENCH_SKIP_DECODE", "").strip() not in ("", "0")
+# The transport benchmark (bench/bench_transport.py) measures dispatch, transport and the client
+# with decoding off: LOADER_BENCH_SKIP_DECODE=1 makes the worker run blank_task (report every task
+# done at once, slot bytes untouched) instead of run_task. It is read once when the worker starts,
+# so run_task itself carries no hook. Never set it outside that benchmark: clients would get blanks.
+BENCH_SKIP_DECODE_ENV = "LOADER_BENCH_SKIP_DECODE"
 
 
 def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn) -> None:
@@ -55,6 +51,8 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
         sock.close()
         ctx.term()
         return
+    skip_decode = os.environ.get(BENCH_SKIP_DECODE_ENV, "").strip() not in ("", "0")
+    task_fn = blank_task if skip_decode else run_task
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(death_conn.fileno(), zmq.POLLIN)  # EOF when the service process is gone
@@ -67,7 +65,7 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
             msg, _ = P.decode(sock.recv_multipart(), expect=(P.Task, P.Stop))
             if isinstance(msg, P.Stop):
                 return
-            done = run_task(msg, worker_id, sources, segments)
+            done = task_fn(msg, worker_id, sources, segments)
             sock.send_multipart(P.encode(done))
     finally:
         for seg in segments.values():
@@ -88,14 +86,9 @@ def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments)
     except Exception as exc:
         return P.Done(task=task.task, worker=worker_id, ok=False, error=f"task setup failed: {exc}",
                       traceback=traceback.format_exc())
-    if BENCH_SKIP_DECODE:
-        del out
-        return P.Done(task=task.task, worker=worker_id, ok=True)
     skipped: list = []
     k = 0
     for pos, idx in enumerate(task.indices):
-        if idx in CRASH_INDICES:
-            os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
         try:
             data = source.read(idx)
@@ -116,7 +109,17 @@ def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments)
     return P.Done(task=task.task, worker=worker_id, ok=True, read_s=t_read, decode_s=t_decode, skipped=skipped)
 
 
+def blank_task(task: P.Task, worker_id: int, sources, segments) -> P.Done:
+    """The transport benchmark's task: done at once, nothing read or decoded (see above)."""
+    return P.Done(task=task.task, worker=worker_id, ok=True)
+
+
 def _segment(cache: "OrderedDict[str, Segment]", name: str) -> Segment:
+    # The dispatcher unlinks a segment when its stream's slots go back; a mapping kept here would
+    # still pin that memory (past max_shm_mb). Drop cached segments whose name is gone: a few
+    # stats per task, nothing next to a decode.
+    for old in [n for n in cache if n != name and not os.path.exists(os.path.join(SHM_DIR, n))]:
+        cache.pop(old).close()
     seg = cache.get(name)
     if seg is not None:
         cache.move_to_end(name)

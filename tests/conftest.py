@@ -131,11 +131,12 @@ def make_service(demo_source):
     """Start services on free loopback ports; all are stopped at teardown."""
     started = []
 
-    def make(**overrides) -> Service:
+    def make(sources=None, **overrides) -> Service:
+        """``sources``: open datasets to serve instead of the configured ones (fault doubles)."""
         opts = dict(demo=True, demo_size=DEMO_SIZE, workers=2, host="127.0.0.1", data_port=0, http_port=0,
                     heartbeat_s=0.5, stop_timeout_s=5.0)
         opts.update(overrides)
-        svc = Service(ServiceConfig(**opts))
+        svc = Service(ServiceConfig(**opts), sources=sources)
         started.append(svc)
         return svc.start()
 

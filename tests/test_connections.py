@@ -66,20 +66,20 @@ def test_disconnect_of_an_earlier_connection_on_the_same_fd_keeps_the_new_client
     old, new = uuid.uuid4().bytes, uuid.uuid4().bytes
     d.event(zmq.EVENT_ACCEPTED)
     _send(d, old, _hello())
-    assert d.clients[old].stream is not None
+    assert d.sessions.get(old).stream is not None
     _send(d, old, P.Bye())
-    assert old not in d.clients
+    assert old not in d.sessions
     # the I/O thread reports the old connection gone and the new one (same fd) accepted, but the
     # new client's Hello is handled before the loop gets round to reading the monitor
     d.event(zmq.EVENT_DISCONNECTED)
     d.event(zmq.EVENT_ACCEPTED)
     _send(d, new, _hello())
-    d._drain(d.monitor, d._on_monitor)
-    assert new in d.clients and d.clients[new].stream is not None, "the new client was dropped"
+    d._read_all(d.monitor, d._on_monitor)
+    assert new in d.sessions and d.sessions.get(new).stream is not None, "the new client was dropped"
     # its own disconnect still drops it
     d.event(zmq.EVENT_DISCONNECTED)
-    d._drain(d.monitor, d._on_monitor)
-    assert new not in d.clients and d.fd_owner == {}
+    d._read_all(d.monitor, d._on_monitor)
+    assert new not in d.sessions and d.sessions.fd_owners() == {}
 
 
 def test_a_vanished_client_is_dropped_when_its_fd_number_is_reused(dispatcher):
@@ -87,11 +87,11 @@ def test_a_vanished_client_is_dropped_when_its_fd_number_is_reused(dispatcher):
     old, new = uuid.uuid4().bytes, uuid.uuid4().bytes
     d.event(zmq.EVENT_ACCEPTED)
     _send(d, old, _hello())
-    old_stream = d.clients[old].stream
+    old_stream = d.sessions.get(old).stream
     # no Bye: the old connection just goes, and a new one takes its fd number
     d.event(zmq.EVENT_DISCONNECTED)
     d.event(zmq.EVENT_ACCEPTED)
     _send(d, new, _hello())
-    assert old not in d.clients
-    assert set(d.clients) == {new} and d.fd_owner == {FD: new}
-    assert old_stream.retired and not d.clients[new].stream.retired
+    assert old not in d.sessions
+    assert {c.ident for c in d.sessions} == {new} and d.sessions.fd_owners() == {FD: new}
+    assert old_stream.state.done and not d.sessions.get(new).stream.state.done

@@ -112,7 +112,7 @@ def test_read_only_endpoints_are_open_and_ready_reports_workers(svc):
     wait_for(lambda: httpx.get(f"{svc.http_url}/readyz", timeout=10).status_code == 200, what="readiness")
     r = httpx.get(f"{svc.http_url}/readyz", timeout=10).json()
     assert r["ready"] and r["data_port"] == svc.dispatcher.data_port
-    assert httpx.get(f"{svc.http_url}/healthz", timeout=10).json() == {"status": "ok"}
+    assert httpx.get(f"{svc.http_url}/healthz", timeout=10).json() == {"status": "ok", "problem": ""}
     schema = httpx.get(f"{svc.http_url}/openapi.json", timeout=10).json()
     assert "/v1/workers" in schema["paths"]
     count = schema["components"]["schemas"]["ScaleRequest"]["properties"]["count"]

@@ -16,6 +16,7 @@ import zmq
 
 from client import LoaderError, RemoteLoader
 from loader_service import protocol as P
+from loader_service.sources.fault import FaultSource
 from loader_service.testing import ServiceProcess, free_port
 
 from .conftest import DEMO_SIZE, write_imagefolder
@@ -153,13 +154,12 @@ def test_bad_sample_raise_policy_names_the_file_with_the_worker_traceback(make_s
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
-def test_poison_sample_that_kills_workers_is_isolated_not_retried_forever(make_service, monkeypatch, policy):
+def test_poison_sample_that_kills_workers_is_isolated_not_retried_forever(make_service, demo_source, policy):
     poison = 37
-    monkeypatch.setenv("LOADER_FAULT_CRASH_INDICES", str(poison))
-    svc = make_service(on_error=policy)
+    svc = make_service(on_error=policy, sources={"demo": FaultSource(demo_source, crash=[poison])})
     with RemoteLoader(svc.endpoint, **KW, epoch_lookahead=False) as ld:  # deaths below are for one epoch
         if policy == "raise":
-            with pytest.raises(LoaderError, match=rf"sample {poison} \(.*\) crashed the decoder"):
+            with pytest.raises(LoaderError, match=rf"sample {poison} \(.*\): crashed the decoder"):
                 collect(ld)
             return
         batches = collect(ld)

@@ -257,7 +257,7 @@ def test_healthz_answers(service):
     import httpx
 
     r = httpx.get(f"{service.http_url}/healthz", timeout=10)
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200 and r.json() == {"status": "ok", "problem": ""}
 
 
 def test_worker_killed_mid_epoch_loses_and_doubles_nothing(service):

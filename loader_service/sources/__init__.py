@@ -5,7 +5,7 @@ is described to worker processes by a :class:`SourceSpec`, so the plan, the work
 wire are the same whatever the format.
 """
 
-from . import hdf5, imagefolder, packed, webdataset  # noqa: F401  (registers the source kinds)
+from . import fault, hdf5, imagefolder, packed, webdataset  # noqa: F401  (registers the source kinds)
 from .base import Source, SourceSpec, open_source
 from .detect import detect_kind, open_path
 from .index import PackedStrings

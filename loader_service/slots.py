@@ -1,0 +1,94 @@
+"""Batch slots in shared memory, and the sends that read them.
+
+Each stream gets one segment of ``n`` equal slots (a worker writes a batch into a slot; the
+dispatcher sends it from there). When a stream ends, its segment is kept as its client's
+*reserve* for the client's next stream of the same shape, so an epoch starts on memory that
+is already mapped by the workers and zmq. Live segments and reserves together never exceed
+``max_bytes``.
+
+A large frame is sent zero-copy: libzmq reads the slot while the dispatcher goes on. The frame
+holds a numpy view of the slot, so the segment cannot be unmapped under it (closing raises
+BufferError), and when libzmq releases the frame pyzmq drops that view: a ``weakref.finalize``
+on it reports the send complete through ``on_sent``. No polling: the report arrives from
+pyzmq's garbage-collection thread, and the caller hands it to the dispatcher's loop.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, Optional, Set, Tuple, Union
+
+import numpy as np
+import zmq
+
+from .protocol import ZERO_COPY_MIN_BYTES
+from .shm import Segment
+
+
+class NoCapacity(Exception):
+    """A segment would take the slots past ``max_bytes``; the message says by how much."""
+
+
+class SlotArena:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._live: Set[Segment] = set()
+        self._reserve: Dict[bytes, Segment] = {}
+
+    def in_use(self) -> int:
+        """Bytes of every live segment and every reserve."""
+        return sum(s.size for s in self._live) + sum(s.size for s in self._reserve.values())
+
+    def held_by(self, owner: bytes) -> int:
+        return self._reserve[owner].size if owner in self._reserve else 0
+
+    def acquire(self, owner: bytes, nbytes: int, what: str) -> Segment:
+        """A segment of ``nbytes`` for ``owner``'s new stream: its reserve if that has the size,
+        else a new one. Raises :class:`NoCapacity` (``what`` describes the request)."""
+        reserve = self._reserve.pop(owner, None)
+        if reserve is not None and reserve.size == nbytes:
+            self._live.add(reserve)
+            return reserve
+        if reserve is not None:
+            reserve.close()  # another shape of job: its memory goes back before the check
+        in_use = self.in_use()
+        if in_use + nbytes > self.max_bytes:
+            raise NoCapacity(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
+                             f"{in_use / 2**20:.1f} of {self.max_bytes / 2**20:.0f} MiB are in use")
+        seg = Segment.create(nbytes, tag="slots")
+        self._live.add(seg)
+        return seg
+
+    def release(self, segment: Segment, owner: Optional[bytes]) -> None:
+        """The stream using ``segment`` has ended and nothing reads it any more: keep it as
+        ``owner``'s reserve (if it has none and is still connected), else unmap it."""
+        self._live.discard(segment)
+        if owner is not None and owner not in self._reserve:
+            self._reserve[owner] = segment
+        else:
+            segment.close()
+
+    def forget(self, owner: bytes) -> None:
+        """``owner`` is gone: its reserve goes back."""
+        seg = self._reserve.pop(owner, None)
+        if seg is not None:
+            seg.close()
+
+    @staticmethod
+    def frame(segment: Segment, offset: int, nbytes: int,
+              on_sent: Callable[[], None]) -> Tuple[Union[zmq.Frame, bytes], bool]:
+        """What to send for ``nbytes`` of ``segment`` at ``offset``, and whether it is zero-copy.
+        For a zero-copy frame ``on_sent`` runs (on another thread) once libzmq is done with it;
+        a small frame is copied, so the slot is free as soon as this returns."""
+        view = segment.array(np.uint8, (nbytes,), offset)
+        if nbytes < ZERO_COPY_MIN_BYTES:
+            return view.tobytes(), False
+        weakref.finalize(view, on_sent)
+        return zmq.Frame(view, copy=False), True
+
+    def close(self) -> None:
+        """Unmap everything (after zmq has released every frame). Idempotent."""
+        for seg in list(self._live) + list(self._reserve.values()):
+            seg.close()
+        self._live.clear()
+        self._reserve.clear()

@@ -1,0 +1,55 @@
+"""A test double for fault tests and chaos runs: any source, with samples that break workers.
+
+Reading a sample listed in ``crash`` kills the worker (SIGKILL, as a decoder segfault would);
+reading one listed in ``hang`` never returns (as an NFS read that never answers, or a decoder
+stuck in a loop). The fault lives here, in the data, so the worker's code path is the real one.
+A service gets it only when a test or a benchmark builds it: ``Service(config, sources=...)``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Iterable
+
+from .base import Sample, Source, SourceSpec, open_source, register
+
+
+@register("fault")
+class FaultSource(Source):
+    def __init__(self, inner: Source, crash: Iterable[int] = (), hang: Iterable[int] = (), unopenable: bool = False):
+        """``unopenable``: a worker cannot open it (as a dataset path unreadable inside a container)."""
+        self.inner, self.unopenable = inner, unopenable
+        self.name, self.labels = inner.name, inner.labels
+        self.crash, self.hang = frozenset(int(i) for i in crash), frozenset(int(i) for i in hang)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def read(self, i: int) -> Sample:
+        if i in self.crash:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if i in self.hang:
+            while True:  # only a signal ends this: the task deadline's SIGKILL
+                signal.pause()
+        return self.inner.read(i)
+
+    def describe(self, i: int) -> str:
+        return self.inner.describe(i)
+
+    def spec(self) -> SourceSpec:
+        s = self.inner.spec()
+        return SourceSpec(name=s.name, kind="fault", path=s.path, index=s.index, options=(
+            ("inner_kind", s.kind), ("inner_options", s.options),
+            ("crash", tuple(sorted(self.crash))), ("hang", tuple(sorted(self.hang))), ("unopenable", self.unopenable)))
+
+    @classmethod
+    def from_spec(cls, spec: SourceSpec) -> "FaultSource":
+        if spec.option("unopenable"):
+            raise PermissionError(f"[fault double] cannot open dataset {spec.name!r} at {spec.path}")
+        inner = open_source(SourceSpec(name=spec.name, kind=spec.option("inner_kind"), path=spec.path,
+                                       index=spec.index, options=tuple(tuple(kv) for kv in spec.option("inner_options"))))
+        return cls(inner, spec.option("crash", ()), spec.option("hang", ()))
+
+    def close(self) -> None:
+        self.inner.close()

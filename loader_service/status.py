@@ -1,0 +1,102 @@
+"""The service's status as a typed snapshot.
+
+The dispatcher builds one :class:`ServiceStatus` on its own thread; the REST API returns it
+(``GET /v1/status``, whose schema is this model), the autoscaler decides from it, the metrics
+and the periodic log line read it. Nothing else reads the dispatcher's state.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class WorkerStatus(_Frozen):
+    id: int
+    pid: int
+    state: str  # starting | idle | busy | draining | stopping | failed
+    tasks_done: int
+    busy_s: float
+    uptime_s: float
+    task_s: Optional[float] = None  # how long its current task has run
+
+
+class WorkersStatus(_Frozen):
+    target: int
+    counts: Dict[str, int]
+    deaths: int
+    hung: int  # workers killed because a task outlived its deadline
+    broken: str  # why no worker can start ("" when fine)
+    live: int  # starting, idle or busy
+    busy_s_total: float  # seconds spent on tasks by every worker so far, running tasks included
+    list: List[WorkerStatus]
+
+
+class StreamStatus(_Frozen):
+    id: int
+    dataset: str
+    epoch: int
+    rank: int
+    world_size: int
+    batch_size: int
+    next_batch: int
+    sent: int
+    to_send: int
+    num_batches: int
+    credits: int
+    in_flight: int
+    lookahead: bool
+    skipped: int
+    wait_s: float
+    h2d_s: float
+
+
+class ClientStatus(_Frozen):
+    client: str
+    job: str
+    batches: int
+    samples: int
+    connected_s: float
+    stream: Optional[StreamStatus]
+
+
+class Totals(_Frozen):
+    samples: int = 0
+    batches: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    bad_messages: int = 0
+    failed_tasks: int = 0
+    redone_tasks: int = 0
+    hung_tasks: int = 0
+    streams: int = 0
+    internal_errors: int = 0
+
+
+class StageSeconds(_Frozen):
+    read: float
+    decode_augment: float
+    client_wait: float
+    client_h2d: float
+
+
+class ServiceStatus(_Frozen):
+    instance: str
+    uptime_s: float
+    healthy: bool
+    problem: str  # why not healthy ("" when healthy)
+    data_port: int
+    datasets: Dict[str, Dict[str, int]]
+    workers: WorkersStatus
+    clients: List[ClientStatus]
+    throughput: Dict[str, float]
+    totals: Totals
+    stage_s: StageSeconds
+    shm_bytes: int
+    task_deadline_s: float  # the deadline a one-batch task of the median batch size gets now
+    autoscaler: dict

@@ -1,0 +1,122 @@
+"""No stall outlives a deadline, and failures are loud (live services, real worker processes).
+
+* a worker frozen with SIGSTOP mid-epoch: its task outlives the deadline, the worker is killed
+  and replaced, the task is redone, and the epoch completes exactly once;
+* a sample whose read hangs every time: isolated like a poison sample, then ``on_error``;
+* a pool whose workers cannot start: ``/healthz`` answers 503 with the reason;
+* a dispatcher loop that dies: ``/healthz`` answers 503 and ``serve`` exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from client import LoaderError, RemoteLoader
+from loader_service.sources.fault import FaultSource
+from loader_service.testing import ROOT, free_port
+
+from .conftest import DEMO_SIZE
+from .helpers import collect, indices_of, status, wait_for
+
+KW = dict(batch_size=16, image_size=32, shuffle=True, seed=3, timeout=60, epoch_lookahead=False)
+
+
+def test_a_sigstopped_worker_is_replaced_and_the_epoch_completes_exactly_once(make_service):
+    svc = make_service(task_deadline_s=2.0)
+    frozen = []
+
+    def freeze_a_busy_worker():
+        busy = [w for w in status(svc)["workers"]["list"] if w["state"] == "busy" and w["pid"]]
+        if busy:
+            os.kill(busy[0]["pid"], signal.SIGSTOP)
+            frozen.append(busy[0]["pid"])
+        return bool(busy)
+
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        batches = []
+        for b in ld:
+            batches.append(list(b.indices))
+            if len(batches) == 2:
+                wait_for(freeze_a_busy_worker, what="a busy worker to freeze")
+    assert sorted(i for b in batches for i in b) == list(range(DEMO_SIZE))
+    st = status(svc)
+    assert st["workers"]["hung"] >= 1 and st["totals"]["hung_tasks"] >= 1
+    assert frozen[0] not in [w["pid"] for w in st["workers"]["list"]], "the frozen worker is still in the pool"
+    wait_for(lambda: status(svc)["workers"]["counts"].get("idle", 0) == 2, what="the pool back at 2 workers")
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_sample_that_hangs_every_time_is_isolated_and_judged_by_on_error(make_service, demo_source, policy):
+    stuck = 21
+    svc = make_service(on_error=policy, task_deadline_s=1.5,
+                       sources={"demo": FaultSource(demo_source, hang=[stuck])})
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        if policy == "raise":
+            with pytest.raises(LoaderError, match=rf"sample {stuck} \(.*\): hung: still running after its 1.5s"):
+                collect(ld)
+            return
+        batches = collect(ld)
+    assert sorted(indices_of(batches)) == sorted(set(range(DEMO_SIZE)) - {stuck})
+    skipped = [s for b in batches for s in b["skipped"]]
+    assert [i for i, _ in skipped] == [stuck] and "hung" in skipped[0][1] and "deadline" in skipped[0][1]
+    assert status(svc)["workers"]["hung"] == 4  # the batch twice, then the sample alone twice
+
+
+def test_healthz_fails_with_the_reason_when_no_worker_can_start(make_service, demo_source):
+    svc = make_service(sources={"demo": FaultSource(demo_source, unopenable=True)})
+    wait_for(lambda: httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 503, what="healthz to fail")
+    body = httpx.get(f"{svc.http_url}/healthz", timeout=10).json()
+    assert body["status"] == "failing" and "cannot open dataset 'demo'" in body["problem"]
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        with pytest.raises(LoaderError, match="cannot open dataset 'demo'"):
+            collect(ld)
+
+
+def test_a_dead_dispatcher_fails_healthz(make_service, monkeypatch):
+    from loader_service.dispatcher import Dispatcher
+
+    svc = make_service()
+    wait_for(lambda: svc.wait_ready(0), what="a worker")
+    crashed = threading.Event()
+
+    def broken_schedule(self):
+        crashed.set()
+        raise RuntimeError("injected scheduler bug")
+
+    monkeypatch.setattr(Dispatcher, "_schedule", broken_schedule)
+    svc.dispatcher.post(lambda: None)  # wake the loop: it runs the broken step and dies
+    wait_for(crashed.is_set, what="the loop to run the broken step")
+    wait_for(lambda: httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 503, what="healthz to fail")
+    assert "injected scheduler bug" in httpx.get(f"{svc.http_url}/healthz", timeout=10).json()["problem"]
+
+
+SERVE_WITH_A_DISPATCHER_BUG = """
+import sys
+from loader_service.dispatcher import Dispatcher
+from loader_service.cli import main
+real = Dispatcher._schedule
+def schedule(self):
+    if self.ready.is_set():  # once a worker is up
+        raise RuntimeError("injected scheduler bug")
+    return real(self)
+Dispatcher._schedule = schedule
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_serve_exits_non_zero_when_the_dispatcher_dies(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, LOADER_API_TOKEN="t", LOADER_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE_WITH_A_DISPATCHER_BUG, "serve", "--demo", "--demo-size", "64", "--workers", "1",
+         "--data-port", str(free_port()), "--http-port", str(free_port()), "--status-log", "0"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "injected scheduler bug" in proc.stderr
