@@ -43,7 +43,7 @@ def torchrun(*args: str, nproc: int = 2) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), SCRIPT,
            *args]
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT), start_new_session=True) as proc:
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)), start_new_session=True) as proc:
         try:
             out, _ = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:

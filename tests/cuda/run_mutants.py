@@ -31,7 +31,8 @@ MUST_FAIL = {
 def run(mutant: str, out: str) -> dict:
     """Run the race tests with ``mutant`` ('' = the real code); outcome per test name."""
     xml = os.path.join(out, f"race-{mutant or 'real'}.xml")
-    env = dict(os.environ, LOADER_CUDA_MUTANT=mutant, PYTHONPATH=ROOT)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keep a carried site dir
+    env = dict(os.environ, LOADER_CUDA_MUTANT=mutant, PYTHONPATH=path)
     cmd = [sys.executable, "-m", "pytest", "tests/cuda", "-k", "race", "-q", "-p", "no:cacheprovider",
            f"--junitxml={xml}"]
     with open(os.path.join(out, f"race-{mutant or 'real'}.log"), "w") as log:
