@@ -1,21 +1,38 @@
-"""GPU path benchmark: pinned-ring H2D bandwidth, and data stall in a real training step.
+"""GPU path benchmark: H2D bandwidth with and without the receive, and the data stall measured
+on the GPU in a real training step.
 
-    python bench/bench_gpu.py                 # on a machine with an NVIDIA GPU
+    python bench/bench_gpu.py --batch-size 128 --json results/gpu-128.json   # NVIDIA GPU
+    python bench/bench_gpu.py --batch-size 256 --json results/gpu-256.json
 
-Part 1, host-to-device bandwidth for one batch (B x S x S x 3 uint8):
+Part 1, one batch (B x S x S x 3 uint8) host -> device, seconds per batch after >= 10 warm-up
+iterations (``--warmup``), ended by a synchronize:
   * pageable copy      tensor.to(device) from ordinary memory
   * raw pinned copy    pinned.to(device, non_blocking=True), back to back (the ceiling)
-  * pinned ring        client.sinks.CudaSink: ring slot -> side stream copy -> event, as the
-                       loader does it (normalize off, to compare like with like; also shown on)
-  Target: ring >= 90% of the raw pinned copy.
+  * pinned ring        client.sinks.CudaSink as the loader drives it: slot wait -> push
+                       (side-stream copy, event) -> hand_over (stream wait, record_stream);
+                       normalize off (like with like), then on
+  * receive only       recv_into a host buffer from a loopback ZeroMQ socket (no GPU)
+  * receive + ring     the real path: CudaSink.receive (recv_into the pinned slot) -> push ->
+                       hand_over, from the same loopback socket
+  Target: pinned ring >= 90% of the raw pinned copy.
 
 Part 2, a training step of a small ResNet (bench/models.py, bf16 autocast, channels_last):
   * resident     the same batch already on the GPU every step (no data loading at all)
-  * service      batches streamed by a local loader service (subprocess, --workers W)
+  * fed          batches streamed by a local loader service (subprocess, --workers W)
                  through RemoteLoader(device="cuda", normalize=True)
-  Data stall = time the step loop spent waiting in next() / wall time. Also printed: the
-  service's delivery rate with no model, so one can see whether it outpaces the model.
-  Target: stall < 2% when the service outpaces the model.
+  Both after >= 10 warm-up steps. Data stall, two ways, both on the GPU's clock:
+  * GPU idle     CUDA events recorded on the compute stream at the start and end of every
+                 step; the idle time between one step's end and the next one's start (the
+                 stream waiting for the CPU or for the batch's copy), over the whole span
+  * step ratio   1 - resident step time / fed step time
+  Also shown, for comparison only: CPU time blocked in next() / wall time (the old figure; it
+  measures CPU blocking, not GPU idle time, since kernel launches are asynchronous).
+  Target: stall < 2% when the service outpaces the model (its no-model rate is printed).
+
+Without CUDA the GPU rows are skipped with a message and the rest runs on the CPU (receive
+only, receive + host sink, the training step with device="cpu", stall by step ratio): that
+checks the script end to end (tests/test_bench_smoke.py runs it so); its figures say nothing
+about a GPU.
 """
 
 from __future__ import annotations
@@ -23,94 +40,201 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
+import shlex
+import signal
 import sys
+import threading
 import time
+from typing import Callable, Optional
 
 import torch
+import zmq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from bench_throughput import START_TIMEOUT_S, ServiceProcess  # noqa: E402
 
 from bench.models import SmallResNet  # noqa: E402
 from client import RemoteLoader  # noqa: E402
 from client.config import LoaderConfig  # noqa: E402
-from client.sinks import CudaSink  # noqa: E402
+from client.sinks import CudaSink, make_sink  # noqa: E402
 from loader_service import protocol as P  # noqa: E402
+from loader_service.sources.demo import ensure_demo  # noqa: E402
+
+MIN_WARMUP = 10
 
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def time_copies(fn, n: int) -> float:
-    """Seconds per call of fn (which enqueues GPU work), measured with a final synchronize."""
-    for _ in range(3):
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def per_call(fn: Callable[[], None], iters: int, warmup: int, cuda: bool) -> float:
+    """Seconds per call of fn (which may enqueue GPU work), ended by a synchronize."""
+    for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync(cuda)
     t0 = time.perf_counter()
-    for _ in range(n):
+    for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n
+    sync(cuda)
+    return (time.perf_counter() - t0) / iters
 
 
-def h2d(batch: int, size: int, iters: int) -> dict:
-    dev = torch.device("cuda")
+def _config(batch: int, size: int, device: str, normalize: bool = False) -> LoaderConfig:
+    return LoaderConfig(endpoint="tcp://127.0.0.1:1", batch_size=batch, image_size=size, device=device,
+                        normalize=normalize)
+
+
+def h2d(batch: int, size: int, iters: int, warmup: int) -> dict:
+    """Part 1 without the receive (GPU only)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
     shape = (batch, size, size, 3)
     nbytes = batch * size * size * 3
     pageable = torch.randint(0, 255, shape, dtype=torch.uint8)
     pinned = pageable.pin_memory()
-    out = {"bytes": nbytes}
-    out["pageable"] = gbps(nbytes, time_copies(lambda: pageable.to(dev), iters))
-    out["raw_pinned"] = gbps(nbytes, time_copies(lambda: pinned.to(dev, non_blocking=True), iters))
+    out = {}
+    out["pageable"] = gbps(nbytes, per_call(lambda: pageable.to(dev), iters, warmup, True))
+    out["raw_pinned"] = gbps(nbytes, per_call(lambda: pinned.to(dev, non_blocking=True), iters, warmup, True))
     for normalize in (False, True):
-        cfg = LoaderConfig(endpoint="tcp://127.0.0.1:1", batch_size=batch, image_size=size, device="cuda",
-                           normalize=normalize)
-        sink = CudaSink(cfg, dev)
-        msg = P.Batch(stream=1, epoch=0, index=0, indices=list(range(batch)), shape=list(shape))
+        sink = CudaSink(_config(batch, size, str(dev), normalize))
         for slot in sink._ring:
             slot.images.copy_(pageable.view(-1))
+        k = [0]
 
         def one():
+            # CudaSink.receive without the socket: slot wait, then the slot's bytes as they are
             slot = sink._ring[sink._next_slot]
             sink._next_slot = (sink._next_slot + 1) % len(sink._ring)
             if slot.copied is not None:
-                slot.copied.synchronize()
+                sink._wait_slot_free(slot)
+            msg = P.Batch(stream=1, epoch=0, index=k[0], indices=list(range(batch)), shape=list(shape))
+            k[0] += 1
             sink.push(msg, (slot, slot.images.view(shape), slot.labels))
-            for _ in sink.ready(final=False):
-                pass
+            for b in sink.ready(final=False):
+                sink.hand_over(b)
 
-        out["ring_normalize" if normalize else "ring"] = gbps(nbytes, time_copies(one, iters))
-        sink.end()
+        sink.begin(0)
+        out["ring_normalize" if normalize else "ring"] = gbps(nbytes, per_call(one, iters, warmup, True))
         sink.close()
     return out
 
 
-def start_service(workers: int, demo_size: int):
-    proc = subprocess.Popen([sys.executable, "-m", "loader_service", "serve", "--demo", "--demo-size", str(demo_size),
-                             "--workers", str(workers), "--data-port", "0", "--http-port", "0",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    deadline = time.monotonic() + 600
-    for line in proc.stdout:
-        m = re.search(r"ready: data (tcp://\S+)", line)
-        if m:
-            return proc, m.group(1)
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise SystemExit("the loader service did not start")
+class LoopbackSender:
+    """A thread sending the same Batch message (header + images + labels) over loopback TCP,
+    as fast as the receiver takes it (PUSH/PULL with a small high-water mark)."""
+
+    def __init__(self, batch: int, size: int):
+        self.shape = (batch, size, size, 3)
+        self.ctx = zmq.Context(1)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 4)
+        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 4)
+        self.push.connect(f"tcp://127.0.0.1:{port}")
+        self.images = torch.randint(0, 255, self.shape, dtype=torch.uint8).numpy()
+        self.labels = torch.arange(batch, dtype=torch.int64).numpy()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._send, daemon=True)
+        self._thread.start()
+
+    def _send(self) -> None:
+        k = 0
+        while not self._stop.is_set():
+            msg = P.Batch(stream=1, epoch=0, index=k, indices=list(range(self.shape[0])), shape=list(self.shape))
+            frames = P.encode(msg, self.images, self.labels)
+            try:
+                self.push.send_multipart(frames, copy=False, flags=0)
+            except zmq.ZMQError:
+                return
+            k += 1
+
+    def recv_header(self) -> P.Batch:
+        return P.decode_header(self.pull.recv(copy=False))
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():  # unblock a send waiting on the high-water mark
+            while self.pull.poll(10):
+                self.pull.recv(copy=False)
+            self._thread.join(0.1)
+        self.push.close(0)
+        self.pull.close(0)
+        self.ctx.term()
 
 
-def train(args) -> dict:
-    dev = torch.device("cuda")
+def receive(batch: int, size: int, iters: int, warmup: int, cuda: bool) -> dict:
+    """Part 1 rows with the receive: into a host buffer, and through the loader's sink."""
+    nbytes = batch * size * size * 3
+    out = {}
+    sender = LoopbackSender(batch, size)
+    try:
+        host = torch.empty(sender.shape, dtype=torch.uint8)
+        labels = torch.empty(batch, dtype=torch.int64)
+
+        def recv_only():
+            sender.recv_header()
+            sender.pull.recv_into(host.numpy())
+            sender.pull.recv_into(labels.numpy())
+
+        out["recv_only"] = gbps(nbytes, per_call(recv_only, iters, warmup, False))
+        device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+        sink = make_sink(_config(batch, size, device))
+        sink.begin(0)
+
+        def through_sink():
+            msg = sender.recv_header()
+            sink.push(msg, sink.receive(sender.pull, msg))
+            for b in sink.ready(final=False):
+                sink.hand_over(b)
+
+        out["recv_sink"] = gbps(nbytes, per_call(through_sink, iters, warmup, cuda))
+        sink.close()
+    finally:
+        sender.close()
+    return out
+
+
+class StepClock:
+    """CUDA events at the start and end of every step on the current stream: the GPU's own
+    account of how long it sat idle between steps."""
+
+    def __init__(self):
+        self.starts, self.ends = [], []
+
+    def start(self) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self.starts.append(e)
+
+    def end(self) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self.ends.append(e)
+
+    def idle_fraction(self) -> float:
+        torch.cuda.synchronize()
+        span = self.starts[0].elapsed_time(self.ends[-1])
+        idle = sum(e.elapsed_time(s) for e, s in zip(self.ends[:-1], self.starts[1:]))
+        return idle / span
+
+
+def train(args, cuda: bool) -> dict:
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
     model = SmallResNet(num_classes=10).to(dev, memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     lossf = torch.nn.CrossEntropyLoss()
 
     def step(images, labels):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = lossf(model(images), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -119,87 +243,129 @@ def train(args) -> dict:
     B, S = args.batch_size, args.image_size
     x = torch.randn(B, 3, S, S, device=dev).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (B,), device=dev)
-    for _ in range(10):
-        step(x, y)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step(x, y)
-    torch.cuda.synchronize()
-    resident = (time.perf_counter() - t0) / args.steps
+    resident = per_call(lambda: step(x, y), args.steps, args.warmup, cuda)
 
-    proc, endpoint = start_service(args.workers, args.demo_size)
+    cmd = [sys.executable, "-m", "loader_service", "serve", "--demo", "--demo-size", str(args.demo_size),
+           "--workers", str(args.workers), "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0",
+           "--log-level", "warning"]
+    svc = ServiceProcess(cmd)
     try:
-        with RemoteLoader(endpoint, batch_size=B, image_size=S, device="cuda", normalize=True,
-                          prefetch=args.prefetch, timeout=300) as ld:
-            # service alone: how fast it delivers with no model (one warm-up epoch first)
-            for _ in ld:
-                pass
+        endpoint = svc.wait_ready(START_TIMEOUT_S)
+        with RemoteLoader(endpoint, batch_size=B, image_size=S, device=str(dev), normalize=True,
+                          prefetch=args.prefetch, timeout=300, drop_last=True) as ld:
+            batches = _forever(ld)
+            # the service alone: how fast it delivers with no model
+            for _ in range(args.warmup):
+                next(batches)
             n, t0 = 0, time.perf_counter()
-            for b in ld:
-                n += len(b)
-            torch.cuda.synchronize()
+            while n < args.steps * B:
+                n += len(next(batches))
+            sync(cuda)
             service_rate = n / (time.perf_counter() - t0)
-            # training fed by the service
-            done, wait, t_start = 0, 0.0, time.perf_counter()
-            while done < args.steps:
-                it = iter(ld)
-                while done < args.steps:
-                    t0 = time.perf_counter()
-                    try:
-                        b = next(it)
-                    except StopIteration:
-                        break
-                    wait += time.perf_counter() - t0
-                    step(b.images, b.labels)
-                    done += 1
-            torch.cuda.synchronize()
+            # training fed by the service: warm-up steps, then measured steps
+            for _ in range(args.warmup):
+                b = next(batches)
+                step(b.images, b.labels)
+            sync(cuda)
+            clock = StepClock() if cuda else None
+            wait, t_start = 0.0, time.perf_counter()
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                b = next(batches)  # hand-over: the compute stream waits for this batch's copy here
+                wait += time.perf_counter() - t0
+                if clock:
+                    clock.start()  # recorded after the wait: idle before it counts as stall
+                step(b.images, b.labels)
+                if clock:
+                    clock.end()
+            sync(cuda)
             wall = time.perf_counter() - t_start
+            batches.close()
             h2d_s = ld.stats()["h2d_s"]
     finally:
-        proc.terminate()
-        proc.wait(60)
+        svc.stop()
+    fed = wall / args.steps
     return {"resident_step_s": resident, "model_rate": B / resident, "service_rate": service_rate,
-            "fed_step_s": wall / args.steps, "stall_fraction": wait / wall, "h2d_s": h2d_s}
+            "fed_step_s": fed, "stall_step_ratio": max(0.0, 1 - resident / fed),
+            "stall_gpu_idle": clock.idle_fraction() if clock else None,
+            "cpu_blocked_in_next": wait / wall, "h2d_s": h2d_s}
 
 
-def main() -> int:
+def _forever(ld: RemoteLoader):
+    epoch = 0
+    while True:
+        ld.set_epoch(epoch)
+        yield from ld
+        epoch += 1
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt  # unwind through every finally: the service stops
+
+
+def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=128, help="128 and 256 are the recorded runs")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=MIN_WARMUP, help=f"warm-up iterations, at least {MIN_WARMUP}")
     p.add_argument("--prefetch", type=int, default=8)
     p.add_argument("--demo-size", type=int, default=2000)
     p.add_argument("--h2d-iters", type=int, default=50)
     p.add_argument("--json")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gpu.py needs an NVIDIA GPU (torch.cuda.is_available() is False)")
-    cmd = "python bench/bench_gpu.py " + " ".join(sys.argv[1:])
-    print(f"# GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  CPUs {os.cpu_count()}")
-    print(f"# command: {cmd}\n")
-    h = h2d(args.batch_size, args.image_size, args.h2d_iters)
-    print(f"## H2D, one batch of {h['bytes'] / 2**20:.1f} MiB uint8\n")
-    print("| copy | GB/s | % of raw pinned |\n|---|---:|---:|")
-    for k, label in (("pageable", "pageable tensor.to(device)"), ("raw_pinned", "raw pinned, non_blocking"),
-                     ("ring", "pinned ring (CudaSink)"), ("ring_normalize", "pinned ring + normalize on GPU")):
-        print(f"| {label} | {h[k]:.2f} | {100 * h[k] / h['raw_pinned']:.1f}% |")
-    print(f"\nring >= 90% of raw pinned: {'PASS' if h['ring'] >= 0.9 * h['raw_pinned'] else 'MISS'}\n")
-    t = train(args)
-    print(f"## Training step, SmallResNet, batch {args.batch_size}, {args.image_size}px, bf16, "
-          f"{args.workers} service workers\n")
+    args = p.parse_args(argv)
+    if args.warmup < MIN_WARMUP:
+        p.error(f"--warmup must be at least {MIN_WARMUP}")
+    if args.demo_size < args.batch_size:
+        p.error("--demo-size must be at least --batch-size (the loader drops the last partial batch)")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    cuda = torch.cuda.is_available()
+    B, S = args.batch_size, args.image_size
+    print(f"# {'GPU: ' + torch.cuda.get_device_name() if cuda else 'no CUDA: GPU rows skipped, CPU rows only'}"
+          f"  torch {torch.__version__}  CPUs {os.cpu_count()}")
+    print(f"# command: {shlex.join(['python', 'bench/bench_gpu.py'] + (argv if argv is not None else sys.argv[1:]))}\n")
+    ensure_demo(args.demo_size).close()  # generate it now if needed, not while the service starts
+
+    h = h2d(B, S, args.h2d_iters, args.warmup) if cuda else {}
+    h.update(receive(B, S, args.h2d_iters, args.warmup, cuda))
+    print(f"## One batch host -> {'device' if cuda else 'host tensors'}, {B * S * S * 3 / 2**20:.2f} MiB uint8\n")
+    rows = [("pageable", "pageable tensor.to(device)"), ("raw_pinned", "raw pinned, non_blocking"),
+            ("ring", "pinned ring (CudaSink: slot wait, push, hand_over)"),
+            ("ring_normalize", "pinned ring + normalize on GPU"),
+            ("recv_only", "receive only: recv_into a host buffer (loopback tcp)"),
+            ("recv_sink", "receive + pinned ring + H2D (CudaSink.receive/push/hand_over)" if cuda
+             else "receive + host sink (HostSink.receive/push)")]
+    print("| path | GB/s | % of raw pinned |\n|---|---:|---:|")
+    for k, label in rows:
+        if k in h:
+            pct = f"{100 * h[k] / h['raw_pinned']:.1f}%" if "raw_pinned" in h else "-"
+            print(f"| {label} | {h[k]:.2f} | {pct} |")
+    if cuda:
+        print(f"\nring >= 90% of raw pinned: {'PASS' if h['ring'] >= 0.9 * h['raw_pinned'] else 'MISS'}\n")
+    else:
+        print("\nring vs raw pinned: skipped (no CUDA)\n")
+
+    t = train(args, cuda)
+    print(f"## Training step, SmallResNet, batch {B}, {S}px, bf16 autocast, {args.workers} service workers, "
+          f"{args.steps} steps after {args.warmup} warm-up\n")
     print("| | value |\n|---|---:|")
-    print(f"| step, data resident on GPU | {1e3 * t['resident_step_s']:.1f} ms ({t['model_rate']:.0f} img/s) |")
+    print(f"| step, data resident on the {'GPU' if cuda else 'CPU'} | {1e3 * t['resident_step_s']:.1f} ms "
+          f"({t['model_rate']:.0f} img/s) |")
     print(f"| service delivery rate, no model | {t['service_rate']:.0f} img/s |")
     print(f"| step, fed by the service | {1e3 * t['fed_step_s']:.1f} ms |")
-    print(f"| data stall (waiting in next()) | {100 * t['stall_fraction']:.2f}% |")
+    if t["stall_gpu_idle"] is not None:
+        print(f"| data stall: GPU idle between steps (CUDA events) | {100 * t['stall_gpu_idle']:.2f}% |")
+    print(f"| data stall: 1 - resident / fed step time | {100 * t['stall_step_ratio']:.2f}% |")
+    print(f"| (CPU blocked in next() / wall, for comparison) | {100 * t['cpu_blocked_in_next']:.2f}% |")
+    stall = t["stall_gpu_idle"] if t["stall_gpu_idle"] is not None else t["stall_step_ratio"]
     outpaces = t["service_rate"] > t["model_rate"]
     print(f"\nservice outpaces the model: {outpaces}; stall < 2%: "
-          f"{'PASS' if t['stall_fraction'] < 0.02 else 'MISS'}")
+          f"{'PASS' if stall < 0.02 else 'MISS'}{'' if cuda else ' (CPU run: not the GPU target)'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"h2d": h, "train": t, "args": vars(args)}, f, indent=2)
+            json.dump({"cuda": cuda, "device": torch.cuda.get_device_name() if cuda else None,
+                       "h2d": h, "train": t, "args": vars(args)}, f, indent=2)
     return 0
 
 

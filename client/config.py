@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
+
+from .errors import LoaderError
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -21,7 +24,7 @@ class LoaderConfig:
     image_size: int = 224
     train: bool = True
     prefetch: int = 4
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"; "cuda" becomes "cuda:<current device>" here
     dataset: Optional[str] = None
     timeout: float = 60.0  # seconds without any message before LoaderTimeout
     job: str = ""
@@ -53,6 +56,32 @@ class LoaderConfig:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name.split('/')[0], None)!r}")
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
+
+
+def resolve_device(device: str) -> str:
+    """``"cpu"`` or an explicit ``"cuda:N"``. A bare ``"cuda"`` takes the device current *now*
+    (``torch.cuda.current_device()``), so the loader's stream, events and allocations stay on
+    that device whatever the trainer makes current later."""
+    m = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if m is None or (m.group(1) == "cpu" and m.group(2) is not None):
+        raise ValueError(f"invalid device: {device!r} (use 'cpu', 'cuda' or 'cuda:N')")
+    if m.group(1) == "cpu":
+        return "cpu"
+    import torch  # only the CUDA path needs it here
+
+    if not torch.cuda.is_available():
+        raise LoaderError("bad_device", f"device={device!r} but CUDA is not available in this torch build "
+                          f"({torch.__version__}); use device='cpu'")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if m.group(2) is None else int(m.group(2))
+    if index >= count:
+        raise LoaderError("bad_device", f"device={device!r} but this machine has {count} CUDA device(s): "
+                          f"use cuda:0..cuda:{count - 1}")
+    return f"cuda:{index}"
 
 
 def _tuple(x: Sequence[float]) -> Tuple[float, ...]:

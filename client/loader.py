@@ -243,7 +243,7 @@ class RemoteLoader:
                 self._stats.samples += len(batch)
                 self._next_batch = next_yield
                 for _ in range(c.echo):
-                    yield batch
+                    yield self._sink.hand_over(batch)  # issue 14: stream wait + record_stream at hand-over
         finally:
             self._sink.end()
 

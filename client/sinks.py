@@ -1,7 +1,8 @@
 """Where received batches go: host tensors (CPU) or the pinned ring + side stream (CUDA).
 
 A sink's life per epoch: ``begin`` -> (``receive`` frames of one batch into host memory,
-``push`` it, then take what ``ready`` yields) per batch -> ``end``.
+``push`` it, then take what ``ready`` yields into the loader's reorder buffer) per batch ->
+``hand_over`` each batch as ``next()`` returns it to the trainer -> ``end``.
 
 CPU path: the images tensor *is* libzmq's receive buffer (``recv(copy=False)`` wrapped by
 ``torch.frombuffer``): after the kernel's copy into that buffer nothing copies the pixels again,
@@ -9,28 +10,39 @@ and the tensor holds the message, so the trainer owns it like any tensor. (Recei
 fresh ``torch.empty`` instead costs a 10 MB memcpy per batch, plus page faults on memory that
 glibc maps anew for every large allocation.)
 
-CUDA path, and why it is race-free:
+CUDA path, and why it is race-free. Three guarantees, each one small method, each one removed
+in turn by ``tests/cuda``'s mutant runs to show that a race test then fails:
 
-* ``receive`` reads the data frames straight from the socket into a pinned ring slot
-  (``recv_into``; libzmq copies once from its message into our buffer). Before a slot is
-  overwritten we wait on the event recorded after the H2D copy that last read it, so a slot is
-  never reused while a copy may still be reading it.
-* ``push`` issues the copy with ``non_blocking=True`` on a dedicated side stream, then
-  normalizes there too, and records an event.
-* ``ready`` hands a batch over only after making the consumer's current stream wait on that
-  event, and calls ``record_stream(current)`` on every tensor it hands over. The tensors were
-  allocated on the side stream; without record_stream the caching allocator could give their
-  memory to the next side-stream allocation as soon as the trainer drops them, while kernels
-  queued on the compute stream still read them. (We use record_stream rather than holding
-  references because the trainer decides when a batch dies, not us.)
-* ``device_prefetch`` batches are copied ahead, so the copy of batch k+1 overlaps step k.
+* slot wait (``_wait_slot_free``): ``receive`` reads the data frames straight from the socket
+  into a pinned ring slot (``recv_into``; libzmq copies once from its message into our
+  buffer). Before a slot is overwritten the CPU waits on the event recorded after the H2D copy
+  that last read it, so a slot is never rewritten while a copy may still be reading it.
+* ``push`` issues the copy with ``non_blocking=True`` on a dedicated side stream of the
+  loader's device, normalizes there too, and records a ``done`` event.
+* stream wait (``_order_after_copy``): ``hand_over``, called as ``next()`` returns the batch,
+  makes the stream *current at that moment* wait on ``done``: the trainer's kernels start
+  after the copy and the normalize. Not earlier (waits on future batches would land on the
+  compute stream before their time) and not on a stream chosen at receive time.
+* allocator guard (``_keep_alive``): ``hand_over`` also calls ``record_stream(current)`` on
+  every tensor it hands over. They were allocated on the side stream; without it the caching
+  allocator could give their memory to the next side-stream allocation as soon as the trainer
+  drops them, while kernels queued on the compute stream still read them. (record_stream
+  rather than held references: the trainer decides when a batch dies, not us.)
+
+The stream rule for the trainer: use a batch on the stream that is current (for the loader's
+device) when ``next()`` returns it. To use it on another stream, do what you would for any
+tensor: ``other.wait_stream(current)`` and ``t.record_stream(other)``. With ``echo > 1`` each
+repeat is handed over again, on the stream current at that repeat.
+
+Copies run ahead: a batch's copy is issued as soon as it is received, up to the ring's
+``device_prefetch + 1`` slots, so the copy of batch k+1 overlaps step k.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Deque, Iterator, List, Optional, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -45,15 +57,9 @@ from .transform import Normalize
 
 
 def make_sink(config: LoaderConfig):
-    device = torch.device(config.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise LoaderError("bad_device", f"device={config.device!r} but CUDA is not available in this torch "
-                              f"build ({torch.__version__}); use device='cpu'")
-        return CudaSink(config, device)
-    if device.type != "cpu":
-        raise ValueError(f"unsupported device {config.device!r}: use 'cpu' or 'cuda[:N]'")
-    return HostSink(config)
+    """The sink for ``config.device`` (already ``"cpu"`` or an explicit ``"cuda:N"``: see
+    :func:`client.config.resolve_device`)."""
+    return CudaSink(config) if config.device.startswith("cuda") else HostSink(config)
 
 
 def _recv_frames(sock: zmq.Socket, msg: P.Batch, images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -123,6 +129,9 @@ class HostSink:
         while self._pending:
             yield self._pending.popleft()
 
+    def hand_over(self, batch: Batch) -> Batch:
+        return batch  # host tensors need no ordering
+
     def end(self) -> None:
         self._pending.clear()
 
@@ -132,27 +141,37 @@ class HostSink:
 
 class _Slot:
     def __init__(self, nbytes: int, nlabels: int):
+        # pinned while the loader's device is current (portable to every device under UVA)
         self.images = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         self.labels = torch.empty(nlabels, dtype=torch.int64).pin_memory()
         self.copied: Optional[torch.cuda.Event] = None  # recorded after the H2D copy that read it
 
 
 class CudaSink:
-    """CUDA: pinned ring -> side-stream H2D copy -> normalize on the GPU."""
+    """CUDA: pinned ring -> side-stream H2D copy -> normalize on the GPU -> hand-over."""
 
-    def __init__(self, config: LoaderConfig, device: torch.device):
-        self.config, self.device = config, device
+    def __init__(self, config: LoaderConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.index is None:
+            raise ValueError(f"CudaSink needs an explicit device index, got {config.device!r}")
         self.normalize = Normalize(config.mean, config.std, config.dtype) if config.normalize else None
-        self.stream = torch.cuda.Stream(device=device)
         self._slot_bytes = config.batch_size * config.image_size * config.image_size * 3
-        # one slot per batch whose copy may be in flight, plus the one being received
-        self._ring = [_Slot(self._slot_bytes, config.batch_size) for _ in range(config.device_prefetch + 1)]
+        with torch.cuda.device(self.device):
+            self.stream = torch.cuda.Stream(device=self.device)
+            # one slot per batch whose copy may be in flight, plus the one being received
+            self._ring = [_Slot(self._slot_bytes, config.batch_size)
+                          for _ in range(config.device_prefetch + 1)]
         self._next_slot = 0
-        self._inflight: Deque[Tuple[Batch, torch.cuda.Event]] = deque()
+        self._pushed: Deque[Batch] = deque()
+        self._done: Dict[int, torch.cuda.Event] = {}  # batch index -> its copy + normalize finished
+        self._handed: Optional[Tuple[int, torch.cuda.Event]] = None  # the last batch handed over (echo)
         self.h2d_s = 0.0
 
     def begin(self, n: int) -> None:
-        self._inflight.clear()
+        self._pushed.clear()
+        self._done.clear()
+        self._handed = None
 
     def receive(self, sock: zmq.Socket, msg: P.Batch):
         if msg.image_bytes > self._slot_bytes or len(msg.indices) > self.config.batch_size:
@@ -161,7 +180,7 @@ class CudaSink:
         self._next_slot = (self._next_slot + 1) % len(self._ring)
         if slot.copied is not None:
             t0 = time.perf_counter()
-            slot.copied.synchronize()  # the copy that last read this slot has finished
+            self._wait_slot_free(slot)
             self.h2d_s += time.perf_counter() - t0
         n = len(msg.indices)
         images = slot.images[: msg.image_bytes].view(msg.shape)
@@ -172,7 +191,7 @@ class CudaSink:
     def push(self, msg: P.Batch, payload) -> None:
         slot, host_images, host_labels = payload
         t0 = time.perf_counter()
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             raw = host_images.to(self.device, non_blocking=True)
             labels = host_labels.to(self.device, non_blocking=True)
             slot.copied = torch.cuda.Event()
@@ -182,22 +201,46 @@ class CudaSink:
             done.record(self.stream)
         self.h2d_s += time.perf_counter() - t0
         batch = Batch(images, labels, list(msg.indices), msg.epoch, msg.index, raw, msg.padding, _skipped(msg))
-        self._inflight.append((batch, done))
+        self._done[msg.index] = done
+        self._pushed.append(batch)
 
     def ready(self, final: bool) -> Iterator[Batch]:
-        keep = 0 if final else self.config.device_prefetch - 1
-        while len(self._inflight) > keep:
-            batch, done = self._inflight.popleft()
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(done)  # the trainer's kernels start after the copy + normalize
-            for t in {id(x): x for x in (batch.images, batch.raw, batch.labels)}.values():
-                t.record_stream(current)
-            yield batch
+        while self._pushed:
+            yield self._pushed.popleft()
+
+    def hand_over(self, batch: Batch) -> Batch:
+        """Order ``batch`` before the trainer's work on the stream current now; see the module doc."""
+        done = self._done.pop(batch.index, None)
+        if done is None:
+            if self._handed is None or self._handed[0] != batch.index:
+                raise LoaderError(P.ErrorCode.INTERNAL, f"batch {batch.index} handed over but never pushed")
+            done = self._handed[1]  # echo: the same batch again
+        self._handed = (batch.index, done)
+        current = torch.cuda.current_stream(self.device)
+        self._order_after_copy(current, done)
+        self._keep_alive({id(x): x for x in (batch.images, batch.raw, batch.labels)}.values(), current)
+        return batch
+
+    # The three guarantees, one small method each (tests/cuda replaces each with a no-op in
+    # its mutant runs and expects a race test to fail).
+    def _wait_slot_free(self, slot: _Slot) -> None:
+        slot.copied.synchronize()  # the copy that last read this slot has finished
+
+    @staticmethod
+    def _order_after_copy(stream: torch.cuda.Stream, done: torch.cuda.Event) -> None:
+        stream.wait_event(done)
+
+    @staticmethod
+    def _keep_alive(tensors, stream: torch.cuda.Stream) -> None:
+        for t in tensors:
+            t.record_stream(stream)
 
     def end(self) -> None:
-        self._inflight.clear()
+        self._pushed.clear()
+        self._done.clear()
+        self._handed = None
         self.stream.synchronize()
 
     def close(self) -> None:
-        self._inflight.clear()
+        self.end()
         self._ring = []

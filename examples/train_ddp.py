@@ -10,8 +10,10 @@ each rank's loader position, so a job that is killed resumes exactly where it st
         --epochs 2 --checkpoint /tmp/ckpt.pt
     # kill it mid-epoch, run the same command again: it goes on from the last checkpoint
 
-Without torchrun it runs as a single process (rank 0 of 1). On a GPU machine each rank uses
-its own GPU (NCCL) and the loader copies batches in on a side stream; on CPU it uses gloo.
+Without torchrun it runs as a single process (rank 0 of 1). When every rank on the node can
+have a GPU of its own, rank r uses cuda:r (NCCL) and the loader copies batches in on a side
+stream; otherwise (no GPU, ``--cpu``, or more ranks than GPUs: NCCL cannot share one GPU
+between ranks) every rank trains on the CPU with gloo, and rank 0 says why.
 ``--log-indices DIR`` writes the dataset indices each rank trained on, per epoch (the tests
 check them for exactly-once delivery across ranks and restarts).
 """
@@ -64,19 +66,22 @@ def main() -> int:
     args = p.parse_args()
 
     distributed = "WORLD_SIZE" in os.environ  # started by torchrun
-    cuda = torch.cuda.is_available() and not args.cpu
-    if distributed:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = 0 if args.cpu else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    device, backend, why = pick_device(local_rank, local_world, gpus)
+    cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # before NCCL starts, so its communicator uses this GPU
+    if distributed:
+        dist.init_process_group(backend)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    print(f"rank {rank}: device {device}, backend {backend}" + (f" ({why})" if why else ""), flush=True)
 
     torch.manual_seed(args.seed)
     model = SmallNet(args.num_classes).to(device, memory_format=torch.channels_last)
     if distributed:
-        model = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
+        model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     loader = RemoteLoader(args.endpoint, batch_size=args.batch_size, rank=rank, world_size=world,  # <-
@@ -137,6 +142,17 @@ def main() -> int:
         if distributed:
             dist.destroy_process_group()
     return 0
+
+
+def pick_device(local_rank: int, local_world: int, gpus: int) -> "tuple[torch.device, str, str]":
+    """(device, process-group backend, why not a GPU) for one rank of ``local_world`` on a node
+    with ``gpus`` usable GPUs. All ranks of a node decide alike, so they agree on the backend."""
+    if gpus == 0:
+        return torch.device("cpu"), "gloo", "no GPU (or --cpu)"
+    if local_world > gpus:
+        return torch.device("cpu"), "gloo", (f"{local_world} ranks on this node but {gpus} GPU(s); NCCL needs "
+                                             "one GPU per rank")
+    return torch.device("cuda", local_rank), "nccl", ""
 
 
 def _log_indices(folder: str, rank: int, epoch: int, step: int, indices) -> None:

@@ -1,4 +1,10 @@
-"""The GPU path: pinned ring, side-stream copies, normalize on the GPU. Skipped without CUDA."""
+"""The GPU path: pinned ring, side-stream copies, hand-over, normalize on the GPU. Skipped without CUDA.
+
+The ``test_race_*`` tests each fail when one of CudaSink's guarantees is removed (the mutant
+runs in tests/cuda/run_mutants.py check that they do): a side stream made to lag behind the
+CPU catches a slot reused early or a read not ordered after its copy; a compute stream made to
+lag behind the CPU catches memory handed back to the allocator early.
+"""
 
 import time
 
@@ -10,19 +16,106 @@ from client import RemoteLoader
 from client.config import IMAGENET_MEAN, IMAGENET_STD
 
 from ..conftest import DEMO_SIZE
+from .conftest import gpu_sleep
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA")]
 
 KW = dict(batch_size=16, image_size=64, seed=3)
+BATCHES = DEMO_SIZE // 16
 
 
+def checksum(b) -> torch.Tensor:
+    """Queued on the current stream; position-weighted, so a shuffled or shifted batch differs too."""
+    raw = b.raw.reshape(-1).to(torch.int64)
+    weights = torch.arange(1, raw.numel() + 1, device=raw.device, dtype=torch.int64) % 251
+    return torch.stack([(raw * weights).sum(), b.labels.to(torch.int64).sum()])
+
+
+def cpu_reference(endpoint, **kw) -> list:
+    with RemoteLoader(endpoint, **{**KW, **kw}) as cpu:
+        return [tuple(int(v) for v in checksum(b)) for b in cpu]
+
+
+def as_ints(sums) -> list:
+    torch.cuda.synchronize()
+    return [tuple(int(v) for v in s.cpu()) for s in sums]
+
+
+# ---------------------------------------------------------------------------------------- races
+def test_race_side_stream_lags_and_the_trainer_reads_at_once(service, delayed_side_stream):
+    """Copies queued behind GPU sleeps while the CPU receives on and the trainer reads each batch
+    at once. Without the slot wait the CPU rewrites a pinned slot before its copy ran; without
+    the stream wait the trainer's kernel reads device memory before the copy wrote it."""
+    expected = cpu_reference(service.endpoint)
+    with RemoteLoader(service.endpoint, **KW, device="cuda", device_prefetch=2, prefetch=8) as gpu:
+        sums = [checksum(b) for b in gpu]  # no sleep on the consumer: each read is queued at once
+    assert as_ints(sums) == expected
+
+
+def test_race_each_batch_is_ordered_on_the_stream_current_at_next(service, delayed_side_stream):
+    """The wait lands on the stream current when next() returns the batch: alternate two
+    streams, read on each at once. A wait issued when the batch was received (under the other
+    stream) would leave this read unordered."""
+    expected = cpu_reference(service.endpoint)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    sums = []
+    with RemoteLoader(service.endpoint, **KW, device="cuda", prefetch=8) as gpu:
+        it = iter(gpu)
+        for k in range(BATCHES):
+            with torch.cuda.stream(streams[k % 2]):
+                sums.append(checksum(next(it)))
+        with pytest.raises(StopIteration):
+            next(it)
+    assert as_ints(sums) == expected
+
+
+def test_race_slow_compute_stream_never_sees_a_batch_change_under_it(service):
+    """Long kernels on the compute stream while batches keep arriving: each batch's checksum,
+    computed *after* a long kernel on the consumer stream, must equal the CPU reference. If the
+    allocator's memory were reused early (no record_stream), late checksums would differ."""
+    expected = cpu_reference(service.endpoint)
+    sums = []
+    with RemoteLoader(service.endpoint, **KW, device="cuda", device_prefetch=2, prefetch=8) as gpu:
+        for b in gpu:
+            gpu_sleep(50, torch.cuda.current_stream())  # GPU time before we read the batch
+            sums.append(checksum(b))  # queued after the sleep
+            del b  # the trainer drops the batch; only record_stream keeps its memory safe
+    assert as_ints(sums) == expected
+
+
+def test_race_echo_hands_each_repeat_over_again(service, delayed_side_stream):
+    """echo=2: each repeat is handed over on the stream current at that repeat."""
+    expected = cpu_reference(service.endpoint)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    got, sums = [], []
+    with RemoteLoader(service.endpoint, **KW, device="cuda", echo=2) as gpu:
+        it = iter(gpu)
+        for k in range(2 * BATCHES):
+            with torch.cuda.stream(streams[k % 2]):
+                b = next(it)
+                got.append(b)
+                sums.append(checksum(b))
+    assert all(got[i] is got[i + 1] for i in range(0, len(got), 2))
+    assert as_ints(sums) == [s for s in expected for _ in range(2)]
+
+
+def test_race_several_replicas_reorder_before_the_hand_over(make_service, delayed_side_stream):
+    a, b = make_service(), make_service()
+    expected = cpu_reference(a.endpoint)
+    with RemoteLoader([a.endpoint, b.endpoint], **KW, device="cuda", prefetch=4) as gpu:
+        batches = [(bt.index, checksum(bt)) for bt in gpu]
+    assert [i for i, _ in batches] == list(range(BATCHES))
+    assert as_ints([s for _, s in batches]) == expected
+
+
+# ------------------------------------------------------------------------------ values, devices
 def test_gpu_batches_equal_cpu_batches_byte_for_byte_over_an_epoch(service):
     with RemoteLoader(service.endpoint, **KW, normalize=True) as cpu, \
          RemoteLoader(service.endpoint, **KW, normalize=True, device="cuda") as gpu:
         cpu_batches = [(b.indices, b.raw.clone(), b.images.clone(), b.labels.clone()) for b in cpu]
         gpu_batches = [(b.indices, b.raw.cpu(), b.images.cpu(), b.labels.cpu()) for b in gpu]
-    assert len(cpu_batches) == len(gpu_batches) == DEMO_SIZE // 16
+    assert len(cpu_batches) == len(gpu_batches) == BATCHES
     for (ci, craw, cimg, clab), (gi, graw, gimg, glab) in zip(cpu_batches, gpu_batches):
         assert ci == gi
         assert torch.equal(craw, graw)
@@ -31,22 +124,56 @@ def test_gpu_batches_equal_cpu_batches_byte_for_byte_over_an_epoch(service):
     assert gpu_batches[0][2].is_contiguous(memory_format=torch.channels_last)
 
 
-def test_slow_compute_stream_never_sees_a_batch_change_under_it(service):
-    """Long kernels on the compute stream while batches keep arriving: each batch's checksum,
-    computed *after* a long kernel on the consumer stream, must equal the CPU reference. If a
-    pinned slot or the allocator's memory were reused early, late checksums would differ."""
-    with RemoteLoader(service.endpoint, **KW) as cpu:
-        expected = [int(b.raw.to(torch.int64).sum()) for b in cpu]
-    sums = []
-    with RemoteLoader(service.endpoint, **KW, device="cuda", device_prefetch=2, prefetch=8) as gpu:
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_normalize_on_gpu_matches_the_cpu_path(service, dtype):
+    with RemoteLoader(service.endpoint, **KW, normalize=True, dtype=dtype) as cpu, \
+         RemoteLoader(service.endpoint, **KW, normalize=True, dtype=dtype, device="cuda") as gpu:
+        pairs = [(c.images.clone(), g.images) for c, g in zip(cpu, gpu)]
+    assert len(pairs) == BATCHES
+    for c, g in pairs:
+        assert g.dtype == getattr(torch, dtype) and g.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(g.cpu(), c)  # float32 math on both, one rounding to the half type
+
+
+def test_normalize_on_gpu_matches_float64_reference(service):
+    with RemoteLoader(service.endpoint, **KW, device="cuda", normalize=True, dtype="bfloat16") as gpu:
+        b = next(iter(gpu))
+    raw = b.raw.cpu().numpy().astype(np.float64).transpose(0, 3, 1, 2)
+    ref = (raw - np.array(IMAGENET_MEAN).reshape(1, 3, 1, 1)) / np.array(IMAGENET_STD).reshape(1, 3, 1, 1)
+    assert b.images.dtype == torch.bfloat16 and b.images.device.type == "cuda"
+    assert np.allclose(b.images.float().cpu().numpy(), ref, atol=3e-2, rtol=1e-2)
+
+
+def test_bare_cuda_is_the_device_current_at_construction(service):
+    last = torch.cuda.device_count() - 1
+    expected = cpu_reference(service.endpoint)
+    with torch.cuda.device(last):
+        gpu = RemoteLoader(service.endpoint, **KW, device="cuda")
+    with gpu, torch.cuda.device(0):  # the trainer makes another device current later
+        assert gpu.config.device == f"cuda:{last}"
+        assert gpu._sink.stream.device == torch.device("cuda", last)
+        batches = list(gpu)
+        assert {b.raw.device for b in batches} == {torch.device("cuda", last)}
+        with torch.cuda.device(last):
+            sums = [checksum(b) for b in batches]
+    assert as_ints(sums) == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_explicit_second_device_while_the_first_is_current(service, delayed_side_stream):
+    expected = cpu_reference(service.endpoint, normalize=True)
+    torch.cuda.set_device(0)
+    with RemoteLoader(service.endpoint, **KW, device="cuda:1", normalize=True) as gpu:
+        assert gpu._sink.stream.device == torch.device("cuda", 1)
+        sums = []
         for b in gpu:
-            torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time before we read the batch
-            sums.append(b.raw.to(torch.int64).sum())  # queued after the sleep
-            del b  # the trainer drops the batch; only record_stream keeps its memory safe
-    torch.cuda.synchronize()
-    assert [int(s) for s in sums] == expected
+            assert b.images.device == b.raw.device == b.labels.device == torch.device("cuda", 1)
+            with torch.cuda.device(1):  # read on device 1's current stream, the one it was handed to
+                sums.append(checksum(b))
+    assert as_ints(sums) == expected
 
 
+# ------------------------------------------------------------------------------ memory, shutdown
 def test_gpu_and_pinned_memory_stay_flat_over_epochs(service):
     with RemoteLoader(service.endpoint, **KW, device="cuda", normalize=True) as gpu:
         allocated = []
@@ -55,9 +182,11 @@ def test_gpu_and_pinned_memory_stay_flat_over_epochs(service):
             for b in gpu:
                 _ = b.images.float().mean()
             torch.cuda.synchronize()
-            allocated.append(torch.cuda.memory_allocated())
-            if hasattr(torch.cuda, "host_memory_stats"):
-                allocated[-1] = (allocated[-1], torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0))
+            host = torch.cuda.host_memory_stats()
+            # key names from torch/cuda/memory.py (torch 2.13): "allocated_bytes.{current,peak,...}"
+            assert "allocated_bytes.current" in host, sorted(host)
+            allocated.append((torch.cuda.memory_allocated(), host["allocated_bytes.current"]))
+    assert allocated[0][1] >= 3 * 16 * 64 * 64 * 3  # the ring's slots are counted: the key is live
     assert allocated[1:] == allocated[1:2] * 3, allocated
 
 
@@ -69,12 +198,3 @@ def test_breaking_out_and_closing_never_hangs(service):
             next(it)
             next(it)
     assert time.monotonic() - t0 < 60
-
-
-def test_normalize_on_gpu_matches_float64_reference(service):
-    with RemoteLoader(service.endpoint, **KW, device="cuda", normalize=True, dtype="bfloat16") as gpu:
-        b = next(iter(gpu))
-    raw = b.raw.cpu().numpy().astype(np.float64).transpose(0, 3, 1, 2)
-    ref = (raw - np.array(IMAGENET_MEAN).reshape(1, 3, 1, 1)) / np.array(IMAGENET_STD).reshape(1, 3, 1, 1)
-    assert b.images.dtype == torch.bfloat16 and b.images.device.type == "cuda"
-    assert np.allclose(b.images.float().cpu().numpy(), ref, atol=3e-2, rtol=1e-2)
