@@ -66,7 +66,7 @@ class AutoscaleConflict(RuntimeError):
     """A manual scale request while autoscaling is on."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: streams are compared as objects (``in self.retiring``), never by value
 class Stream:
     """A stream's I/O side: who it is for, what it reads, where its slots live. Its progress is
     ``state`` (pure)."""
@@ -261,8 +261,11 @@ class Dispatcher:
     def _poll_timeout_ms(self) -> Optional[int]:
         """Until the next task deadline or the end of a draining stop (None: no deadline)."""
         now = time.monotonic()
+        heap = self._deadline_heap
+        while heap and heap[0][1] not in self.running:
+            heapq.heappop(heap)  # that task is done: no wake-up for its deadline
         ends = []
-        if self._deadline_heap:
+        if heap:
             ends.append(self._deadline_heap[0][0])
         if self._stop_by is not None:
             if now >= self._stop_by or not self.running:
@@ -294,7 +297,7 @@ class Dispatcher:
         msg = f"internal error in the service: {type(exc).__name__}: {exc}"
         try:
             if session is not None and session.stream is not None:
-                self._end_stream(session.stream, [Fail(P.ErrorCode.INTERNAL, msg, tb)])
+                self._end_stream(session.stream, Fail(P.ErrorCode.INTERNAL, msg, tb))
             else:
                 self._send(ident, P.Error(code=P.ErrorCode.INTERNAL, message=msg, traceback=tb))
         except Exception:
@@ -466,16 +469,16 @@ class Dispatcher:
             if isinstance(e, SendBatch):
                 self._send_batch(s, e)
             else:
-                self._end_stream(s, [e])
+                self._end_stream(s, e)
 
-    def _end_stream(self, s: Stream, effects: List[Effect]) -> None:
-        for e in effects:
-            if isinstance(e, Finish):
-                self._send(s.client, P.EndOfEpoch(stream=s.id, epoch=s.hello.epoch, num_batches=s.plan.num_batches))
-            elif isinstance(e, Fail):
-                log.error("stream %d of client %s failed: %s", s.id, s.client.hex()[:12], e.message)
-                self._send(s.client, P.Error(code=e.code, message=e.message, stream=s.id, fatal=True,
-                                             traceback=e.traceback))
+    def _end_stream(self, s: Stream, e: Effect) -> None:
+        """Tell the client how its stream ended (``Finish`` or ``Fail``), then retire it."""
+        if isinstance(e, Finish):
+            self._send(s.client, P.EndOfEpoch(stream=s.id, epoch=s.hello.epoch, num_batches=s.plan.num_batches))
+        elif isinstance(e, Fail):
+            log.error("stream %d of client %s failed: %s", s.id, s.client.hex()[:12], e.message)
+            self._send(s.client, P.Error(code=e.code, message=e.message, stream=s.id, fatal=True,
+                                         traceback=e.traceback))
         self._retire(s)
 
     def _retire(self, s: Stream) -> None:
@@ -538,14 +541,14 @@ class Dispatcher:
         self._rate.append((time.monotonic(), self.counters.samples))
 
     def _send_complete(self, s: Stream, slot: int) -> None:
+        # runs as a post, so the loop schedules right after: a stream that waited for this slot
+        # can take an idle worker at once
         s.state.send_complete(slot)
-        # a slot came free: a stream waiting for one may now take an idle worker (the loop
-        # schedules after every wake-up)
 
     def _fail_all(self, why: str) -> None:
         for session in self.sessions:
             if session.stream is not None:
-                self._end_stream(session.stream, [Fail(P.ErrorCode.INTERNAL, why)])
+                self._end_stream(session.stream, Fail(P.ErrorCode.INTERNAL, why))
 
     # ------------------------------------------------------------------ workers
     def _schedule(self) -> None:

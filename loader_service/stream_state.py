@@ -235,9 +235,9 @@ class StreamState:
         self.done = True
         for slot, _, _ in self.ready.values():
             self.free.append(slot)
-        for iso in self.isolated.values():
-            if not any(t.batch in self.isolated and t.slot == iso.slot for t in self.tasks.values()):
-                self.free.append(iso.slot)
+        for batch, iso in self.isolated.items():
+            if not any(t.batch == batch for t in self.tasks.values()):
+                self.free.append(iso.slot)  # no one-sample task still writes into it
         self.ready.clear()
         self.redo.clear()
         self.isolated.clear()
