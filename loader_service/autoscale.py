@@ -7,7 +7,7 @@ hill-climbs the worker count:
 * clients starve and workers are saturated   -> add a worker, then check the next interval
   that the rate really rose (by ``min_gain``); if not, take it back and hold for a while
   (more workers than cores, or a client-side bottleneck, does not help);
-* clients never wait and workers are mostly idle -> remove a worker (drained, nothing lost);
+* clients never wait and workers are mostly idle -> remove a worker (it leaves after its task, nothing lost);
 * no clients at all                             -> step down toward the minimum;
 * otherwise hold.
 

@@ -30,7 +30,7 @@ class StatusCollector(Collector):
         w = s["workers"]
         yield GaugeMetricFamily("loader_workers_target", "Target worker count.", value=w["target"])
         g = GaugeMetricFamily("loader_workers", "Worker processes by state.", labels=["state"])
-        for state in ("starting", "idle", "busy", "draining", "stopping", "failed"):
+        for state in ("starting", "idle", "busy", "leaving", "stopping", "failed"):
             g.add_metric([state], w["counts"].get(state, 0))
         yield g
         yield CounterMetricFamily("loader_worker_deaths", "Workers that died unexpectedly.", value=w["deaths"])

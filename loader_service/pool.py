@@ -1,7 +1,7 @@
 """The worker pool: process lifecycle, live scaling, death detection.
 
 The pool owns the internal ROUTER socket the workers connect to and one record per worker.
-It never decides what a worker does; the dispatcher does. Scale-down drains: a busy worker
+It never decides what a worker does; the dispatcher does. Scale-down dismisses: a busy worker
 chosen to leave finishes its task before it is told to stop, so no task is abandoned.
 Shutdown follows the ladder stop -> join -> terminate -> kill and is idempotent.
 """
@@ -29,7 +29,7 @@ MAX_START_FAILURES = 3
 class WorkerRecord:
     id: int
     process: mp.process.BaseProcess
-    state: str = "starting"  # starting | idle | busy | draining | stopping | failed
+    state: str = "starting"  # starting | idle | busy | leaving | stopping | failed
     task: Optional[int] = None
     pid: int = 0
     tasks_done: int = 0
@@ -62,7 +62,7 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ scaling
     def scale(self, n: int) -> None:
-        """Set the target size. New workers start now; surplus ones drain then stop."""
+        """Set the target size. New workers start now; surplus ones leave once their task is done."""
         if n < 0:
             raise ValueError(f"worker count must be >= 0, got {n}")
         self.target = n
@@ -71,7 +71,7 @@ class WorkerPool:
     def _converge(self) -> None:
         if self.broken:
             return  # respawning would only fail again; the dispatcher reports why
-        live = [w for w in self.workers.values() if w.state not in ("draining", "stopping")]
+        live = [w for w in self.workers.values() if w.state not in ("leaving", "stopping")]
         for _ in range(self.target - len(live)):
             self._spawn()
         surplus = len(live) - self.target
@@ -79,7 +79,7 @@ class WorkerPool:
             # leave idle workers first, then the ones that started last
             order = sorted(live, key=lambda w: (w.state != "idle", w.state != "starting", -w.id))
             for w in order[:surplus]:
-                self._retire(w)
+                self._dismiss(w)
 
     def _spawn(self) -> None:
         wid = self._next_id
@@ -93,13 +93,13 @@ class WorkerPool:
         self.version += 1
         log.info("worker %d started (pid %s)", wid, proc.pid)
 
-    def _retire(self, w: WorkerRecord) -> None:
+    def _dismiss(self, w: WorkerRecord) -> None:
         if w.state == "busy":
-            w.state = "draining"  # told to stop when its task is done
+            w.state = "leaving"  # told to stop when its task is done
         elif w.state == "idle":
             self._send_stop(w)
         else:  # starting: stop it as soon as it says Ready
-            w.state = "draining"
+            w.state = "leaving"
 
     def _send_stop(self, w: WorkerRecord) -> None:
         w.state = "stopping"
@@ -121,7 +121,7 @@ class WorkerPool:
                 self._start_failed(f"worker could not start: {msg.error}\n{msg.traceback}")
                 return None, w
             self.start_failures = 0
-            if w.state == "draining":
+            if w.state == "leaving":
                 self._send_stop(w)
             else:
                 w.state = "idle"
@@ -132,7 +132,7 @@ class WorkerPool:
         w.task = None
         w.tasks_done += 1
         w.busy_s += time.monotonic() - w.task_started
-        if w.state == "draining":
+        if w.state == "leaving":
             self._send_stop(w)
         else:
             w.state = "idle"
@@ -203,7 +203,7 @@ class WorkerPool:
         self._closed = True
         self.target = 0
         for w in list(self.workers.values()):
-            if w.state in ("idle", "busy", "draining", "starting"):
+            if w.state in ("idle", "busy", "leaving", "starting"):
                 try:
                     w.state = "stopping"
                     self.sock.send_multipart([_ident(w.id), *P.encode(P.Stop())], flags=zmq.NOBLOCK)

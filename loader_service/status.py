@@ -19,7 +19,7 @@ class _Frozen(BaseModel):
 class WorkerStatus(_Frozen):
     id: int
     pid: int
-    state: str  # starting | idle | busy | draining | stopping | failed
+    state: str  # starting | idle | busy | leaving | stopping | failed
     tasks_done: int
     busy_s: float
     uptime_s: float

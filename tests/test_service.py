@@ -13,6 +13,7 @@ from client import LoaderError, LoaderTimeout, RemoteLoader
 from loader_service import protocol as P
 from loader_service.config import ServiceConfig
 from loader_service.plan import PlanSpec, epoch_permutation, make_plan
+from loader_service.shm import list_segments
 
 from .conftest import DEMO_SIZE, write_imagefolder
 from .helpers import collect, image_array, indices_of, run_ranks, status, wait_for
@@ -350,7 +351,7 @@ def test_a_clients_next_epoch_reuses_its_batch_slots_and_leaving_frees_them(serv
             seen.append(slot_segments())
         assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 1  # one segment, kept across epochs
         assert status(service)["shm_bytes"] == 2 * KW["batch_size"] * KW["image_size"] ** 2 * 3
-        # a resume near the end needs fewer slots: another size, so a new segment replaces the spare
+        # a resume near the end needs fewer slots: another size, so a new segment replaces the reserve
         ld.load_state_dict(dict(ld.state_dict(), epoch=3, next_batch=len(ld) - 1))
         tail = collect(ld)
         assert len(slot_segments()) == 1 and slot_segments() != seen[0]
@@ -380,3 +381,34 @@ def test_resume_from_an_epoch_end_checkpoint_in_the_usual_loop(service):
     with RemoteLoader(service.endpoint, **KW) as ld:
         ld.load_state_dict(state)
         assert indices_of(collect(ld)) == indices_of(got[1])
+
+
+def _deleted_shm_mappings(pid: int) -> list:
+    with open(f"/proc/{pid}/maps") as f:
+        return sorted({line.split()[-2] for line in f if "/dev/shm/" in line and line.rstrip().endswith("(deleted)")})
+
+
+def _shm_mappings(pid: int) -> list:
+    with open(f"/proc/{pid}/maps") as f:
+        return sorted({line.split()[-1] for line in f if "/dev/shm/" in line and not line.rstrip().endswith("(deleted)")})
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /proc and /dev/shm")
+def test_workers_drop_the_mappings_of_segments_the_dispatcher_unlinked(make_service):
+    """A worker's cached mapping of a gone segment would pin its memory past max_shm_mb."""
+    svc = make_service(workers=1)
+
+    def slot_segments():
+        return {n for n in list_segments(os.getpid()) if "-slots-" in n}
+
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        collect(ld, limit=3)
+        gone = slot_segments()
+    assert len(gone) == 1, "the first client's stream made no segment"
+    wait_for(lambda: not gone & slot_segments(), what="the first client's segment to be unlinked")
+    pid = status(svc)["workers"]["list"][0]["pid"]
+    with RemoteLoader(svc.endpoint, **dict(KW, image_size=48)) as ld:
+        collect(ld, limit=3)  # three tasks of the new stream ran on the one worker
+        mapped, deleted = _shm_mappings(pid), _deleted_shm_mappings(pid)
+    assert mapped, "the worker maps no segment: wrong process?"
+    assert deleted == [], f"the worker still maps unlinked segments: {deleted}"
