@@ -28,6 +28,7 @@ from loader_service.plan import num_batches
 from .batch import Batch
 from .config import LoaderConfig
 from .errors import LoaderError, LoaderTimeout
+from .flow import EpochFlow
 from .replica import Replica
 from .sinks import make_sink
 
@@ -45,6 +46,12 @@ class LoaderStats:
     wait_s: float = 0.0  # time the trainer spent blocked in next() waiting for data
     h2d_s: float = 0.0  # time spent issuing/waiting for host-to-device copies
     restarts: int = 0  # streams started again after the service forgot this client
+
+
+@dataclass
+class _Lookahead:
+    epoch: int
+    flow: EpochFlow
 
 
 class RemoteLoader:
@@ -65,11 +72,13 @@ class RemoteLoader:
                                    train=train, prefetch=prefetch, device=str(device), **options)
         for e in endpoints[1:]:
             LoaderConfig(endpoint=e, batch_size=batch_size)  # validates the address
-        self._sink = make_sink(self.config)
+        # batches this rank may have asked for or hold (received, in the device sink) at once
+        self._window = self.config.prefetch * len(endpoints)
+        self._sink = make_sink(self.config, self._window)
         self._ctx: Optional[zmq.Context] = None
         self._replicas: List[Replica] = []
         self._spare: List[Replica] = []  # a second connection per replica, for epoch lookahead
-        self._lookahead: Optional[int] = None  # the epoch already streaming on the spare set
+        self._ahead: Optional[_Lookahead] = None  # the next epoch, already streaming on the spare set
         self._stream = 0
         self._epoch = 0
         self._next_batch = 0
@@ -167,102 +176,198 @@ class RemoteLoader:
         return num_batches(self._dataset_length, c.batch_size, c.world_size, c.drop_last)
 
     def _iterate(self, epoch: int, start: int) -> Iterator[Batch]:
-        """One epoch from batch ``start``: split over the replicas, yielded in plan order."""
+        """One epoch from batch ``start``, in plan order. Three stages, one job each: the
+        replicas' transports (receive into host memory, in any order), the flow control
+        (:class:`~client.flow.EpochFlow`: what to ask of whom), and the ordering window that
+        pushes batches to the device sink in plan order, ``device_prefetch`` ahead."""
         c = self.config
         if self._dataset_length is None:
             self._describe()
         total = self._raw_len()
         reps = self._connect()
-        if self._lookahead == epoch and start == 0:
-            # this epoch has been streaming on the spare connections since the last one ended
-            reps = self._spare
-            self._replicas, self._spare = self._spare, self._replicas
+        flow = self._adopt_lookahead(epoch, start, total)
+        if flow is None:
+            self._drop_lookahead()
+            if start >= total:
+                return
+            flow = EpochFlow(start, total, self._window, c.prefetch, len(reps))
+            initial = flow.assign(r.index for r in reps)
             for r in reps:
-                r.promote = True
+                r.dead = False
+                self._hello(r, epoch, initial.get(r.index, []))
         else:
-            self._deal(reps, epoch, start, total)
-        self._lookahead = None
-        lookahead_sent = not c.epoch_lookahead
-        pending: Dict[int, Batch] = {}  # received, waiting for their turn
-        limit = c.prefetch * len(reps) + c.device_prefetch  # bound on received-but-not-yielded
-        next_yield, received, need = start, 0, total - start
+            reps = self._replicas
+        held: Dict[int, tuple] = {}  # received, not pushed yet: batch -> (message, host payload)
+        pushed: Dict[int, Batch] = {}  # pushed to the sink, not yielded yet
+        next_push = flow.next_yield
         last_message = time.monotonic()
+        h2d_seen = self._sink.h2d_s
         poller = zmq.Poller()
         for r in reps:
             poller.register(r.sock, zmq.POLLIN)
             poller.register(r.monitor, zmq.POLLIN)
-        self._sink.begin(need)
         try:
-            while next_yield < total:
+            while not flow.done:
                 t0 = time.perf_counter()
-                while next_yield not in pending:
+                while True:
+                    # ordering window -> sink: in plan order, a few ahead of the trainer
+                    while next_push in held and next_push < flow.next_yield + c.device_prefetch:
+                        msg, payload = held.pop(next_push)
+                        pushed[next_push] = self._sink.push(msg, payload)
+                        next_push += 1
+                    if flow.next_yield in pushed:
+                        break
                     events = dict(poller.poll(self._poll_ms(reps)))
                     now = time.monotonic()
                     if not events:
                         if now - last_message > c.timeout:
                             self._raise_timeout(reps)
-                        self._fail_over_dead(reps, epoch, now)
+                        self._fail_over_dead(reps, flow, epoch, now)
+                        self._ask(reps, flow)
                         continue
                     for r in reps:
-                        if r.monitor in events and r.on_monitor() and not r.dead:
-                            self._restart(r, epoch)  # back, maybe to a restarted service
-                        if r.sock not in events:
-                            continue
-                        for _ in range(64):  # bounded per round, so one replica cannot starve the rest
-                            if not r.sock.poll(0):
-                                break
-                            msg, payload = self._recv(r)
-                            if msg is None:
-                                continue
+                        if r.monitor in events:
+                            self._on_monitor(r, flow, epoch)
+                        if r.sock in events and self._pump(r, flow, held, total):
                             last_message = now
-                            if isinstance(msg, P.Accept):
-                                if msg.num_batches != total:
-                                    raise LoaderError(P.ErrorCode.BAD_JOB, (
-                                        f"{r.endpoint} has {msg.num_batches} batches in this epoch, expected {total}: "
-                                        "do all replicas serve the same dataset?"))
-                            elif isinstance(msg, P.Batch):
-                                if not r.received(msg.index):
-                                    raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
-                                self._sink.push(msg, payload)
-                                received += 1
-                                self._credit(r, owed=len(pending) >= limit)
-                                if not lookahead_sent and all(x.dead or x.asked >= len(x.todo) for x in reps):
-                                    # everything of this epoch is asked for: let the next one start
-                                    lookahead_sent = True
-                                    self._start_lookahead(epoch + 1, total)
-                                for b in self._sink.ready(final=received == need):
-                                    pending[b.index] = b
-                            elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.UNKNOWN_CLIENT:
-                                self._restart(r, epoch)  # the service forgot us: ask again from what we miss
-                self._stats.wait_s += time.perf_counter() - t0
-                self._stats.h2d_s = getattr(self._sink, "h2d_s", 0.0)
-                batch = pending.pop(next_yield)
-                self._pay_owed(reps, len(pending), limit)
-                next_yield += 1
+                    self._ask(reps, flow)
+                    if not self._ahead and c.epoch_lookahead and flow.fully_asked:
+                        self._start_lookahead(epoch + 1, total)
+                waited = time.perf_counter() - t0
+                h2d = self._sink.h2d_s - h2d_seen
+                h2d_seen = self._sink.h2d_s
+                self._stats.wait_s += waited
+                self._stats.h2d_s = self._sink.h2d_s
+                for r in reps:
+                    r.stall(waited, h2d)
+                index = flow.take()
+                batch = pushed.pop(index)
+                self._ask(reps, flow)  # its place in the window is free
                 self._stats.batches += 1
                 self._stats.samples += len(batch)
-                self._next_batch = next_yield
+                self._next_batch = flow.next_yield
                 for _ in range(c.echo):
-                    yield self._sink.hand_over(batch)  # issue 14: stream wait + record_stream at hand-over
+                    yield self._sink.hand_over(batch)
+            for r in reps:
+                if not r.dead and r.stream >= 0 and r.accepted:
+                    r.request([], self._stats.batches, final=True)  # the stream ends; its slots are kept
         finally:
+            for _, payload in held.values():
+                self._sink.discard(payload)
             self._sink.end()
 
-    def _deal(self, reps: List[Replica], epoch: int, start: int, total: int, lookahead: bool = False) -> None:
-        """Deal batches start..total round-robin to the replicas and start their streams."""
-        todo = list(range(start, total))
-        for i, r in enumerate(reps):
-            r.dead = False
-            r.assign(todo[i :: len(reps)])
-            self._hello(r, epoch, lookahead)
+    def _pump(self, r: Replica, flow: EpochFlow, held: Dict[int, tuple], total: int) -> bool:
+        """Read what ``r`` has (bounded per round, so one replica cannot starve the rest);
+        True if anything came from the service."""
+        heard = False
+        for _ in range(64):
+            if not r.sock.poll(0):
+                break
+            msg, payload = self._recv(r)
+            heard = True
+            if msg is None:
+                continue
+            if isinstance(msg, P.Accept):
+                if msg.num_batches != total:
+                    raise LoaderError(P.ErrorCode.BAD_JOB, (
+                        f"{r.endpoint} has {msg.num_batches} batches in this epoch, expected {total}: "
+                        "do all replicas serve the same dataset?"))
+                r.accepted = True
+            elif isinstance(msg, P.Batch):
+                if not flow.on_batch(r.index, msg.index):
+                    self._sink.discard(payload)
+                    raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
+                held[msg.index] = (msg, payload)
+            elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.UNKNOWN_CLIENT:
+                self._restart(r, flow)  # the service forgot us: ask again for what we miss
+        return heard
 
+    def _on_monitor(self, r: Replica, flow: EpochFlow, epoch: int) -> None:
+        if r.on_monitor():  # back, maybe to a restarted service: start again with what it owes
+            if r.dead:
+                log.info("service replica %s is back; it takes batches again", r.endpoint)
+                r.dead = False
+            self._restart(r, flow)
+
+    def _ask(self, reps: List[Replica], flow: EpochFlow) -> None:
+        """Request what the flow control allows of the replicas that can take requests."""
+        live = [r.index for r in reps if not r.dead and r.accepted and r.down_since is None]
+        for i, batches in flow.assign(live).items():
+            reps[i].request(batches, self._stats.batches)
+
+    def _hello(self, r: Replica, epoch: int, batches: List[int], lookahead: bool = False) -> None:
+        """Start a new on-demand stream on ``r``, asking for ``batches`` at once."""
+        c = self.config
+        self._stream += 1
+        r.hello(self._stream, P.Hello(
+            stream=self._stream, batch_size=c.batch_size, image_size=c.image_size, seed=c.seed, epoch=epoch,
+            rank=c.rank, world_size=c.world_size, shuffle=c.shuffle, drop_last=c.drop_last, train=c.train,
+            prefetch=c.prefetch, dataset=c.dataset, scale=list(c.scale), ratio=list(c.ratio), job=c.job,
+            batches=list(batches), lookahead=lookahead, on_demand=True))
+
+    def _restart(self, r: Replica, flow: EpochFlow) -> None:
+        """A new stream on ``r`` for the batches it was asked for and has not delivered."""
+        if r.stream < 0 or r.dead:
+            return
+        self._stats.restarts += 1
+        self._hello(r, r.epoch, sorted(flow.outstanding[r.index]))
+
+    # ------------------------------------------------------------------ epoch lookahead
     def _start_lookahead(self, epoch: int, total: int) -> None:
-        """Start ``epoch`` on the spare connections, so the service never idles between epochs.
-        Used if the next iteration is that epoch from its start; otherwise replaced."""
+        """Start ``epoch`` on a second set of connections, so the service never idles between
+        epochs. Best effort: adopted if the next iteration is that epoch from its start;
+        otherwise (or if a service refuses it) those streams are released at once."""
+        c = self.config
+        if any(r.dead or r.down_since is not None for r in self._replicas):
+            return
         if not self._spare:
             assert self._ctx is not None
-            self._spare = [Replica(self._ctx, e, self.config.heartbeat_s) for e in self.endpoints]
-        self._deal(self._spare, epoch, 0, total, lookahead=True)
-        self._lookahead = epoch
+            self._spare = [Replica(self._ctx, e, c.heartbeat_s, i) for i, e in enumerate(self.endpoints)]
+        flow = EpochFlow(0, total, self._window, c.prefetch, len(self._spare))
+        initial = flow.assign(r.index for r in self._spare)
+        for r in self._spare:
+            r.dead = False
+            self._hello(r, epoch, initial.get(r.index, []), lookahead=True)
+        self._ahead = _Lookahead(epoch, flow)
+
+    def _adopt_lookahead(self, epoch: int, start: int, total: int) -> Optional[EpochFlow]:
+        """The lookahead's flow if it is for this epoch from its start and every service accepted
+        it (its first message, already there in the usual case); else None."""
+        ahead = self._ahead
+        if ahead is None or ahead.epoch != epoch or start != 0:
+            return None
+        self._ahead = None
+        deadline = time.monotonic() + self.config.timeout
+        for r in self._spare:
+            while not r.accepted:
+                left = deadline - time.monotonic()
+                if left <= 0 or not r.sock.poll(left * 1000):
+                    log.info("epoch lookahead not answered by %s; starting epoch %d plainly", r.endpoint, epoch)
+                    return self._close_spare()
+                try:
+                    msg, _ = self._recv(r)
+                except LoaderError as exc:  # refused (no capacity, say): start the epoch plainly
+                    log.info("epoch lookahead refused by %s (%s); starting epoch %d plainly", r.endpoint, exc, epoch)
+                    return self._close_spare()
+                if isinstance(msg, P.Accept):
+                    if msg.num_batches != total:
+                        return self._close_spare()
+                    r.accepted = True
+        self._replicas, self._spare = self._spare, self._replicas
+        for r in self._replicas:
+            r.request([], self._stats.batches, promote=True)  # now the trainer's current epoch
+        return ahead.flow
+
+    def _drop_lookahead(self) -> None:
+        """Release lookahead streams that will not be used (Bye frees them on the service now)."""
+        if self._ahead is not None:
+            self._ahead = None
+            self._close_spare()
+
+    def _close_spare(self) -> None:
+        for r in self._spare:
+            r.close()
+        self._spare = []
 
     def _poll_ms(self, reps: List[Replica]) -> int:
         # with several replicas, wake up in time to notice one that stays down
@@ -271,67 +376,20 @@ class RemoteLoader:
             t = min(t, self.config.replica_timeout / 2)
         return max(1, int(t * 1000))
 
-    def _hello(self, r: Replica, epoch: int, lookahead: bool = False) -> None:
-        """Start a new stream on ``r`` for its remaining batches (nothing if none remain)."""
-        c = self.config
-        todo = r.remaining()
-        r.assign(todo)
-        r.owed = 0
-        if not todo:
-            r.stream = -1
-            return
-        self._stream += 1
-        r.stream = self._stream
-        contiguous = todo == list(range(todo[0], todo[0] + len(todo))) and todo[-1] == self._raw_len() - 1
-        r.asked = min(c.prefetch, len(todo))
-        r.promote = False
-        r.send(P.Hello(stream=r.stream, batch_size=c.batch_size, image_size=c.image_size, seed=c.seed, epoch=epoch,
-                       rank=c.rank, world_size=c.world_size, shuffle=c.shuffle, drop_last=c.drop_last,
-                       train=c.train, start_batch=todo[0] if contiguous else 0, prefetch=c.prefetch,
-                       dataset=c.dataset, scale=list(c.scale), ratio=list(c.ratio), job=c.job,
-                       batches=[] if contiguous else todo, lookahead=lookahead))
-
-    def _restart(self, r: Replica, epoch: int) -> None:
-        if r.todo_set:
-            self._stats.restarts += 1
-            self._hello(r, epoch)
-
-    def _credit(self, r: Replica, owed: bool) -> None:
-        """Ask ``r`` for one more batch, or note the debt while the reorder buffer is full."""
-        if r.dead or r.stream < 0 or r.asked >= len(r.todo):
-            return
-        if owed:
-            r.owed += 1
-            return
-        s = self._stats
-        r.send(P.Credit(stream=r.stream, n=1, wait_s=s.wait_s, h2d_s=s.h2d_s, consumed=s.batches, promote=r.promote))
-        r.asked += 1
-        r.promote = False
-
-    def _pay_owed(self, reps: List[Replica], buffered: int, limit: int) -> None:
-        for r in reps:
-            while r.owed and buffered < limit:
-                r.owed -= 1
-                self._credit(r, owed=False)
-
-    def _fail_over_dead(self, reps: List[Replica], epoch: int, now: float) -> None:
+    def _fail_over_dead(self, reps: List[Replica], flow: EpochFlow, epoch: int, now: float) -> None:
         """Give the outstanding batches of a replica that stayed down to the live ones."""
         if len(reps) < 2:
             return  # nobody else to ask: wait for it, up to `timeout`
         for r in reps:
-            if r.dead or not r.todo_set or r.down_since is None or now - r.down_since < self.config.replica_timeout:
+            if r.dead or r.down_since is None or now - r.down_since < self.config.replica_timeout:
                 continue
             live = [x for x in reps if not x.dead and x is not r and x.down_since is None]
             if not live:
                 return
-            orphans = r.remaining()
-            r.dead, r.stream = True, -1
-            r.assign([])
+            orphans = flow.lose(r.index)
+            r.dead = True
             log.warning("service replica %s has been unreachable for %.0fs; its %d batches go to %s", r.endpoint,
                         now - r.down_since, len(orphans), ", ".join(x.endpoint for x in live))
-            for i, x in enumerate(live):
-                x.assign(sorted(x.remaining() + orphans[i :: len(live)]))
-                self._hello(x, epoch)
 
     def _recv(self, r: Replica):
         """One message from ``r``: (message, payload), or (None, None) for a stale one.
@@ -353,6 +411,8 @@ class RemoteLoader:
             self._stats.bytes += msg.image_bytes
         else:
             r.drain()
+        if isinstance(msg, P.EndOfEpoch):
+            return None, None  # the stream we ended with a final Request is done
         if isinstance(msg, P.Error):
             if msg.code == P.ErrorCode.SHUTTING_DOWN:
                 return None, None  # informational: the reconnect that follows restarts the stream
@@ -402,7 +462,7 @@ class RemoteLoader:
             if self._closed:
                 raise RuntimeError("this RemoteLoader is closed")
             self._ctx = zmq.Context(1)
-            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s) for e in self.endpoints]
+            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s, i) for i, e in enumerate(self.endpoints)]
         return self._replicas
 
 

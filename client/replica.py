@@ -1,10 +1,11 @@
-"""One connection to one service replica, and this epoch's share of the plan on it."""
+"""One connection to one service replica: its socket, its connection state, its stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from typing import List, Optional, Set
+from typing import Optional
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -13,13 +14,12 @@ from loader_service import protocol as P
 
 
 class Replica:
-    """A DEALER socket to ``endpoint`` with its own connection monitor.
+    """A DEALER socket to ``endpoint`` with its own connection monitor (read only through
+    :meth:`on_monitor`). ``stream`` is the stream this connection is on (-1: none); which
+    batches it was asked for is the loader's flow control's business (:mod:`client.flow`)."""
 
-    ``todo`` lists the batches of the current epoch this replica is to deliver and has not
-    delivered yet, in order; ``stream`` is the stream serving them (-1: none).
-    """
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float):
+    def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, index: int = 0):
+        self.index = index  # position in the loader's endpoint list
         self.endpoint = endpoint
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
@@ -37,25 +37,27 @@ class Replica:
         self.was_connected = False
         self.dead = False  # given up on for the rest of this epoch
         self.stream = -1
-        self.todo: List[int] = []
-        self.todo_set: Set[int] = set()
-        self.asked = 0  # batches requested of the current stream (its prefetch plus credits)
-        self.owed = 0  # credits held back while the reorder buffer is full
-        self.promote = False  # tell the service, with the next credit, that this stream is current
+        self.epoch = 0  # of the current stream
+        self.accepted = False  # the service accepted the current stream
+        # stall seconds not yet reported to this replica's service (each service hears all of them once)
+        self.wait_s = 0.0
+        self.h2d_s = 0.0
 
-    def assign(self, batches: List[int]) -> None:
-        self.todo = list(batches)
-        self.todo_set = set(batches)
+    def stall(self, wait_s: float, h2d_s: float) -> None:
+        """The trainer waited ``wait_s`` more seconds; the next message reports it."""
+        self.wait_s += wait_s
+        self.h2d_s += h2d_s
 
-    def received(self, batch: int) -> bool:
-        """Record a delivered batch; False if it was not expected from this replica."""
-        if batch not in self.todo_set:
-            return False
-        self.todo_set.discard(batch)
-        return True
+    def hello(self, stream: int, hello: P.Hello) -> None:
+        """Start ``stream`` on this connection (``hello``'s stream field is set here)."""
+        self.stream, self.epoch, self.accepted = stream, hello.epoch, False
+        self.send(dataclasses.replace(hello, stream=stream))
 
-    def remaining(self) -> List[int]:
-        return [b for b in self.todo if b in self.todo_set]
+    def request(self, batches, consumed: int, promote: bool = False, final: bool = False) -> None:
+        """Ask the current stream for ``batches``, with the stall seconds since the last report."""
+        self.send(P.Request(stream=self.stream, batches=list(batches), wait_s=self.wait_s, h2d_s=self.h2d_s,
+                            consumed=consumed, promote=promote, final=final))
+        self.wait_s = self.h2d_s = 0.0
 
     def on_monitor(self) -> bool:
         """Handle one connection event; True when the connection came back after a loss."""

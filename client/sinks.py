@@ -1,8 +1,10 @@
 """Where received batches go: host tensors (CPU) or the pinned ring + side stream (CUDA).
 
-A sink's life per epoch: ``begin`` -> (``receive`` frames of one batch into host memory,
-``push`` it, then take what ``ready`` yields into the loader's reorder buffer) per batch ->
-``hand_over`` each batch as ``next()`` returns it to the trainer -> ``end``.
+A sink's life per epoch: ``receive`` the frames of each batch into host memory as they arrive,
+in any order (the loader's reorder buffer holds them) -> ``push`` them *in plan order*, a few
+ahead of the trainer (on CUDA that issues the device copy, so out-of-order batches never sit
+on the GPU) -> ``hand_over`` each batch as ``next()`` returns it to the trainer -> ``end``.
+A received batch the loader will not push (its epoch was left early) goes back with ``discard``.
 
 CPU path: the images tensor *is* libzmq's receive buffer (``recv(copy=False)`` wrapped by
 ``torch.frombuffer``): after the kernel's copy into that buffer nothing copies the pixels again,
@@ -14,9 +16,11 @@ CUDA path, and why it is race-free. Three guarantees, each one small method, eac
 in turn by ``tests/cuda``'s mutant runs to show that a race test then fails:
 
 * slot wait (``_wait_slot_free``): ``receive`` reads the data frames straight from the socket
-  into a pinned ring slot (``recv_into``; libzmq copies once from its message into our
-  buffer). Before a slot is overwritten the CPU waits on the event recorded after the H2D copy
-  that last read it, so a slot is never rewritten while a copy may still be reading it.
+  into a free pinned slot (``recv_into``; libzmq copies once from its message into our
+  buffer). There is one slot per batch the loader's window lets it hold, plus one; a slot is
+  free again once its batch is pushed. Before a slot is overwritten the CPU waits on the event
+  recorded after the H2D copy that last read it, so a slot is never rewritten while a copy may
+  still be reading it.
 * ``push`` issues the copy with ``non_blocking=True`` on a dedicated side stream of the
   loader's device, normalizes there too, and records a ``done`` event.
 * stream wait (``_order_after_copy``): ``hand_over``, called as ``next()`` returns the batch,
@@ -34,8 +38,8 @@ device) when ``next()`` returns it. To use it on another stream, do what you wou
 tensor: ``other.wait_stream(current)`` and ``t.record_stream(other)``. With ``echo > 1`` each
 repeat is handed over again, on the stream current at that repeat.
 
-Copies run ahead: a batch's copy is issued as soon as it is received, up to the ring's
-``device_prefetch + 1`` slots, so the copy of batch k+1 overlaps step k.
+Copies run ahead: the loader pushes up to ``device_prefetch`` batches beyond the one the
+trainer holds, in plan order, so the copy of batch k+1 overlaps step k.
 """
 
 from __future__ import annotations
@@ -56,10 +60,11 @@ from .errors import LoaderError
 from .transform import Normalize
 
 
-def make_sink(config: LoaderConfig):
+def make_sink(config: LoaderConfig, held: int):
     """The sink for ``config.device`` (already ``"cpu"`` or an explicit ``"cuda:N"``: see
-    :func:`client.config.resolve_device`)."""
-    return CudaSink(config) if config.device.startswith("cuda") else HostSink(config)
+    :func:`client.config.resolve_device`); ``held``: the most received batches the loader holds
+    before pushing them (its flow-control window)."""
+    return CudaSink(config, held) if config.device.startswith("cuda") else HostSink(config, held)
 
 
 def _recv_frames(sock: zmq.Socket, msg: P.Batch, images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -102,13 +107,10 @@ def _skipped(msg: P.Batch) -> List[Tuple[int, str]]:
 class HostSink:
     """CPU: every batch's tensors are its own (the images wrap its zmq message); nothing is pinned."""
 
-    def __init__(self, config: LoaderConfig):
+    def __init__(self, config: LoaderConfig, held: int = 0):
         self.config = config
         self.normalize = Normalize(config.mean, config.std, config.dtype) if config.normalize else None
-        self._pending: Deque[Batch] = deque()
-
-    def begin(self, n: int) -> None:
-        self._pending.clear()
+        self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch):
         image_frame, label_frame = _recv_data_frames(sock, msg)
@@ -119,24 +121,22 @@ class HostSink:
         labels = torch.from_numpy(np.frombuffer(label_frame.bytes, dtype=np.int64).copy())  # small; aligned copy
         return images, labels
 
-    def push(self, msg: P.Batch, payload) -> None:
+    def push(self, msg: P.Batch, payload) -> Batch:
         raw, labels = payload
         images = self.normalize(raw) if self.normalize is not None else raw
-        self._pending.append(Batch(images, labels, list(msg.indices), msg.epoch, msg.index, raw,
-                                   msg.padding, _skipped(msg)))
+        return Batch(images, labels, list(msg.indices), msg.epoch, msg.index, raw, msg.padding, _skipped(msg))
 
-    def ready(self, final: bool) -> Iterator[Batch]:
-        while self._pending:
-            yield self._pending.popleft()
+    def discard(self, payload) -> None:
+        pass  # the tensors own their memory
 
     def hand_over(self, batch: Batch) -> Batch:
         return batch  # host tensors need no ordering
 
     def end(self) -> None:
-        self._pending.clear()
+        pass
 
     def close(self) -> None:
-        self._pending.clear()
+        pass
 
 
 class _Slot:
@@ -150,7 +150,7 @@ class _Slot:
 class CudaSink:
     """CUDA: pinned ring -> side-stream H2D copy -> normalize on the GPU -> hand-over."""
 
-    def __init__(self, config: LoaderConfig):
+    def __init__(self, config: LoaderConfig, held: int):
         self.config = config
         self.device = torch.device(config.device)
         if self.device.index is None:
@@ -159,36 +159,38 @@ class CudaSink:
         self._slot_bytes = config.batch_size * config.image_size * config.image_size * 3
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(device=self.device)
-            # one slot per batch whose copy may be in flight, plus the one being received
-            self._ring = [_Slot(self._slot_bytes, config.batch_size)
-                          for _ in range(config.device_prefetch + 1)]
-        self._next_slot = 0
-        self._pushed: Deque[Batch] = deque()
+            # one slot per batch the loader may hold before pushing it, plus one to receive into
+            self._slots = [_Slot(self._slot_bytes, config.batch_size) for _ in range(held + 1)]
+        self._free: Deque[_Slot] = deque(self._slots)  # oldest copy first: most likely finished
         self._done: Dict[int, torch.cuda.Event] = {}  # batch index -> its copy + normalize finished
         self._handed: Optional[Tuple[int, torch.cuda.Event]] = None  # the last batch handed over (echo)
         self.h2d_s = 0.0
 
-    def begin(self, n: int) -> None:
-        self._pushed.clear()
-        self._done.clear()
-        self._handed = None
-
     def receive(self, sock: zmq.Socket, msg: P.Batch):
         if msg.image_bytes > self._slot_bytes or len(msg.indices) > self.config.batch_size:
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"batch of shape {msg.shape} exceeds the loader's slots")
-        slot = self._ring[self._next_slot]
-        self._next_slot = (self._next_slot + 1) % len(self._ring)
+        slot = self._take_slot()
+        n = len(msg.indices)
+        images = slot.images[: msg.image_bytes].view(msg.shape)
+        labels = slot.labels[:n]
+        try:
+            _recv_frames(sock, msg, images, labels)
+        except BaseException:
+            self._free.append(slot)
+            raise
+        return slot, images, labels
+
+    def _take_slot(self) -> _Slot:
+        if not self._free:
+            raise LoaderError(P.ErrorCode.INTERNAL, "more batches received than the loader's window allows")
+        slot = self._free.popleft()
         if slot.copied is not None:
             t0 = time.perf_counter()
             self._wait_slot_free(slot)
             self.h2d_s += time.perf_counter() - t0
-        n = len(msg.indices)
-        images = slot.images[: msg.image_bytes].view(msg.shape)
-        labels = slot.labels[:n]
-        _recv_frames(sock, msg, images, labels)
-        return slot, images, labels
+        return slot
 
-    def push(self, msg: P.Batch, payload) -> None:
+    def push(self, msg: P.Batch, payload) -> Batch:
         slot, host_images, host_labels = payload
         t0 = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -199,14 +201,13 @@ class CudaSink:
             images = self.normalize(raw) if self.normalize is not None else raw
             done = torch.cuda.Event()
             done.record(self.stream)
+        self._free.append(slot)  # reusable once ``copied`` has fired (the slot wait checks)
         self.h2d_s += time.perf_counter() - t0
-        batch = Batch(images, labels, list(msg.indices), msg.epoch, msg.index, raw, msg.padding, _skipped(msg))
         self._done[msg.index] = done
-        self._pushed.append(batch)
+        return Batch(images, labels, list(msg.indices), msg.epoch, msg.index, raw, msg.padding, _skipped(msg))
 
-    def ready(self, final: bool) -> Iterator[Batch]:
-        while self._pushed:
-            yield self._pushed.popleft()
+    def discard(self, payload) -> None:
+        self._free.append(payload[0])
 
     def hand_over(self, batch: Batch) -> Batch:
         """Order ``batch`` before the trainer's work on the stream current now; see the module doc."""
@@ -236,11 +237,11 @@ class CudaSink:
             t.record_stream(stream)
 
     def end(self) -> None:
-        self._pushed.clear()
         self._done.clear()
         self._handed = None
         self.stream.synchronize()
+        self._free = deque(self._slots)  # every copy has finished; batches not pushed are dropped
 
     def close(self) -> None:
         self.end()
-        self._ring = []
+        self._slots, self._free = [], deque()

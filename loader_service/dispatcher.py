@@ -79,7 +79,7 @@ class Stream:
     slot_bytes: int
     state: StreamState
     lookahead: bool  # low priority until the client promotes it
-    wait_s: float = 0.0  # the client's counters as of its last credit
+    wait_s: float = 0.0  # the client's stall figures during this stream (sum of its deltas)
     h2d_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
 
@@ -345,7 +345,7 @@ class Dispatcher:
             if session is not None and session.fd != fd:
                 self._bind_fd(session, fd)
         try:
-            msg, _ = P.decode(frames[1:], expect=(P.Hello, P.Credit, P.Bye, P.Describe))
+            msg, _ = P.decode(frames[1:], expect=(P.Hello, P.Credit, P.Request, P.Bye, P.Describe))
         except P.ProtocolError as exc:
             self.counters.bad_messages += 1
             log.warning("refused a message from client %s: %s", ident.hex()[:12], exc)
@@ -360,7 +360,7 @@ class Dispatcher:
                 session = self.sessions.add(ident)
                 self._bind_fd(session, fd)
             self._start_stream(session, msg)
-        elif isinstance(msg, P.Credit):
+        elif isinstance(msg, (P.Credit, P.Request)):
             self._on_credit(ident, session, msg)
         elif isinstance(msg, P.Describe):
             self._describe(ident, msg)
@@ -384,8 +384,8 @@ class Dispatcher:
                 message=f"unknown dataset {name!r}; this service serves {sorted(self.sources)}"))
         return source
 
-    def _refuse(self, ident: bytes, hello: P.Hello, code: str, message: str) -> None:
-        self._send(ident, P.Error(code=code, stream=hello.stream, message=message))
+    def _refuse(self, ident: bytes, hello: P.Hello, code: str, message: str, fatal: bool = True) -> None:
+        self._send(ident, P.Error(code=code, stream=hello.stream, message=message, fatal=fatal))
 
     def _start_stream(self, session: Session, hello: P.Hello) -> None:
         ident = session.ident
@@ -413,16 +413,25 @@ class Dispatcher:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB, (
                 f"batch {max(hello.batches)} is past the end of the epoch ({nb} batches here); does the "
                 "client's plan come from another dataset (replicas serving different data)?"))
-        order = list(hello.batches) if hello.batches else list(range(hello.start_batch, nb))
+        if hello.on_demand:
+            order, granted, final = list(hello.batches), len(hello.batches), False
+            nslots = max(1, min(hello.prefetch, nb))
+        else:
+            order = list(hello.batches) if hello.batches else list(range(hello.start_batch, nb))
+            granted, final = hello.prefetch, True
+            nslots = max(1, min(hello.prefetch, len(order)))
         slot_bytes = hello.batch_size * hello.image_size * hello.image_size * 3
-        nslots = max(1, min(hello.prefetch, len(order)))
+        what = f"prefetch {nslots} x {slot_bytes / 2**20:.1f} MiB"
         try:
-            segment = self.arena.acquire(ident, nslots * slot_bytes,
-                                         f"prefetch {nslots} x {slot_bytes / 2**20:.1f} MiB")
+            if hello.lookahead:
+                self._check_lookahead_budget(ident, nslots * slot_bytes, what)
+            segment = self.arena.acquire(ident, nslots * slot_bytes, what)
         except NoCapacity as exc:
+            if hello.lookahead:  # best effort: the client starts the epoch plainly when it comes
+                return self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY, f"lookahead refused: {exc}", fatal=False)
             return self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY,
                                 f"{exc}; lower prefetch or batch size, or raise --max-shm-mb")
-        state = StreamState(order, nslots, hello.prefetch, plan.batch, source.describe, self.limits)
+        state = StreamState(order, nslots, granted, plan.batch, source.describe, self.limits, final=final)
         stream = Stream(client=ident, hello=hello, source=source, plan=plan, segment=segment,
                         slot_bytes=slot_bytes, state=state, lookahead=hello.lookahead)
         session.stream = stream
@@ -430,11 +439,14 @@ class Dispatcher:
         self._send(ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=nb,
                                    num_samples=plan.num_samples, dataset_length=len(source),
                                    dataset=source.name, service=self.instance))
-        log.info("client %s job %r rank %d/%d epoch %d: stream %d serves %d of %d batches", session.name,
-                 hello.job, hello.rank, hello.world_size, hello.epoch, hello.stream, len(order), nb)
+        log.info("client %s job %r rank %d/%d epoch %d: stream %d %s %d of %d batches%s", session.name,
+                 hello.job, hello.rank, hello.world_size, hello.epoch, hello.stream,
+                 "on demand, asked at once for" if hello.on_demand else "serves", len(order), nb,
+                 " (lookahead)" if hello.lookahead else "")
         self._apply(stream, state.start())
 
-    def _on_credit(self, ident: bytes, session: Optional[Session], msg: P.Credit) -> None:
+    def _on_credit(self, ident: bytes, session: Optional[Session], msg) -> None:
+        """A Credit (more of a plain stream) or a Request (batches of an on-demand stream)."""
         if session is None or msg.stream > session.stream_id:
             # the service restarted or forgot this client: it will start again from its cursor
             self._send(ident, P.Error(code=P.ErrorCode.UNKNOWN_CLIENT, stream=msg.stream, fatal=False,
@@ -442,13 +454,43 @@ class Dispatcher:
             return
         s = session.stream
         if s is None or s.id != msg.stream:
-            return  # credit for a stream that already ended or was replaced
-        s.state.grant(msg.n)
+            return  # for a stream that already ended or was replaced
+        # the stall figures are deltas since the connection's previous message: add, keep no baseline
+        self.counters.client_wait_s += msg.wait_s
+        self.counters.client_h2d_s += msg.h2d_s
+        s.wait_s += msg.wait_s
+        s.h2d_s += msg.h2d_s
         if msg.promote:
             s.lookahead = False
-        self.counters.client_wait_s += max(0.0, msg.wait_s - s.wait_s)
-        self.counters.client_h2d_s += max(0.0, msg.h2d_s - s.h2d_s)
-        s.wait_s, s.h2d_s = msg.wait_s, msg.h2d_s
+        if isinstance(msg, P.Credit):
+            if s.hello.on_demand:
+                return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Credit on an on_demand stream; send Request"))
+            s.state.grant(msg.n)
+            return
+        if not s.hello.on_demand:
+            return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Request on a stream that is not on_demand"))
+        nb = s.plan.num_batches
+        bad = [b for b in msg.batches if b >= nb]
+        if bad:
+            return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, (
+                f"batch {max(bad)} is past the end of the epoch ({nb} batches here); does the client's plan "
+                "come from another dataset (replicas serving different data)?")))
+        try:
+            effects = s.state.extend(msg.batches, final=msg.final)
+        except ValueError as exc:  # a batch asked for twice
+            return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
+        self._apply(s, effects)
+
+    def _check_lookahead_budget(self, ident: bytes, nbytes: int, what: str) -> None:
+        """Lookahead takes memory only if, after it, a plain stream as large as the largest one
+        live could still start: an early next epoch never crowds out a current one."""
+        plain = [x.stream.segment.size for x in self.sessions if x.stream is not None and not x.stream.lookahead]
+        headroom = max(plain, default=0)
+        in_use = self.arena.in_use() - self.arena.held_by(ident)
+        if in_use + nbytes + headroom > self.arena.max_bytes:
+            raise NoCapacity(f"a lookahead of {nbytes / 2**20:.1f} MiB ({what}) would leave less than "
+                             f"{headroom / 2**20:.1f} MiB for a current epoch ({in_use / 2**20:.1f} of "
+                             f"{self.arena.max_bytes / 2**20:.0f} MiB in use)")
 
     def _drop_client(self, ident: bytes, why: str) -> None:
         session = self.sessions.pop(ident)

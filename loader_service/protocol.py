@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Optional, Sequence, Union, get_args, get_origi
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: on-demand streams (Hello.on_demand + Request), stall figures as deltas
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, zmq copying is cheaper than tracking a buffer
@@ -32,6 +32,7 @@ class MsgType(IntEnum):
     CREDIT = 2
     BYE = 3
     DESCRIBE = 4
+    REQUEST = 5
     # service -> client
     ACCEPT = 10
     BATCH = 11
@@ -83,6 +84,14 @@ class Hello(Message):
 
     A client sends a new Hello with a higher ``stream`` for every epoch and after every
     reconnect; the service drops whatever it still had for that client's older streams.
+
+    Two kinds of stream:
+
+    * ``on_demand`` (what :class:`client.RemoteLoader` uses): the service computes exactly the
+      batches asked for, ``batches`` now and more with each :class:`Request`, and sends them in
+      the order asked; ``prefetch`` is the number of batch slots on the service;
+    * otherwise: ``batches`` (or, if empty, every batch from ``start_batch`` on) in that order,
+      ``prefetch`` of them at once and one more per :class:`Credit`.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
@@ -104,13 +113,11 @@ class Hello(Message):
     job: str = ""
     batches: list = field(default_factory=list)
     lookahead: bool = False  # the next epoch, started early: served only when nothing else waits
+    on_demand: bool = False
 
     def check(self) -> None:
         _range(self, "stream", 0)
-        if not all(_is_int(b) and b >= 0 for b in self.batches):
-            raise ProtocolError("Hello.batches must be non-negative ints", ErrorCode.BAD_JOB)
-        if len(set(self.batches)) != len(self.batches):
-            raise ProtocolError("Hello.batches lists a batch twice", ErrorCode.BAD_JOB)
+        _check_batches(self.batches)
         _range(self, "batch_size", 1, 1 << 16)
         _range(self, "image_size", 8, 4096)
         _range(self, "seed", 0, (1 << 63) - 1)
@@ -133,13 +140,18 @@ class Hello(Message):
 
 @dataclass(frozen=True)
 class Credit(Message):
-    """Ask for ``n`` more batches of ``stream``. Carries the client's stall counters."""
+    """Ask for ``n`` more batches of a stream that is not ``on_demand``.
+
+    ``wait_s``/``h2d_s`` (here and in :class:`Request`) are *deltas*: the seconds the trainer
+    waited in next() / spent on host-to-device copies since this connection's previous
+    message, so a service adds them up without keeping any baseline.
+    """
 
     TYPE: ClassVar[MsgType] = MsgType.CREDIT
     stream: int
     n: int
-    wait_s: float = 0.0  # total seconds the trainer has waited in next() this stream
-    h2d_s: float = 0.0  # total seconds spent in host-to-device copies this stream
+    wait_s: float = 0.0
+    h2d_s: float = 0.0
     consumed: int = 0  # batches the trainer has taken this stream
     promote: bool = False  # a lookahead stream is now the trainer's current epoch
 
@@ -147,6 +159,30 @@ class Credit(Message):
         _range(self, "stream", 0)
         _range(self, "n", 1, 1 << 16)
         _range(self, "consumed", 0)
+        _check_stall(self)
+
+
+@dataclass(frozen=True)
+class Request(Message):
+    """Ask an ``on_demand`` stream for ``batches`` (appended to what it computes and sends, in
+    this order; may be empty to report stall figures or promote)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REQUEST
+    stream: int
+    batches: list = field(default_factory=list)
+    wait_s: float = 0.0  # delta, as in Credit
+    h2d_s: float = 0.0
+    consumed: int = 0
+    promote: bool = False
+    final: bool = False  # nothing more will be asked: the stream ends once these are sent
+
+    def check(self) -> None:
+        _range(self, "stream", 0)
+        _check_batches(self.batches)
+        if len(self.batches) > 1 << 16:
+            raise ProtocolError("Request.batches lists more than 65536 batches", ErrorCode.BAD_JOB)
+        _range(self, "consumed", 0)
+        _check_stall(self)
 
 
 @dataclass(frozen=True)
@@ -409,6 +445,19 @@ def _range(msg: Message, name: str, lo: int, hi: Optional[int] = None) -> None:
     if v < lo or (hi is not None and v > hi):
         bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise ProtocolError(f"{type(msg).__name__}.{name} must be {bound}, got {v}", ErrorCode.BAD_JOB)
+
+
+def _check_batches(batches: list) -> None:
+    if not all(_is_int(b) and b >= 0 for b in batches):
+        raise ProtocolError("batches must be non-negative ints", ErrorCode.BAD_JOB)
+    if len(set(batches)) != len(batches):
+        raise ProtocolError("batches lists a batch twice", ErrorCode.BAD_JOB)
+
+
+def _check_stall(msg: Message) -> None:
+    for name in ("wait_s", "h2d_s"):
+        if getattr(msg, name) < 0:
+            raise ProtocolError(f"{type(msg).__name__}.{name} is a delta and must be >= 0", ErrorCode.BAD_MESSAGE)
 
 
 def _is_int(x: Any) -> bool:
