@@ -11,9 +11,12 @@ on-demand sharding):
   is either requested (not yet received) or received (waiting, in the reorder buffer or the
   device sink), so those two together never exceed ``window``, and the oldest batch not yet
   yielded always has its place: no full buffer can block it;
-* **on-demand assignment**: a batch goes to whichever live replica has a free credit (fewer
-  than ``credit`` batches requested and not received), fewest outstanding first; nothing is
-  dealt up front, so a slow replica slows only its own share;
+* **on-demand assignment**: a batch goes to the live replica with a free credit (fewer than
+  ``credit`` batches requested and not received) that is expected to deliver it first: its
+  outstanding batches plus this one, times its measured time per batch (an average of the
+  intervals between its deliveries while it had work; a replica silent for longer than that
+  counts as that slow). Nothing is dealt up front, so a slow replica gets a small share and
+  its batches come back before the window is exhausted by the fast one's;
 * **failover**: a replica given up on (:meth:`lose`) hands its outstanding batches back; they
   are asked of the others first, lowest first.
 """
@@ -21,7 +24,7 @@ on-demand sharding):
 from __future__ import annotations
 
 import heapq
-from typing import Dict, Iterable, List, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 
 class EpochFlow:
@@ -37,6 +40,8 @@ class EpochFlow:
         self._redo: List[int] = []  # heap: batches handed back by a lost replica
         self.outstanding: List[Set[int]] = [set() for _ in range(replicas)]
         self.received: Set[int] = set()  # received and not yet yielded
+        self.per_batch: List[Optional[float]] = [None] * replicas  # measured seconds per batch
+        self._busy_since: List[float] = [0.0] * replicas  # last delivery, or when work was first asked
 
     @property
     def done(self) -> bool:
@@ -52,9 +57,18 @@ class EpochFlow:
         """Batches requested or received and not yet yielded (bounded by ``window``)."""
         return sum(len(o) for o in self.outstanding) + len(self.received)
 
-    def assign(self, live: Iterable[int]) -> Dict[int, List[int]]:
-        """Batches to request now: replica -> batches, in the order to ask for them."""
+    def _eta(self, r: int, now: float, default: float) -> float:
+        per = self.per_batch[r] if self.per_batch[r] is not None else default
+        if self.outstanding[r]:
+            per = max(per, now - self._busy_since[r])  # silent for longer than usual: that slow
+        return (len(self.outstanding[r]) + 1) * per
+
+    def assign(self, live: Iterable[int], now: float = 0.0) -> Dict[int, List[int]]:
+        """Batches to request now: replica -> batches, in the order to ask for them. ``now``:
+        a clock reading (any unit, the same as :meth:`on_batch`'s)."""
         live = list(live)
+        known = [p for p in self.per_batch if p is not None]
+        default = sum(known) / len(known) if known else 1.0
         out: Dict[int, List[int]] = {}
         while live:
             if self._redo:
@@ -66,21 +80,27 @@ class EpochFlow:
             free = [r for r in live if len(self.outstanding[r]) < self.credit]
             if not free:
                 break
-            r = min(free, key=lambda x: (len(self.outstanding[x]), x))
+            r = min(free, key=lambda x: (self._eta(x, now, default), x))
             if self._redo:
                 heapq.heappop(self._redo)
             else:
                 self.next_new += 1
+            if not self.outstanding[r]:
+                self._busy_since[r] = now
             self.outstanding[r].add(b)
             out.setdefault(r, []).append(b)
         return out
 
-    def on_batch(self, replica: int, batch: int) -> bool:
+    def on_batch(self, replica: int, batch: int, now: float = 0.0) -> bool:
         """``replica`` delivered ``batch``; False if it was not asked of it (or came already)."""
         if batch not in self.outstanding[replica]:
             return False
         self.outstanding[replica].discard(batch)
         self.received.add(batch)
+        took = max(0.0, now - self._busy_since[replica])
+        prev = self.per_batch[replica]
+        self.per_batch[replica] = took if prev is None else 0.8 * prev + 0.2 * took
+        self._busy_since[replica] = now
         return True
 
     def ready(self) -> bool:
@@ -103,4 +123,30 @@ class EpochFlow:
         return orphans
 
 
-__all__ = ["EpochFlow"]
+class InOrder:
+    """The ordering window between the transports and the device sink: batches arrive in any
+    order (:meth:`put`) and go to ``push`` strictly in plan order, at most ``ahead`` beyond the
+    next one to yield, so the sink (a device copy) never holds a batch out of order."""
+
+    def __init__(self, first: int, ahead: int, push: Callable[[int, Any], Any]):
+        self.next_push = first
+        self.ahead = ahead
+        self._push = push
+        self.held: Dict[int, Any] = {}  # received, not pushed
+        self.pushed: Dict[int, Any] = {}  # pushed, not yielded
+
+    def put(self, index: int, item: Any) -> None:
+        self.held[index] = item
+
+    def ready(self, next_yield: int) -> bool:
+        """Push what may go now; whether batch ``next_yield`` has been pushed."""
+        while self.next_push in self.held and self.next_push < next_yield + self.ahead:
+            self.pushed[self.next_push] = self._push(self.next_push, self.held.pop(self.next_push))
+            self.next_push += 1
+        return next_yield in self.pushed
+
+    def pop(self, index: int) -> Any:
+        return self.pushed.pop(index)
+
+
+__all__ = ["EpochFlow", "InOrder"]

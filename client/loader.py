@@ -28,7 +28,7 @@ from loader_service.plan import num_batches
 from .batch import Batch
 from .config import LoaderConfig
 from .errors import LoaderError, LoaderTimeout
-from .flow import EpochFlow
+from .flow import EpochFlow, InOrder
 from .replica import Replica
 from .sinks import make_sink
 
@@ -72,7 +72,8 @@ class RemoteLoader:
                                    train=train, prefetch=prefetch, device=str(device), **options)
         for e in endpoints[1:]:
             LoaderConfig(endpoint=e, batch_size=batch_size)  # validates the address
-        # batches this rank may have asked for or hold (received, in the device sink) at once
+        # batches this rank may have asked for or hold (received, in the device sink) at once;
+        # any one replica may be asked for all of them if it is the one that delivers soonest
         self._window = self.config.prefetch * len(endpoints)
         self._sink = make_sink(self.config, self._window)
         self._ctx: Optional[zmq.Context] = None
@@ -190,16 +191,14 @@ class RemoteLoader:
             self._drop_lookahead()
             if start >= total:
                 return
-            flow = EpochFlow(start, total, self._window, c.prefetch, len(reps))
-            initial = flow.assign(r.index for r in reps)
+            flow = EpochFlow(start, total, self._window, self._window, len(reps))
+            initial = flow.assign((r.index for r in reps), time.monotonic())
             for r in reps:
                 r.dead = False
                 self._hello(r, epoch, initial.get(r.index, []))
         else:
             reps = self._replicas
-        held: Dict[int, tuple] = {}  # received, not pushed yet: batch -> (message, host payload)
-        pushed: Dict[int, Batch] = {}  # pushed to the sink, not yielded yet
-        next_push = flow.next_yield
+        in_order = InOrder(flow.next_yield, c.device_prefetch, lambda _, item: self._sink.push(*item))
         last_message = time.monotonic()
         h2d_seen = self._sink.h2d_s
         poller = zmq.Poller()
@@ -209,14 +208,7 @@ class RemoteLoader:
         try:
             while not flow.done:
                 t0 = time.perf_counter()
-                while True:
-                    # ordering window -> sink: in plan order, a few ahead of the trainer
-                    while next_push in held and next_push < flow.next_yield + c.device_prefetch:
-                        msg, payload = held.pop(next_push)
-                        pushed[next_push] = self._sink.push(msg, payload)
-                        next_push += 1
-                    if flow.next_yield in pushed:
-                        break
+                while not in_order.ready(flow.next_yield):
                     events = dict(poller.poll(self._poll_ms(reps)))
                     now = time.monotonic()
                     if not events:
@@ -228,7 +220,7 @@ class RemoteLoader:
                     for r in reps:
                         if r.monitor in events:
                             self._on_monitor(r, flow, epoch)
-                        if r.sock in events and self._pump(r, flow, held, total):
+                        if r.sock in events and self._pump(r, flow, in_order, total):
                             last_message = now
                     self._ask(reps, flow)
                     if not self._ahead and c.epoch_lookahead and flow.fully_asked:
@@ -240,8 +232,7 @@ class RemoteLoader:
                 self._stats.h2d_s = self._sink.h2d_s
                 for r in reps:
                     r.stall(waited, h2d)
-                index = flow.take()
-                batch = pushed.pop(index)
+                batch = in_order.pop(flow.take())
                 self._ask(reps, flow)  # its place in the window is free
                 self._stats.batches += 1
                 self._stats.samples += len(batch)
@@ -252,11 +243,11 @@ class RemoteLoader:
                 if not r.dead and r.stream >= 0 and r.accepted:
                     r.request([], self._stats.batches, final=True)  # the stream ends; its slots are kept
         finally:
-            for _, payload in held.values():
+            for _, payload in in_order.held.values():
                 self._sink.discard(payload)
             self._sink.end()
 
-    def _pump(self, r: Replica, flow: EpochFlow, held: Dict[int, tuple], total: int) -> bool:
+    def _pump(self, r: Replica, flow: EpochFlow, in_order: InOrder, total: int) -> bool:
         """Read what ``r`` has (bounded per round, so one replica cannot starve the rest);
         True if anything came from the service."""
         heard = False
@@ -274,10 +265,10 @@ class RemoteLoader:
                         "do all replicas serve the same dataset?"))
                 r.accepted = True
             elif isinstance(msg, P.Batch):
-                if not flow.on_batch(r.index, msg.index):
+                if not flow.on_batch(r.index, msg.index, time.monotonic()):
                     self._sink.discard(payload)
                     raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
-                held[msg.index] = (msg, payload)
+                in_order.put(msg.index, (msg, payload))
             elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.UNKNOWN_CLIENT:
                 self._restart(r, flow)  # the service forgot us: ask again for what we miss
         return heard
@@ -292,7 +283,7 @@ class RemoteLoader:
     def _ask(self, reps: List[Replica], flow: EpochFlow) -> None:
         """Request what the flow control allows of the replicas that can take requests."""
         live = [r.index for r in reps if not r.dead and r.accepted and r.down_since is None]
-        for i, batches in flow.assign(live).items():
+        for i, batches in flow.assign(live, time.monotonic()).items():
             reps[i].request(batches, self._stats.batches)
 
     def _hello(self, r: Replica, epoch: int, batches: List[int], lookahead: bool = False) -> None:
@@ -323,8 +314,8 @@ class RemoteLoader:
         if not self._spare:
             assert self._ctx is not None
             self._spare = [Replica(self._ctx, e, c.heartbeat_s, i) for i, e in enumerate(self.endpoints)]
-        flow = EpochFlow(0, total, self._window, c.prefetch, len(self._spare))
-        initial = flow.assign(r.index for r in self._spare)
+        flow = EpochFlow(0, total, self._window, self._window, len(self._spare))
+        initial = flow.assign((r.index for r in self._spare), time.monotonic())
         for r in self._spare:
             r.dead = False
             self._hello(r, epoch, initial.get(r.index, []), lookahead=True)

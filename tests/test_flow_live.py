@@ -1,0 +1,88 @@
+"""Flow control v2 against live services: replicas of unequal speed, a capacity squeeze that
+refuses the epoch lookahead, a replica killed and restarted mid-epoch, and stall figures that
+the service adds up exactly once."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+from client import RemoteLoader
+from loader_service.shm import sweep_stale
+from loader_service.testing import ServiceProcess, free_port
+
+from .conftest import DEMO_SIZE
+from .helpers import collect, indices_of, status, wait_for
+
+N = DEMO_SIZE
+
+
+def _check_epochs(epochs, batch_size):
+    for e in epochs:
+        assert [b["index"] for b in e] == list(range(-(-N // batch_size)))
+        assert sorted(indices_of(e)) == list(range(N))
+
+
+def test_two_replicas_of_unequal_speed_four_epochs_exactly_once(make_service):
+    slow, fast = make_service(workers=1), make_service(workers=2)
+    with RemoteLoader(slow.endpoint, batch_size=8, image_size=32, seed=4, epoch_lookahead=False) as one:
+        ref = [collect(one) for _ in range(4)]
+    with RemoteLoader([slow.endpoint, fast.endpoint], batch_size=8, image_size=32, seed=4, prefetch=2,
+                      timeout=30) as ld:
+        got = [collect(ld) for _ in range(4)]
+    _check_epochs(got, 8)
+    assert [b["images"] for e in got for b in e] == [b["images"] for e in ref for b in e]
+    assert status(fast)["totals"]["batches"] > 0
+
+
+def test_a_capacity_squeeze_refuses_the_lookahead_never_the_epoch(make_service, caplog):
+    # one stream's slots (4 x 16 x 64 x 64 x 3 = 0.75 MiB) fit in 1 MiB, a second one does not
+    caplog.set_level(logging.INFO, logger="client")
+    svc = make_service(max_shm_mb=1)
+    with RemoteLoader(svc.endpoint, batch_size=16, image_size=64, prefetch=4, seed=2) as ld:
+        epochs = [collect(ld) for _ in range(3)]
+    _check_epochs(epochs, 16)
+    refused = [r.getMessage() for r in caplog.records if "epoch lookahead refused" in r.getMessage()]
+    assert len(refused) == 2, refused  # epochs 1 and 2 started plainly
+    assert "would leave less than" in refused[0]
+
+
+def test_a_replica_killed_mid_epoch_and_restarted_loses_and_doubles_nothing():
+    args = ["--demo", "--demo-size", str(N), "--workers", "1"]
+    port_b = free_port()
+    a, b = ServiceProcess(free_port(), args), ServiceProcess(port_b, args)
+    try:
+        with RemoteLoader(a.endpoint, batch_size=8, image_size=32, seed=9, epoch_lookahead=False) as one:
+            ref = [collect(one) for _ in range(2)]
+        with RemoteLoader([a.endpoint, b.endpoint], batch_size=8, image_size=32, seed=9, replica_timeout=2.0,
+                          heartbeat_s=0.3, timeout=60) as ld:
+            got = []
+            for epoch in range(2):
+                ld.set_epoch(epoch)
+                for i, batch in enumerate(ld):
+                    got.append(batch.raw.numpy().tobytes())
+                    if epoch == 0 and i == 5:
+                        b.kill(signal.SIGKILL)
+                        b = ServiceProcess(port_b, args)  # back on the same port, knowing nothing
+        assert got == [x["images"] for e in ref for x in e]
+        assert b.status()["totals"]["batches"] > 0, "the restarted replica was never used again"
+    finally:
+        a.stop()
+        b.stop()
+        sweep_stale()  # the SIGKILLed service could not unlink its segments
+
+
+def test_the_service_adds_up_the_clients_stall_exactly_once(service):
+    """Stall figures are deltas: after several epochs (each a new stream, the old bug added the
+    client's whole lifetime wait again per stream) the service's client_wait is the client's."""
+    with RemoteLoader(service.endpoint, batch_size=8, image_size=32, prefetch=2) as ld:
+        for _ in range(5):
+            for _ in ld:
+                time.sleep(0.002)  # a trainer step
+        mine = ld.stats()["wait_s"]
+
+        def reported():
+            return status(service)["stage_s"]["client_wait"]
+
+        wait_for(lambda: abs(reported() - mine) < 0.002, what=f"the service to report {mine:.3f}s of client wait")
