@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""One trainer rank fed by two service replicas of unequal speed (1 and 2 workers).
+
+    python bench/bench_replicas.py [--mode latency|cpu|both] [--epochs 3] [--batch-size 32]
+                                   [--read-delay-ms 10] [--demo-size 2000] [--json PATH]
+
+Each replica is a service in its own process on this machine (demo dataset), one with
+``--workers 1`` and one with ``--workers 2``. Three runs of a ``RemoteLoader`` in this process,
+each over one warm-up epoch and ``--epochs`` timed ones: the slow replica alone, the fast one
+alone, then both (``RemoteLoader([slow, fast])``). The target: both together deliver at least
+0.9x the sum of the two solo rates.
+
+Two modes:
+
+* ``latency``: every sample read takes ``--read-delay-ms`` (a FaultSource wrapper: storage
+  latency, as with a network file system or an object store), so a replica's speed is set by
+  its worker count, not by the cores the two replicas share on this machine. This is the mode
+  that tests the flow control: on a cluster each replica has its own cores.
+* ``cpu``: plain decoding. On one machine the two replicas compete for the same cores, so the
+  sum of the solo rates is more than the machine can do; the row shows what the pair gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from client import RemoteLoader  # noqa: E402
+from loader_service.testing import free_port  # noqa: E402
+
+
+def _serve(port: int, workers: int, delay_s: float, demo_size: int, ready, stop) -> None:
+    import logging
+
+    from loader_service.config import ServiceConfig
+    from loader_service.service import Service
+    from loader_service.sources.demo import ensure_demo
+    from loader_service.sources.fault import FaultSource
+
+    logging.basicConfig(level=logging.WARNING)
+    demo = ensure_demo(demo_size, quiet=True)
+    sources = {"demo": FaultSource(demo, read_delay_s=delay_s)} if delay_s else None
+    svc = Service(ServiceConfig(demo=True, demo_size=demo_size, workers=workers, host="127.0.0.1",
+                                data_port=port, http_port=0, status_log_s=0), sources=sources).start()
+    svc.wait_ready(120)
+    ready.set()
+    stop.wait()
+    svc.stop()
+
+
+def _rate(endpoints: List[str], epochs: int, batch_size: int) -> float:
+    with RemoteLoader(endpoints, batch_size=batch_size, image_size=224, prefetch=4, seed=1, timeout=120) as ld:
+        for _ in ld:  # warm-up epoch
+            pass
+        n, t0 = 0, time.perf_counter()
+        for _ in range(epochs):
+            for b in ld:
+                n += len(b)
+        return n / (time.perf_counter() - t0)
+
+
+def run(mode: str, args) -> dict:
+    ctx = mp.get_context("spawn")
+    delay = args.read_delay_ms / 1000 if mode == "latency" else 0.0
+    stop = ctx.Event()
+    procs, endpoints = [], []
+    for workers in (1, 2):
+        port, ready = free_port(), ctx.Event()
+        p = ctx.Process(target=_serve, args=(port, workers, delay, args.demo_size, ready, stop))
+        p.start()
+        if not ready.wait(300):
+            raise RuntimeError("a service did not start")
+        procs.append(p)
+        endpoints.append(f"tcp://127.0.0.1:{port}")
+    try:
+        slow = _rate([endpoints[0]], args.epochs, args.batch_size)
+        fast = _rate([endpoints[1]], args.epochs, args.batch_size)
+        both = _rate(endpoints, args.epochs, args.batch_size)
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(60)
+    return {"mode": mode, "slow_1_worker": slow, "fast_2_workers": fast, "both": both,
+            "ratio_to_sum": both / (slow + fast)}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=["latency", "cpu", "both"], default="both")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--read-delay-ms", type=float, default=10.0)
+    p.add_argument("--demo-size", type=int, default=2000)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    load = os.getloadavg()[0]
+    rows = [run(m, args) for m in (["latency", "cpu"] if args.mode == "both" else [args.mode])]
+    print(f"\nmachine: {os.cpu_count()} CPUs (load average {load:.2f} at start) | demo {args.demo_size} images | "
+          f"batch {args.batch_size} | 224 px | {args.epochs} timed epochs (+1 warm-up) | read delay "
+          f"{args.read_delay_ms:g} ms in latency mode | command: `python bench/bench_replicas.py "
+          f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n")
+    print("| mode | slow replica alone (1 worker) img/s | fast replica alone (2 workers) img/s | both, one rank img/s | both / (slow + fast) |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['slow_1_worker']:.1f} | {r['fast_2_workers']:.1f} | {r['both']:.1f} | "
+              f"{r['ratio_to_sum']:.2f} |")
+    for r in rows:
+        if r["mode"] == "latency":
+            verdict = "PASS" if r["ratio_to_sum"] >= 0.9 else "MISS"
+            print(f"\n{verdict} two unequal replicas >= 0.9x the sum of their solo rates: {r['ratio_to_sum']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
