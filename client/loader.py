@@ -35,6 +35,7 @@ from .sinks import make_sink
 log = logging.getLogger("client")
 
 STATE_VERSION = 1
+PROBE_S = 5.0  # silence, while batches are owed, after which the loader asks again
 _PLAN_KEYS = ("seed", "world_size", "rank", "batch_size", "shuffle", "drop_last", "dataset")
 
 
@@ -199,7 +200,8 @@ class RemoteLoader:
         else:
             reps = self._replicas
         in_order = InOrder(flow.next_yield, c.device_prefetch, lambda _, item: self._sink.push(*item))
-        last_message = time.monotonic()
+        heard = time.monotonic()  # the last message from a service
+        probe_s = min(PROBE_S, c.timeout / 3)
         h2d_seen = self._sink.h2d_s
         poller = zmq.Poller()
         for r in reps:
@@ -208,12 +210,21 @@ class RemoteLoader:
         try:
             while not flow.done:
                 t0 = time.perf_counter()
+                heard = max(heard, time.monotonic())  # the trainer's own time is no service's silence
+                probed = heard
                 while not in_order.ready(flow.next_yield):
-                    events = dict(poller.poll(self._poll_ms(reps)))
+                    now = time.monotonic()
+                    wake = min(heard + c.timeout, probed + probe_s)
+                    if len(reps) > 1:  # wake up in time to notice a replica that stays down
+                        wake = min(wake, now + c.replica_timeout / 2)
+                    events = dict(poller.poll(max(1, int((wake - now) * 1000) + 1)))
                     now = time.monotonic()
                     if not events:
-                        if now - last_message > c.timeout:
+                        if now >= heard + c.timeout:
                             self._raise_timeout(reps)
+                        if now >= probed + probe_s:
+                            self._probe(reps, flow)
+                            probed = now
                         self._fail_over_dead(reps, flow, epoch, now)
                         self._ask(reps, flow)
                         continue
@@ -221,7 +232,7 @@ class RemoteLoader:
                         if r.monitor in events:
                             self._on_monitor(r, flow, epoch)
                         if r.sock in events and self._pump(r, flow, in_order, total):
-                            last_message = now
+                            heard = probed = now
                     self._ask(reps, flow)
                     if not self._ahead and c.epoch_lookahead and flow.fully_asked:
                         self._start_lookahead(epoch + 1, total)
@@ -280,6 +291,14 @@ class RemoteLoader:
                 r.dead = False
             self._restart(r, flow)
 
+    def _probe(self, reps: List[Replica], flow: EpochFlow) -> None:
+        """Silence while batches are owed: ask again (an empty Request). A service that forgot
+        the stream (it restarted, or was frozen long enough to drop us) answers unknown_client,
+        and the stream starts again from what it owed; one that knows it says nothing."""
+        for r in reps:
+            if not r.dead and r.stream >= 0 and flow.outstanding[r.index]:
+                r.request([], self._stats.batches)
+
     def _ask(self, reps: List[Replica], flow: EpochFlow) -> None:
         """Request what the flow control allows of the replicas that can take requests."""
         live = [r.index for r in reps if not r.dead and r.accepted and r.down_since is None]
@@ -330,11 +349,19 @@ class RemoteLoader:
         self._ahead = None
         deadline = time.monotonic() + self.config.timeout
         for r in self._spare:
+            lost = False
             while not r.accepted:
+                while r.monitor.poll(0):
+                    lost = r.on_monitor() or lost  # reconnected: a restarted service forgot the stream
                 left = deadline - time.monotonic()
-                if left <= 0 or not r.sock.poll(left * 1000):
-                    log.info("epoch lookahead not answered by %s; starting epoch %d plainly", r.endpoint, epoch)
+                if lost or r.down_since is not None or left <= 0:
+                    log.info("epoch lookahead lost or not answered by %s; starting epoch %d plainly", r.endpoint, epoch)
                     return self._close_spare()
+                poller = zmq.Poller()
+                poller.register(r.sock, zmq.POLLIN)
+                poller.register(r.monitor, zmq.POLLIN)
+                if r.sock not in dict(poller.poll(left * 1000)):
+                    continue
                 try:
                     msg, _ = self._recv(r)
                 except LoaderError as exc:  # refused (no capacity, say): start the epoch plainly
@@ -359,13 +386,6 @@ class RemoteLoader:
         for r in self._spare:
             r.close()
         self._spare = []
-
-    def _poll_ms(self, reps: List[Replica]) -> int:
-        # with several replicas, wake up in time to notice one that stays down
-        t = self.config.timeout
-        if len(reps) > 1:
-            t = min(t, self.config.replica_timeout / 2)
-        return max(1, int(t * 1000))
 
     def _fail_over_dead(self, reps: List[Replica], flow: EpochFlow, epoch: int, now: float) -> None:
         """Give the outstanding batches of a replica that stayed down to the live ones."""

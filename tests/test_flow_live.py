@@ -8,7 +8,9 @@ import logging
 import signal
 import time
 
-from client import RemoteLoader
+import pytest
+
+from client import LoaderTimeout, RemoteLoader
 from loader_service.shm import sweep_stale
 from loader_service.testing import ServiceProcess, free_port
 
@@ -86,3 +88,48 @@ def test_the_service_adds_up_the_clients_stall_exactly_once(service):
             return status(service)["stage_s"]["client_wait"]
 
         wait_for(lambda: abs(reported() - mine) < 0.002, what=f"the service to report {mine:.3f}s of client wait")
+
+
+def test_a_frozen_service_resumes_its_ranks_exactly_once(demo_source):
+    """SIGSTOP for longer than the heartbeat timeout (the service drops both clients when it
+    continues), then SIGCONT: both ranks finish the epoch exactly once."""
+    svc = ServiceProcess(free_port(), ["--demo", "--demo-size", str(N), "--workers", "2"],
+                         env={"LOADER_HEARTBEAT_S": "0.3"})
+    try:
+        got = {0: [], 1: []}
+        loaders = [RemoteLoader(svc.endpoint, batch_size=8, image_size=32, seed=1, rank=k, world_size=2,
+                                heartbeat_s=0.3, timeout=60, epoch_lookahead=False) for k in (0, 1)]
+        iters = [iter(ld) for ld in loaders]
+        for k in (0, 1):
+            got[k] += next(iters[k]).indices
+        svc.proc.send_signal(signal.SIGSTOP)
+        time.sleep(3.0)  # the freeze being tested: > 3 heartbeats, so the service drops both clients
+        svc.proc.send_signal(signal.SIGCONT)
+        for k in (0, 1):
+            for b in iters[k]:
+                got[k] += b.indices
+        for ld in loaders:
+            ld.close()
+        assert sorted(got[0] + got[1]) == list(range(N))
+    finally:
+        svc.proc.send_signal(signal.SIGCONT)
+        svc.stop()
+
+
+def test_loader_timeout_fires_within_a_second_of_its_deadline(demo_source):
+    svc = ServiceProcess(free_port(), ["--demo", "--demo-size", str(N), "--workers", "1"])
+    try:
+        with RemoteLoader(svc.endpoint, batch_size=8, image_size=32, timeout=3, heartbeat_s=30,
+                          epoch_lookahead=False) as ld:
+            it = iter(ld)
+            next(it)
+            svc.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(LoaderTimeout):
+                for _ in it:
+                    t0 = time.monotonic()  # batches already on their way still arrive
+            waited = time.monotonic() - t0
+        assert 3.0 <= waited < 4.0, f"LoaderTimeout after {waited:.2f}s of silence with timeout=3"
+    finally:
+        svc.proc.send_signal(signal.SIGCONT)
+        svc.stop()
