@@ -74,7 +74,7 @@ class ServiceConfig:
                              f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
-        self.decode_options  # raises if max_image_pixels is out of range
+        DecodeOptions(self.max_image_pixels)  # raises if the limit is out of range
         if self.status_log_s < 0:
             raise ValueError(f"status_log_s must be >= 0 (0 turns the log line off), got {self.status_log_s}")
 

@@ -105,8 +105,10 @@ def process_sample(data: Sample, spec: TransformSpec, rng: np.random.Generator, 
     if crop.ndim == 2:  # a grey array: RGB like a grey PNG's decode, before the resize so the math is the same
         crop = gray_to_rgb(crop)
     resize_into(crop, out)
-    if flip:
-        cv2.flip(out, 1, dst=out) if cv2 is not None else out.__setitem__(slice(None), out[:, ::-1].copy())
+    if flip and cv2 is not None:
+        cv2.flip(out, 1, dst=out)  # in place: no temporary copy of the output
+    elif flip:  # pragma: no cover
+        out[:] = out[:, ::-1].copy()
 
 
 def _box(top: int, left: int, ch: int, cw: int, fy: float, fx: float, shape) -> Tuple[slice, slice]:
