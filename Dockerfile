@@ -58,12 +58,20 @@ ARG WHEELS=auto
 COPY deploy/docker/wheels/service/ /wheels/service/
 COPY pyproject.toml deploy/docker/requirements.py deploy/docker/pip-install.sh /src/
 RUN python3 -m venv /opt/venv && sh /src/pip-install.sh deps service
+# The native JPEG kernel (loader_service/_jpegroi.c) needs a C compiler and libjpeg-turbo's
+# headers here (the air-gapped base has them: deploy/docker/build-base.sh); the image must have
+# the fast path, so LOADER_REQUIRE_NATIVE_JPEG=1 makes a failed build fail the image build.
+RUN set -eu; \
+    [ -f /usr/include/jpeglib.h ] && command -v gcc >/dev/null || { apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev libjpeg62-turbo-dev \
+        && rm -rf /var/lib/apt/lists/*; }
 # The project itself, from source. --no-deps: the project's own dependency list includes torch,
 # which the service never imports.
-COPY pyproject.toml README.m[d] /src/
+COPY pyproject.toml setup.py README.m[d] /src/
 COPY loader_service/ /src/loader_service/
 COPY client/ /src/client/
-RUN sh /src/pip-install.sh project service \
+RUN LOADER_REQUIRE_NATIVE_JPEG=1 sh /src/pip-install.sh project service \
+    && LOADER_REQUIRE_NATIVE_JPEG=1 python3 -c 'import loader_service.jpeg as j; print(j.decode_path())' \
     && loader-service --help >/dev/null \
     && python3 -c 'import loader_service.service, loader_service.http_api' \
     && ! python3 -c 'import torch' 2>/dev/null
@@ -76,7 +84,7 @@ COPY deploy/docker/wheels/trainer/ /wheels/trainer/
 COPY deploy/docker/wheels/service/ /wheels/service/
 COPY pyproject.toml deploy/docker/requirements.py deploy/docker/pip-install.sh /src/
 RUN python3 -m venv /opt/venv && sh /src/pip-install.sh deps trainer
-COPY pyproject.toml README.m[d] /src/
+COPY pyproject.toml setup.py README.m[d] /src/
 COPY loader_service/ /src/loader_service/
 COPY client/ /src/client/
 RUN sh /src/pip-install.sh project trainer \
@@ -94,6 +102,10 @@ CMD ["python3", "-m", "client.demo", "--endpoint", "tcp://loader:5555", "--epoch
 # ---------------------------------------------------------------------------------------------
 # The service (last stage: the default target).
 FROM base AS service
+# the native JPEG kernel's runtime library
+RUN [ -e /usr/lib/x86_64-linux-gnu/libjpeg.so.62 ] || [ -n "$(find /usr/lib -name 'libjpeg.so.62' | head -1)" ] \
+    || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libjpeg62-turbo \
+         && rm -rf /var/lib/apt/lists/*; }
 COPY --from=build-service /opt/venv /opt/venv
 # /data: mount datasets here (read-only is fine). /cache: the generated demo dataset
 # (LOADER_CACHE_DIR); owned by the service user so a fresh named volume inherits that.

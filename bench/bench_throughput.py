@@ -78,7 +78,8 @@ from loader_service.sources import Source, SourceSpec, open_source  # noqa: E402
 from loader_service.sources.demo import ensure_demo  # noqa: E402
 from loader_service.sources.imagefolder import ImageFolderSource  # noqa: E402
 from loader_service.sources.packed import PackedSource  # noqa: E402
-from loader_service.transforms import TransformSpec, process_sample, sample_rng  # noqa: E402
+from loader_service.transforms import (TransformSpec, process_sample, random_resized_crop_params,  # noqa: E402
+                                       sample_rng)
 
 SEED = 0
 START_TIMEOUT_S = 180.0  # for decode processes and the service to come up
@@ -99,6 +100,7 @@ class Settings:
     image_size: int
     epochs: int  # timed epochs 1..epochs; epoch 0 is the warm-up
     seed: int = SEED
+    fn: str = "service"  # the per-sample function of the raw and DataLoader rows: a key of SAMPLE_FNS
 
     @property
     def transform(self) -> TransformSpec:
@@ -147,6 +149,42 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+# ------------------------------------------------------------------------ per-sample functions
+def naive_sample(data: bytes, spec: TransformSpec, rng: np.random.Generator, out: np.ndarray) -> None:
+    """What a user writes without the project (the fixed reference of issue 11; do not replace it
+    with project code): simplejpeg full-size decode, slice the RandomResizedCrop box, cv2.resize
+    bilinear, flip. Same crop box and flip draws as the service."""
+    import cv2
+    import simplejpeg
+
+    img = simplejpeg.decode_jpeg(data)
+    top, left, ch, cw = random_resized_crop_params(img.shape[0], img.shape[1], spec.scale, spec.ratio, rng)
+    flip = spec.flip and rng.random() < 0.5
+    cv2.resize(img[top:top + ch, left:left + cw], (spec.image_size, spec.image_size), dst=out,
+               interpolation=cv2.INTER_LINEAR)
+    if flip:
+        out[:] = out[:, ::-1]
+
+
+def pil_sample(data: bytes, spec: TransformSpec, rng: np.random.Generator, out: np.ndarray) -> None:
+    """A torchvision-style PIL pipeline: open, convert RGB, crop, resize bilinear, flip."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        im = im.convert("RGB")
+        top, left, ch, cw = random_resized_crop_params(im.height, im.width, spec.scale, spec.ratio, rng)
+        flip = spec.flip and rng.random() < 0.5
+        im = im.resize((spec.image_size, spec.image_size), Image.BILINEAR, box=(left, top, left + cw, top + ch))
+        if flip:
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        out[:] = np.asarray(im)
+
+
+SAMPLE_FNS = {"service": process_sample, "naive": naive_sample, "pil": pil_sample}
+
+
 # ---------------------------------------------------------------------------------- raw limit
 def _raw_worker(rank: int, settings: Settings, ctl, go, leave) -> None:
     """One raw decode process: warm up, say ready, decode its share when told, report, wait."""
@@ -160,7 +198,7 @@ def _raw_worker(rank: int, settings: Settings, ctl, go, leave) -> None:
         indices = np.concatenate([p.indices[: p.num_samples] for _, p in plans])
         mine = np.array_split(np.arange(len(indices)), settings.workers)[rank]
         for j, idx in enumerate(settings.plan(0).indices[:bs]):  # warm-up, not timed
-            process_sample(source.read(int(idx)), spec, sample_rng(settings.seed, 0, int(idx)), buf[j])
+            SAMPLE_FNS[settings.fn](source.read(int(idx)), spec, sample_rng(settings.seed, 0, int(idx)), buf[j])
         ctl.put(("ready", rank, None))
         go.wait()
         if leave.is_set():  # the parent gave up before the start
@@ -168,7 +206,7 @@ def _raw_worker(rank: int, settings: Settings, ctl, go, leave) -> None:
         for start in range(0, len(mine), bs):
             for j, k in enumerate(mine[start : start + bs]):
                 idx = int(indices[k])
-                process_sample(source.read(idx), spec, sample_rng(settings.seed, int(epochs[k]), idx), buf[j])
+                SAMPLE_FNS[settings.fn](source.read(idx), spec, sample_rng(settings.seed, int(epochs[k]), idx), buf[j])
         ctl.put(("done", rank, len(mine)))
         leave.wait()  # stay alive until the parent has read our CPU times
     except KeyboardInterrupt:
@@ -278,7 +316,8 @@ class DecodeDataset(Dataset):
             self._source = open_source(self.settings.source)
         s = self.settings.image_size
         out = np.empty((s, s, 3), np.uint8)
-        process_sample(self._source.read(index), self.spec, sample_rng(self.settings.seed, epoch, index), out)
+        SAMPLE_FNS[self.settings.fn](self._source.read(index), self.spec, sample_rng(self.settings.seed, epoch, index),
+                                     out)
         return torch.from_numpy(out), int(self._source.labels[index])
 
 

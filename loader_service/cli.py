@@ -87,6 +87,10 @@ def _service_options(p: argparse.ArgumentParser, demo_default: bool = False) -> 
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--status-log", type=float, dest="status_log_s", metavar="SECONDS",
                    help="log clients, img/s and workers this often while serving (default 30; 0 = never)")
+    p.add_argument("--max-image-pixels", type=int, help="refuse images with more pixels, from their header "
+                                                         "(default 178956970)")
+    p.add_argument("--jpeg-fast-dct", action="store_true", default=None, help="faster, less accurate JPEG IDCT")
+    p.add_argument("--jpeg-fast-upsample", action="store_true", default=None, help="plain JPEG chroma upsampling")
     p.set_defaults(demo_default=demo_default)
 
 
@@ -97,7 +101,8 @@ def _config(args) -> ServiceConfig:
         max_shm_mb=args.max_shm_mb, on_error=args.on_error, log_level=args.log_level,
         autoscale=args.autoscale, autoscale_interval_s=args.autoscale_interval_s, status_log_s=args.status_log_s,
         task_deadline_s=args.task_deadline_s, task_deadline_floor_s=args.task_deadline_floor_s,
-        max_skipped=args.max_skipped,
+        max_skipped=args.max_skipped, max_image_pixels=args.max_image_pixels, jpeg_fast_dct=args.jpeg_fast_dct,
+        jpeg_fast_upsample=args.jpeg_fast_upsample,
     )
     if args.demo_default:  # `demo` runs everything in one process on free ports
         overrides.update(demo=True, data=())

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
+from .jpeg import DEFAULT_MAX_PIXELS, DecodeOptions
 from .sources.demo import DEFAULT_COUNT
 
 ON_ERROR = ("raise", "skip")
@@ -41,6 +42,9 @@ class ServiceConfig:
     autoscale_interval_s: float = 2.0
     status_log_s: float = 30.0  # log a throughput line this often while clients are served; 0: never
     api_token: str = ""  # guards mutating REST calls; see auth.py for the fallbacks
+    max_image_pixels: int = DEFAULT_MAX_PIXELS  # larger images are refused from their header (decode bombs)
+    jpeg_fast_dct: bool = False  # libjpeg's IFAST DCT (docs/benchmarks.md: speed vs PSNR)
+    jpeg_fast_upsample: bool = False  # plain chroma upsampling instead of the smooth ("fancy") one
     api_token_file: str = ""
 
     def __post_init__(self) -> None:
@@ -70,8 +74,13 @@ class ServiceConfig:
                              f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
+        DecodeOptions(self.max_image_pixels)  # raises if the limit is out of range
         if self.status_log_s < 0:
             raise ValueError(f"status_log_s must be >= 0 (0 turns the log line off), got {self.status_log_s}")
+
+    @property
+    def decode_options(self) -> DecodeOptions:
+        return DecodeOptions(self.max_image_pixels, self.jpeg_fast_dct, self.jpeg_fast_upsample)
 
     @property
     def max_shm_bytes(self) -> int:

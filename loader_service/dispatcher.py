@@ -46,6 +46,7 @@ from zmq.utils.monitor import parse_monitor_message
 from . import protocol as P
 from .config import ServiceConfig
 from .deadlines import TaskDeadlines
+from .jpeg import decode_path
 from .plan import PlanSpec, RankPlan, make_plan
 from .pool import WorkerPool
 from .scheduler import Scheduler
@@ -143,7 +144,8 @@ class Dispatcher:
         else:
             self.front.bind(f"tcp://{config.host}:{config.data_port}")
             self.data_port = config.data_port
-        self.pool = WorkerPool(self.ctx, [s.spec() for s in sources.values()], config.start_method)
+        self.pool = WorkerPool(self.ctx, [s.spec() for s in sources.values()], config.start_method,
+                               config.decode_options)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -716,6 +718,7 @@ class Dispatcher:
             shm_bytes=self.arena.in_use(),
             task_deadline_s=round(self.deadlines.deadline_s(sorted(sizes)[len(sizes) // 2]), 3),
             autoscaler=self.autoscaler.status() if self.autoscaler else {"enabled": False},
+            decode_path=decode_path(),
         )
 
     def status(self) -> dict:

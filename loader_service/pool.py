@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import zmq
 
 from . import protocol as P
+from .jpeg import DEFAULT_OPTIONS, DecodeOptions
 from .sources import SourceSpec
 from .worker import worker_main
 
@@ -39,9 +40,11 @@ class WorkerRecord:
 
 
 class WorkerPool:
-    def __init__(self, ctx: zmq.Context, specs: List[SourceSpec], start_method: str = "spawn"):
+    def __init__(self, ctx: zmq.Context, specs: List[SourceSpec], start_method: str = "spawn",
+                 decode: DecodeOptions = DEFAULT_OPTIONS):
         self._mp = mp.get_context(start_method)
         self._specs = specs
+        self._decode = decode
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
@@ -85,7 +88,7 @@ class WorkerPool:
         wid = self._next_id
         self._next_id += 1
         proc = self._mp.Process(
-            target=worker_main, args=(wid, self.endpoint, self._specs, self._death_r),
+            target=worker_main, args=(wid, self.endpoint, self._specs, self._death_r, self._decode),
             name=f"loader-worker-{wid}", daemon=True,
         )
         proc.start()

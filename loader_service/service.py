@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from .auth import resolve_token
 from .config import ServiceConfig
 from .dispatcher import Dispatcher
+from .jpeg import decode_path
 from .shm import sweep_stale
 from .sources import Source, open_path
 from .sources.demo import ensure_demo
@@ -77,6 +78,7 @@ class Service:
             log.info("removed %d shared-memory segments left by dead services", len(stale))
         self.api_token, _ = resolve_token(self.config.api_token, self.config.api_token_file)
         self.sources = self._given_sources if self._given_sources is not None else open_datasets(self.config)
+        log.info("JPEG decode: %s; images above %d pixels are refused", decode_path(), self.config.max_image_pixels)
         try:
             self.dispatcher = Dispatcher(self.config, self.sources)
             self._start_http()

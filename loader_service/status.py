@@ -100,3 +100,4 @@ class ServiceStatus(_Frozen):
     shm_bytes: int
     task_deadline_s: float  # the deadline a one-batch task of the median batch size gets now
     autoscaler: dict
+    decode_path: str = ""  # how JPEGs are decoded: "native-roi (libjpeg-turbo X.Y.Z)" or the simplejpeg fallback

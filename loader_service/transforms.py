@@ -4,10 +4,15 @@ by the benchmark's baselines, so every contender does exactly the same work.
 A sample is what a source's ``read`` returns (:data:`loader_service.sources.base.Sample`):
 encoded bytes, or an already-decoded uint8 array ``H x W x 3`` (RGB) or ``H x W`` (grey).
 
-* JPEG: libjpeg-turbo through simplejpeg. For RandomResizedCrop the crop is chosen from the
-  header's size first and the JPEG is decoded at the smallest DCT scale (n/8) that still gives
-  the crop at least the output resolution: fewer pixels decoded, same determinism.
-* PNG (and JPEGs libjpeg-turbo cannot convert, such as CMYK): OpenCV; Pillow as a last resort.
+* JPEG: the kernel in :mod:`loader_service.jpeg`. The crop is chosen from the header's size
+  first; the JPEG is decoded at the largest power-of-two DCT scale (1/2, 1/4, 1/8) that still
+  gives the crop at least the output resolution (the other n/8 factors are slower than a full
+  decode), and only the crop's rows and columns are decoded where the native kernel is built.
+  Same pixels as decoding the whole image at that scale and slicing it; same determinism.
+* Every image is refused above ``DecodeOptions.max_pixels`` from its header, before anything
+  is allocated for it; truncated or corrupt JPEGs are errors, never grey pixels, and a failed
+  decode is never retried at full size.
+* PNG: OpenCV; Pillow as a last resort.
 * Arrays: no decode at all. The crop box, flip and resize (and every random draw) are those
   of a decoded image of the same size, so an array gives the very bytes its PNG would; a grey
   crop becomes RGB (three equal channels, as a grey PNG decodes) before the resize.
@@ -23,6 +28,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from . import jpeg
+from .jpeg import DEFAULT_OPTIONS, DecodeOptions
 from .sources.base import Sample
 
 try:
@@ -68,88 +75,103 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, epoch, index, 0x6175676D]))  # "augm"
 
 
-def process_sample(data: Sample, spec: TransformSpec, rng: np.random.Generator, out: np.ndarray) -> None:
+def process_sample(data: Sample, spec: TransformSpec, rng: np.random.Generator, out: np.ndarray,
+                   options: DecodeOptions = DEFAULT_OPTIONS) -> None:
     """Write the transformed ``data`` into ``out`` (size, size, 3) uint8.
 
     ``data``: encoded bytes (decoded here) or a uint8 array ``H x W x 3`` RGB / ``H x W`` grey
     (used as is). Both take the same path below; only the size lookup and the decode differ.
     """
     size = spec.image_size
+    h, w, cmyk = _header(data, options)
     if spec.train:
-        h, w = image_size_of(data)
         top, left, ch, cw = random_resized_crop_params(h, w, spec.scale, spec.ratio, rng)
         flip = spec.flip and rng.random() < 0.5
     else:
-        h, w = image_size_of(data)
         top, left, ch, cw = center_crop_params(h, w, spec.eval_crop_fraction)
         flip = False
-    img, fy, fx = decode_scaled(data, h, w, min_h=math.ceil(h * size / ch), min_w=math.ceil(w * size / cw))
-    # the crop box in the (possibly DCT-downscaled) decoded image
-    y0, x0 = int(round(top * fy)), int(round(left * fx))
-    y1 = min(max(int(round((top + ch) * fy)), y0 + 1), img.shape[0])
-    x1 = min(max(int(round((left + cw) * fx)), x0 + 1), img.shape[1])
-    crop = img[y0:y1, x0:x1]
+    min_h, min_w = math.ceil(h * size / ch), math.ceil(w * size / cw)
+    if isinstance(data, np.ndarray) or data[:3] != JPEG_MAGIC:
+        img = check_pixels(data) if isinstance(data, np.ndarray) else decode(data, options)
+        crop = img[_box(top, left, ch, cw, img.shape[0] / h, img.shape[1] / w, img.shape[:2])]
+    else:
+        d = jpeg.pick_scale(h, w, min_h, min_w)
+        sh, sw = -(-h // d), -(-w // d)
+        y, x = _box(top, left, ch, cw, sh / h, sw / w, (sh, sw))
+        try:
+            crop = jpeg.decode_crop(data, h, w, cmyk, d, (y.start, y.stop, x.start, x.stop), options)
+        except ValueError as exc:  # strict: truncated or corrupt data is an error, not grey pixels
+            raise DecodeError(f"corrupt or truncated JPEG ({exc})") from None
     if crop.ndim == 2:  # a grey array: RGB like a grey PNG's decode, before the resize so the math is the same
         crop = gray_to_rgb(crop)
     resize_into(crop, out)
-    if flip:
+    if flip and cv2 is not None:
+        cv2.flip(out, 1, dst=out)  # in place: no temporary copy of the output
+    elif flip:  # pragma: no cover
         out[:] = out[:, ::-1].copy()
 
 
-def image_size_of(data: Sample) -> Tuple[int, int]:
+def _box(top: int, left: int, ch: int, cw: int, fy: float, fx: float, shape) -> Tuple[slice, slice]:
+    """The crop box in an image decoded at scale (fy, fx) of the original."""
+    y0, x0 = int(round(top * fy)), int(round(left * fx))
+    y1 = min(max(int(round((top + ch) * fy)), y0 + 1), shape[0])
+    x1 = min(max(int(round((left + cw) * fx)), x0 + 1), shape[1])
+    return slice(y0, y1), slice(x0, x1)
+
+
+def _header(data: Sample, options: DecodeOptions) -> Tuple[int, int, bool]:
+    """(height, width, cmyk) from the header alone, checked against the pixel limit."""
+    if isinstance(data, np.ndarray):
+        h, w = check_pixels(data).shape[:2]
+        return h, w, False
+    if data[:3] == JPEG_MAGIC:
+        try:
+            h, w, cmyk = jpeg.header(data)
+        except ValueError as exc:
+            raise DecodeError(f"corrupt JPEG header ({exc})") from None
+    else:
+        h, w = _png_size(data)
+        cmyk = False
+    try:
+        jpeg.check_size(h, w, options)
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+    return h, w, cmyk
+
+
+def _png_size(data: bytes) -> Tuple[int, int]:
+    if not data:
+        raise DecodeError("empty file")
+    if data[:8] != PNG_MAGIC:
+        raise DecodeError(f"not a JPEG or PNG file (starts with {data[:8]!r})")
+    if len(data) < 24 or data[12:16] != b"IHDR":
+        raise DecodeError("corrupt PNG header (no IHDR chunk)")
+    w, h = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if h < 1 or w < 1:
+        raise DecodeError(f"corrupt PNG header (size {w}x{h})")
+    return h, w
+
+
+def image_size_of(data: Sample, options: DecodeOptions = DEFAULT_OPTIONS) -> Tuple[int, int]:
     """(height, width) from the header alone (of an array: its shape, once checked)."""
-    if isinstance(data, np.ndarray):
-        return check_pixels(data).shape[:2]
-    if data[:3] == JPEG_MAGIC and simplejpeg is not None:
-        try:
-            h, w, _, _ = simplejpeg.decode_jpeg_header(data)
-            return h, w
-        except ValueError:
-            pass  # let the full decoder report it, or manage it
-    if data[:8] == PNG_MAGIC and len(data) >= 24:
-        w, h = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-        if h > 0 and w > 0:
-            return h, w
-    img = decode(data)  # unusual headers: decode once to learn the size
-    return img.shape[0], img.shape[1]
+    return _header(data, options)[:2]
 
 
-def decode_scaled(data: Sample, h: int, w: int, min_h: int, min_w: int) -> Tuple[np.ndarray, float, float]:
-    """Decode, downscaling in the DCT domain when the JPEG is much larger than needed.
-
-    Returns the image and its scale factors relative to (h, w). An array comes back as it is
-    (no copy; still grey if it was), at scale 1.
-    """
-    if isinstance(data, np.ndarray):
-        img = check_pixels(data)
-        return img, img.shape[0] / h, img.shape[1] / w
-    if data[:3] == JPEG_MAGIC and simplejpeg is not None and (min_h < h or min_w < w):
-        try:
-            img = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w)
-            return img, img.shape[0] / h, img.shape[1] / w
-        except ValueError:
-            pass
-    img = decode(data)
-    return img, img.shape[0] / h, img.shape[1] / w
-
-
-def decode(data: Sample) -> np.ndarray:
+def decode(data: Sample, options: DecodeOptions = DEFAULT_OPTIONS) -> np.ndarray:
     """Full-size RGB uint8 (H, W, 3). Raises :class:`DecodeError` with the reason.
 
-    An array is checked and returned as is, or made RGB if grey.
+    An array is checked and returned as is, or made RGB if grey. The header is checked
+    against the pixel limit before any pixel is decoded.
     """
     if isinstance(data, np.ndarray):
         img = check_pixels(data)
         return gray_to_rgb(img) if img.ndim == 2 else img
-    if not data:
-        raise DecodeError("empty file")
-    if data[:3] == JPEG_MAGIC and simplejpeg is not None:
+    h, w, cmyk = _header(data, options)
+    if data[:3] == JPEG_MAGIC:
         try:
-            return simplejpeg.decode_jpeg(data, colorspace="RGB")
-        except ValueError:
-            pass  # e.g. CMYK or truncated: OpenCV may still read it, else it reports the error
-    if data[:3] != JPEG_MAGIC and data[:8] != PNG_MAGIC:
-        raise DecodeError(f"not a JPEG or PNG file (starts with {data[:8]!r})")
+            return jpeg.decode_scaled(data, h, w, cmyk, 1, options)
+        except ValueError as exc:  # strict: truncated or corrupt data is an error, not grey pixels
+            raise DecodeError(f"corrupt or truncated JPEG ({exc})") from None
     if cv2 is not None:
         img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
         if img is None:

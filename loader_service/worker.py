@@ -17,6 +17,7 @@ from typing import Dict, List
 import zmq
 
 from . import protocol as P
+from .jpeg import DEFAULT_OPTIONS, DecodeOptions
 from .shm import SHM_DIR, Segment
 from .sources import Source, SourceSpec, open_source
 from .transforms import TransformSpec, process_sample, sample_rng
@@ -30,7 +31,8 @@ SEGMENT_CACHE = 4  # mappings a worker keeps open at most
 BENCH_SKIP_DECODE_ENV = "LOADER_BENCH_SKIP_DECODE"
 
 
-def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn) -> None:
+def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn,
+                decode: DecodeOptions = DEFAULT_OPTIONS) -> None:
     """Entry point of a worker process. Returns when told to stop or when the service dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the service, which stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -65,7 +67,7 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
             msg, _ = P.decode(sock.recv_multipart(), expect=(P.Task, P.Stop))
             if isinstance(msg, P.Stop):
                 return
-            done = task_fn(msg, worker_id, sources, segments)
+            done = task_fn(msg, worker_id, sources, segments, decode)
             sock.send_multipart(P.encode(done))
     finally:
         for seg in segments.values():
@@ -76,7 +78,8 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
         ctx.term()
 
 
-def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments) -> P.Done:
+def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments,
+             decode: DecodeOptions = DEFAULT_OPTIONS) -> P.Done:
     t_read = t_decode = 0.0
     try:
         source = sources[task.dataset]
@@ -93,23 +96,30 @@ def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments)
         try:
             data = source.read(idx)
             t1 = time.perf_counter()
-            process_sample(data, spec, sample_rng(task.seed, task.epoch, idx), out[k])
+            process_sample(data, spec, sample_rng(task.seed, task.epoch, idx), out[k], decode)
             t_read += t1 - t0
             t_decode += time.perf_counter() - t1
             k += 1
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            if task.on_error == "skip":
-                skipped.append([pos, idx, reason])
+            if task.on_error == "skip":  # the reason names the file, as the raise policy's error does
+                skipped.append([pos, idx, f"{_describe(source, idx)}: {reason}"])
                 continue
             return P.Done(task=task.task, worker=worker_id, ok=False,
-                          error=f"sample {idx} ({source.describe(idx)}) failed: {reason}",
+                          error=f"sample {idx} ({_describe(source, idx)}) failed: {reason}",
                           traceback=traceback.format_exc())
     del out
     return P.Done(task=task.task, worker=worker_id, ok=True, read_s=t_read, decode_s=t_decode, skipped=skipped)
 
 
-def blank_task(task: P.Task, worker_id: int, sources, segments) -> P.Done:
+def _describe(source: Source, idx: int) -> str:
+    try:
+        return source.describe(idx)
+    except Exception as exc:  # an index the source cannot name: still report the sample's failure
+        return f"sample {idx} (no name: {type(exc).__name__}: {exc})"
+
+
+def blank_task(task: P.Task, worker_id: int, sources, segments, decode=None) -> P.Done:
     """The transport benchmark's task: done at once, nothing read or decoded (see above)."""
     return P.Done(task=task.task, worker=worker_id, ok=True)
 

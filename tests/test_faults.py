@@ -118,7 +118,8 @@ def bad_folder(tmp_path):
     open(files[11], "wb").write(b"")  # empty
     with open(files[13], "wb") as f:
         f.write(b"this is not an image")
-    return root, files, {0: "not a JPEG or PNG", 5: "", 11: "empty file", 13: "not a JPEG or PNG"}
+    return root, files, {0: "not a JPEG or PNG", 5: "corrupt or truncated JPEG", 11: "empty file",
+                         13: "not a JPEG or PNG"}
 
 
 def test_bad_samples_skip_policy_delivers_the_rest_and_reports_each(make_service, bad_folder):
@@ -131,8 +132,8 @@ def test_bad_samples_skip_policy_delivers_the_rest_and_reports_each(make_service
         batches = collect(ld)  # (no lookahead: the service-side count below is for this one epoch)
     skipped = {i: why for b in batches for i, why in b["skipped"]}
     assert sorted(skipped) == sorted(bad)
-    for i, fragment in bad.items():
-        assert fragment in skipped[i]
+    for i, fragment in bad.items():  # each reason names the file
+        assert fragment in skipped[i] and files[i] in skipped[i], skipped[i]
     assert sorted(indices_of(batches)) == sorted(set(range(20)) - set(bad))
     for b in batches:  # images and labels stay aligned with the delivered indices
         assert b["shape"][0] == len(b["indices"]) == len(b["labels"])

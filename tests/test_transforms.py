@@ -63,7 +63,7 @@ def test_grayscale_jpeg_decodes_to_rgb():
     assert run(data, T.TransformSpec(16)).shape == (16, 16, 3)
 
 
-def test_cmyk_jpeg_falls_back_to_opencv():
+def test_cmyk_jpeg_decodes():
     pil = pytest.importorskip("PIL.Image")
     import io
 
@@ -76,7 +76,7 @@ def test_cmyk_jpeg_falls_back_to_opencv():
 @pytest.mark.parametrize("data, match", [
     (b"", "empty file"),
     (b"GIF89a....", "not a JPEG or PNG"),
-    (b"\xff\xd8\xff\xe0" + b"\x00" * 50, "corrupt or truncated"),
+    (b"\xff\xd8\xff\xe0" + b"\x00" * 50, "corrupt JPEG header"),
 ])
 def test_bad_bytes_raise_decode_error_with_reason(data, match):
     with pytest.raises(T.DecodeError, match=match):
@@ -94,13 +94,6 @@ def test_random_resized_crop_params_stay_inside_and_respect_ranges():
         h, w = int(rng.integers(1, 600)), int(rng.integers(1, 600))
         top, left, ch, cw = T.random_resized_crop_params(h, w, (0.08, 1.0), (3 / 4, 4 / 3), rng)
         assert 0 <= top and 0 <= left and 0 < ch and 0 < cw and top + ch <= h and left + cw <= w
-
-
-def test_dct_scaled_decode_keeps_enough_resolution(jpeg):
-    img, fy, fx = T.decode_scaled(jpeg, 375, 500, min_h=100, min_w=120)
-    assert img.shape[0] >= 100 and img.shape[1] >= 120
-    assert img.shape[0] < 375  # actually downscaled
-    assert abs(fy - img.shape[0] / 375) < 1e-9 and abs(fx - img.shape[1] / 500) < 1e-9
 
 
 def test_transform_spec_validation():

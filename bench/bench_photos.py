@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Real-photo throughput: the decode kernel against the naive code a user would write.
+
+    python bench/photos.py                                  # build the sets once (bench/photos.py)
+    python bench/bench_photos.py [--photos ~/.cache/remote-loader/photos] [--runs 3] [--workers 2]
+
+On each size group (``imagenet/``: ~500x375; ``camera/``: 4000x3000), in one run, the same
+samples, plan order, crop boxes and flips (RandomResizedCrop(224) + flip), N decode processes
+everywhere:
+
+1. **naive, raw**: ``bench_throughput.naive_sample`` (simplejpeg full decode, slice, cv2.resize
+   bilinear) in N processes, no transport: the fixed reference every ratio is against.
+2. **DataLoader, naive**: the same function in a torch DataLoader, N workers.
+3. **DataLoader, PIL**: a torchvision-style PIL pipeline in a DataLoader, N workers.
+4. **service decode loop**: the service's ``process_sample`` in N processes, no transport.
+5. **service + RemoteLoader**: the real service (N workers) and client, on the same machine.
+
+Each row is the median of ``--runs`` runs (contenders interleaved within a run). Prints a
+markdown table per group and the issue's target checks (the exit status does not depend on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+from dataclasses import replace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, ROOT)
+
+import bench_throughput as B  # noqa: E402
+
+from loader_service.jpeg import decode_path  # noqa: E402
+from loader_service.sources.imagefolder import ImageFolderSource  # noqa: E402
+
+ROWS = [("naive", "naive, raw (reference)"), ("dl_naive", "torch DataLoader, naive function"),
+        ("dl_pil", "torch DataLoader, PIL pipeline"), ("loop", "service decode loop (no transport)"),
+        ("service", "service + RemoteLoader")]
+
+
+def run_once(settings: B.Settings, dataset_args) -> dict:
+    return {
+        "naive": B.bench_raw(replace(settings, fn="naive")),
+        "dl_naive": B.bench_dataloader(replace(settings, fn="naive")),
+        "dl_pil": B.bench_dataloader(replace(settings, fn="pil")),
+        "loop": B.bench_raw(settings),
+        "service": B.bench_service(settings, dataset_args),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--photos", default=os.path.expanduser("~/.cache/remote-loader/photos"))
+    p.add_argument("--groups", default="imagenet,camera")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--epochs", default="imagenet:4,camera:1", help="timed epochs per group")
+    args = p.parse_args(argv)
+    epochs = dict((k, int(v)) for k, v in (e.split(":") for e in args.epochs.split(",")))
+    command = shlex.join(["python"] + sys.argv)
+    print(f"machine: {B.machine()} | decode path: {decode_path()} | command: `{command}`")
+    verdicts = []
+    for group in args.groups.split(","):
+        path = os.path.join(args.photos, group)
+        source = ImageFolderSource.scan(path)
+        count = len(source)
+        try:
+            nbytes = B.warm_page_cache(source)
+            settings = B.Settings(source.spec(), len(source), args.workers, args.batch_size, 224, epochs.get(group, 1))
+            runs = []
+            for r in range(args.runs):
+                B.log(f"{group}: run {r + 1}/{args.runs}")
+                runs.append(run_once(settings, ["--data", path]))
+                B.log("  " + ", ".join(f"{k} {v.images_per_s:.0f}" for k, v in runs[-1].items()))
+        finally:
+            source.close()
+        med = {k: statistics.median(run[k].images_per_s for run in runs) for k, _ in ROWS}
+        print(f"\n### {group}: {count} photos, {nbytes / count / 1024:.0f} KiB mean, "
+              f"{settings.expected_samples} samples timed per run, median of {args.runs} runs\n")
+        print("| contender | img/s (median) | runs | vs naive raw |")
+        print("|---|---:|---|---:|")
+        for k, label in ROWS:
+            each = " / ".join(f"{run[k].images_per_s:.0f}" for run in runs)
+            print(f"| {label} | {med[k]:.0f} | {each} | {med[k] / med['naive']:.2f}x |")
+        target = 1.2 if group == "imagenet" else 3.0
+        verdicts.append((f"{group}: service + RemoteLoader >= {target}x naive raw", med["service"] / med["naive"] >= target,
+                         f"{med['service'] / med['naive']:.2f}x"))
+        verdicts.append((f"{group}: service + RemoteLoader >= 1.3x DataLoader naive",
+                         med["service"] / med["dl_naive"] >= 1.3, f"{med['service'] / med['dl_naive']:.2f}x"))
+    print()
+    for target, ok, detail in verdicts:
+        print(f"{'PASS' if ok else 'MISS'} {target}: {detail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Builds the optional native JPEG kernel (loader_service/_jpegroi.c) against the system
+libjpeg-turbo; everything else is in pyproject.toml.
+
+The build is optional: without libjpeg-turbo's headers (Debian: libjpeg62-turbo-dev) the
+install still succeeds and the service decodes through simplejpeg (no fused crop). Set
+LOADER_REQUIRE_NATIVE_JPEG=1 to make a failed build an install error (CI and the image do).
+"""
+
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+REQUIRE = os.environ.get("LOADER_REQUIRE_NATIVE_JPEG", "").strip() not in ("", "0")
+
+
+class OptionalBuildExt(build_ext):
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # no compiler or no headers: keep the pure-Python decode path
+            if REQUIRE:
+                raise
+            print(f"WARNING: the native JPEG kernel was not built ({exc}); decoding falls back to simplejpeg")
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            if REQUIRE:
+                raise
+            print(f"WARNING: {ext.name} was not built ({exc}); decoding falls back to simplejpeg")
+
+
+setup(
+    ext_modules=[Extension("loader_service._jpegroi", ["loader_service/_jpegroi.c"], libraries=["jpeg"],
+                           extra_compile_args=["-O2", "-std=c99"], optional=not REQUIRE)],
+    cmdclass={"build_ext": OptionalBuildExt},
+)
