@@ -27,6 +27,7 @@ from loader_service.plan import num_batches
 
 from .batch import Batch
 from .config import LoaderConfig
+from .curve import client_keys
 from .errors import LoaderError, LoaderTimeout
 from .replica import Replica
 from .sinks import make_sink
@@ -65,6 +66,7 @@ class RemoteLoader:
                                    train=train, prefetch=prefetch, device=str(device), **options)
         for e in endpoints[1:]:
             LoaderConfig(endpoint=e, batch_size=batch_size)  # validates the address
+        self._curve = client_keys(self.config.curve_keys)  # None: plain ZMTP
         self._sink = make_sink(self.config)
         self._ctx: Optional[zmq.Context] = None
         self._replicas: List[Replica] = []
@@ -260,7 +262,7 @@ class RemoteLoader:
         Used if the next iteration is that epoch from its start; otherwise replaced."""
         if not self._spare:
             assert self._ctx is not None
-            self._spare = [Replica(self._ctx, e, self.config.heartbeat_s) for e in self.endpoints]
+            self._spare = [Replica(self._ctx, e, self.config.heartbeat_s, self._curve) for e in self.endpoints]
         self._deal(self._spare, epoch, 0, total, lookahead=True)
         self._lookahead = epoch
 
@@ -402,7 +404,7 @@ class RemoteLoader:
             if self._closed:
                 raise RuntimeError("this RemoteLoader is closed")
             self._ctx = zmq.Context(1)
-            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s) for e in self.endpoints]
+            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s, self._curve) for e in self.endpoints]
         return self._replicas
 
 

@@ -42,6 +42,7 @@ class ServiceConfig:
     status_log_s: float = 30.0  # log a throughput line this often while clients are served; 0: never
     api_token: str = ""  # guards mutating REST calls; see auth.py for the fallbacks
     api_token_file: str = ""
+    curve_keys: str = ""  # a keys directory (loader-service keys): CURVE on the data port, known clients only
 
     def __post_init__(self) -> None:
         if self.workers == -1:
