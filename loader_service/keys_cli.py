@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .curve import CLIENT, SERVER, make_keys
@@ -19,11 +20,23 @@ def add_keys_parser(sub) -> None:
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--client", metavar="NAME", action="append",
                    help="only add the client key NAME (NAME.key, NAME.key_secret); repeatable")
-    p.add_argument("--force", action="store_true", help="replace existing key files (their holders are refused)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--force", action="store_true", help="replace existing key files (their holders are refused)")
+    g.add_argument("--if-missing", action="store_true",
+                   help="keys already there: keep them and succeed (for a one-shot container on every start)")
 
 
 def run_keys(args) -> int:
     names = tuple(args.client) if args.client else (SERVER, CLIENT)
+    if args.if_missing:
+        there = [os.path.exists(os.path.join(args.dir, f"{n}{ext}")) for n in names for ext in (".key", ".key_secret")]
+        if all(there):
+            print(f"keys already in {args.dir}: kept", file=sys.stderr)
+            return 0
+        if any(there):
+            print(f"loader-service keys: {args.dir} holds only some of the key files; fix it by hand or use --force",
+                  file=sys.stderr)
+            return 1
     try:
         written = make_keys(args.dir, names, force=args.force)
     except (FileExistsError, ValueError, OSError) as exc:

@@ -52,6 +52,13 @@ def test_keys_command_modes_and_force(tmp_path, capsys):
     assert cli(["keys", str(d), "--client", "trainer-b"]) == 1
     assert cli(["keys", str(d), "--client", "../evil"]) == 1
     assert not [n for n in os.listdir(d) if n.startswith(".keys-")]  # no temporary left behind
+    # --if-missing (the compose one-shot): keeps complete keys, makes absent ones, refuses a partial set
+    kept = {f: (d / f).read_bytes() for f in FILES}
+    assert cli(["keys", str(d), "--if-missing"]) == 0 and {f: (d / f).read_bytes() for f in FILES} == kept
+    assert cli(["keys", str(tmp_path / "fresh"), "--if-missing"]) == 0
+    assert sorted(os.listdir(tmp_path / "fresh")) == sorted(FILES)
+    os.unlink(tmp_path / "fresh" / "client.key")
+    assert cli(["keys", str(tmp_path / "fresh"), "--if-missing"]) == 1
 
 
 @pytest.fixture
