@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The cost of CURVE on the data port: the service + RemoteLoader with and without keys.
 
-    python bench/bench_curve.py [--workers N] [--batch-size 64] [--epochs 2] [--rounds 3]
+    python bench/bench_curve.py [--data DIR] [--workers N] [--batch-size 64] [--epochs 2] [--rounds 3]
                                 [--io-threads 1,2] [--skip-decode] [--demo-size 2000] [--json PATH]
 
 Rows, alternated round by round so that a drifting machine hurts them alike:
@@ -43,13 +43,15 @@ from bench_throughput import START_TIMEOUT_S, ServiceProcess, cpu_seconds, machi
 from client import RemoteLoader  # noqa: E402
 from loader_service.curve import make_keys  # noqa: E402
 from loader_service.plan import PlanSpec, make_plan  # noqa: E402
+from loader_service.sources import open_path  # noqa: E402
 from loader_service.sources.demo import ensure_demo  # noqa: E402
 
 SEED = 0
 
 
 def run_row(keys: Optional[str], io_threads: int, args) -> dict:
-    cmd = [sys.executable, "-m", "loader_service", "serve", "--demo", "--demo-size", str(args.demo_size),
+    data = ["--data", os.path.abspath(args.data)] if args.data else ["--demo", "--demo-size", str(args.demo_size)]
+    cmd = [sys.executable, "-m", "loader_service", "serve", *data,
            "--workers", str(args.workers), "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0",
            "--log-level", "warning"] + (["--curve-keys", keys] if keys else [])
     env = {"LOADER_IO_THREADS": str(io_threads), "LOADER_BENCH_SKIP_DECODE": "1" if args.skip_decode else ""}
@@ -95,12 +97,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--io-threads", default="1,2", help="ZeroMQ I/O threads of the service, CURVE rows")
     p.add_argument("--skip-decode", action="store_true", help="workers do not decode: the transport alone")
+    p.add_argument("--data", metavar="DIR", help="serve this ImageFolder / packed dataset (real photos) instead of the demo set")
     p.add_argument("--demo-size", type=int, default=2000)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     command = shlex.join([os.path.basename(sys.executable)] + (sys.argv if argv is None else ["bench/bench_curve.py", *argv]))
-    ensure_demo(args.demo_size).close()
-    expected = sum(make_plan(PlanSpec(args.demo_size, args.batch_size, SEED, e)).num_samples
+    if args.data:
+        src = open_path(os.path.abspath(args.data))
+        n, what = len(src), f"{args.data} ({len(src)} images)"
+        sum(len(src.read(i)) for i in range(n))  # warm the page cache: no row pays for the first read
+    else:
+        src = ensure_demo(args.demo_size)
+        n, what = len(src), f"demo {len(src)} images"
+    src.close()
+    expected = sum(make_plan(PlanSpec(n, args.batch_size, SEED, e)).num_samples
                    for e in range(1, args.epochs + 1))
     rows = [("plain, io 1", False, 1)] + [(f"CURVE, io {n}", True, int(n)) for n in args.io_threads.split(",")]
     results: Dict[str, List[dict]] = {name: [] for name, _, _ in rows}
@@ -118,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 results[name].append(r)
     med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in results.items()}
     base = med[rows[0][0]]["img_s"]
-    print(f"\nmachine: {started} | demo {args.demo_size} images | batch {args.batch_size} | workers {args.workers} | "
+    print(f"\nmachine: {started} | {what} | batch {args.batch_size} | workers {args.workers} | "
           f"decode {'off' if args.skip_decode else 'on'} | {args.epochs} timed epochs x {args.rounds} rounds | "
           f"command: `{command}`\n")
     print("| row | images/s (median) | MB/s | % of plain | each round's % of plain | client CPU s / 1000 img | "
