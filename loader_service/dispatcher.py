@@ -139,7 +139,12 @@ class Dispatcher:
             (zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_s * 3000)),
         ):
             self.front.setsockopt(opt, val)
-        self.guard = secure_router(self.ctx, self.front, config.curve_keys)  # CURVE + ZAP with keys (curve.py)
+        try:
+            self.guard = secure_router(self.ctx, self.front, config.curve_keys)  # CURVE + ZAP with keys (curve.py)
+        except BaseException:  # bad keys: nothing started yet but the socket and its context
+            self.front.close(0)
+            self.ctx.term()
+            raise
         self.monitor = self.front.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         if config.data_port == 0:
             self.data_port = self.front.bind_to_random_port(f"tcp://{config.host}")
