@@ -94,6 +94,8 @@ RUN sh /src/pip-install.sh project trainer \
 # The trainer: the demo trainer by default; any training script that uses client.RemoteLoader.
 FROM base AS trainer
 COPY --from=build-trainer /opt/venv /opt/venv
+# /keys: CURVE keys (docker-compose.curve.yml mounts a volume here; a fresh one inherits the owner)
+RUN mkdir -p /keys && chown loader:loader /keys
 USER 10001:10001
 WORKDIR /home/loader
 ENTRYPOINT ["/usr/bin/tini", "--"]
@@ -109,7 +111,8 @@ RUN [ -e /usr/lib/x86_64-linux-gnu/libjpeg.so.62 ] || [ -n "$(find /usr/lib -nam
 COPY --from=build-service /opt/venv /opt/venv
 # /data: mount datasets here (read-only is fine). /cache: the generated demo dataset
 # (LOADER_CACHE_DIR); owned by the service user so a fresh named volume inherits that.
-RUN mkdir -p /data /cache && chown loader:loader /cache
+# /keys: CURVE keys (docker-compose.curve.yml).
+RUN mkdir -p /data /cache /keys && chown loader:loader /cache /keys
 ENV LOADER_HOST=0.0.0.0 \
     LOADER_DATA_PORT=5555 \
     LOADER_HTTP_PORT=8080 \

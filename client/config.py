@@ -39,6 +39,7 @@ class LoaderConfig:
     replica_timeout: float = 10.0  # with several replicas: one down this long loses its batches to the others
     heartbeat_s: float = 2.0  # ZMTP heartbeat towards the service; a silent one counts as down after 3x
     epoch_lookahead: bool = True  # start epoch e+1 on the service once all of epoch e is asked for
+    curve_keys: Optional[str] = None  # a keys dir (client.key_secret + server.key) for CURVE; None: env LOADER_CURVE_KEYS
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
@@ -57,6 +58,10 @@ class LoaderConfig:
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name.split('/')[0], None)!r}")
         object.__setattr__(self, "device", resolve_device(self.device))
+        if self.curve_keys is None:
+            from .curve import default_keys_dir
+
+            object.__setattr__(self, "curve_keys", default_keys_dir())
 
 
 _DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")

@@ -27,6 +27,7 @@ from loader_service.plan import num_batches
 
 from .batch import Batch
 from .config import LoaderConfig
+from .curve import client_keys
 from .errors import LoaderError, LoaderTimeout
 from .flow import EpochFlow, InOrder
 from .replica import Replica
@@ -76,6 +77,7 @@ class RemoteLoader:
         # batches this rank may have asked for or hold (received, in the device sink) at once;
         # any one replica may be asked for all of them if it is the one that delivers soonest
         self._window = self.config.prefetch * len(endpoints)
+        self._curve = client_keys(self.config.curve_keys)  # None: plain ZMTP
         self._sink = make_sink(self.config, self._window)
         self._ctx: Optional[zmq.Context] = None
         self._replicas: List[Replica] = []
@@ -332,7 +334,7 @@ class RemoteLoader:
             return
         if not self._spare:
             assert self._ctx is not None
-            self._spare = [Replica(self._ctx, e, c.heartbeat_s, i) for i, e in enumerate(self.endpoints)]
+            self._spare = [Replica(self._ctx, e, c.heartbeat_s, i, self._curve) for i, e in enumerate(self.endpoints)]
         flow = EpochFlow(0, total, self._window, self._window, len(self._spare))
         initial = flow.assign((r.index for r in self._spare), time.monotonic())
         for r in self._spare:
@@ -473,7 +475,8 @@ class RemoteLoader:
             if self._closed:
                 raise RuntimeError("this RemoteLoader is closed")
             self._ctx = zmq.Context(1)
-            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s, i) for i, e in enumerate(self.endpoints)]
+            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s, i, self._curve)
+                              for i, e in enumerate(self.endpoints)]
         return self._replicas
 
 

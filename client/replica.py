@@ -12,13 +12,16 @@ from zmq.utils.monitor import recv_monitor_message
 
 from loader_service import protocol as P
 
+from .curve import EVENTS as HANDSHAKE_EVENTS, ClientKeys, HandshakeWatch, secure_dealer
+
 
 class Replica:
     """A DEALER socket to ``endpoint`` with its own connection monitor (read only through
     :meth:`on_monitor`). ``stream`` is the stream this connection is on (-1: none); which
     batches it was asked for is the loader's flow control's business (:mod:`client.flow`)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, index: int = 0):
+    def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, index: int = 0,
+                 curve: Optional[ClientKeys] = None):
         self.index = index  # position in the loader's endpoint list
         self.endpoint = endpoint
         sock = ctx.socket(zmq.DEALER)
@@ -30,7 +33,11 @@ class Replica:
         # heartbeats from our side too: a frozen service (or a dead link) reads as a disconnect
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_s * 3000))
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        secure_dealer(sock, curve)  # CURVE keys, if any (client/curve.py)
+        self.handshake = HandshakeWatch(endpoint, curve)
+        # "Connected" is the end of the ZMTP handshake, not the TCP connect: a refused handshake
+        # (CURVE) ends the session, and a send into it would block for good.
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
         sock.connect(endpoint)
         self.sock = sock
         self.down_since: Optional[float] = time.monotonic()  # not connected yet
@@ -60,12 +67,15 @@ class Replica:
         self.wait_s = self.h2d_s = 0.0
 
     def on_monitor(self) -> bool:
-        """Handle one connection event; True when the connection came back after a loss."""
-        ev = recv_monitor_message(self.monitor)["event"]
+        """Handle one connection event; True when the connection came back after a loss.
+        Raises LoaderError when the service refuses the handshake (keys)."""
+        msg = recv_monitor_message(self.monitor)
+        ev = msg["event"]
+        self.handshake.check(ev, msg["value"])
         if ev == zmq.EVENT_DISCONNECTED:
             if self.down_since is None:
                 self.down_since = time.monotonic()
-        elif ev == zmq.EVENT_CONNECTED:
+        elif ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             back = self.was_connected
             self.was_connected, self.down_since = True, None
             return back

@@ -1,23 +1,31 @@
 """The API token that guards mutating REST endpoints.
 
 Resolution order: ``LOADER_API_TOKEN``; the file named by ``LOADER_API_TOKEN_FILE`` (a
-Kubernetes Secret mounted as a file); else a random token made at start and logged once.
+Kubernetes Secret mounted as a file); else a random token made at start, written to a 0600
+file whose path is logged (the token itself never is: logs are shipped to aggregators).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import os
 import secrets
-from typing import Optional, Tuple
+import tempfile
+from typing import NamedTuple, Optional, Tuple
 
 log = logging.getLogger("loader_service.auth")
 
 
-def resolve_token(token: Optional[str], token_file: Optional[str]) -> Tuple[str, str]:
-    """Returns (token, where it came from)."""
+class Token(NamedTuple):
+    value: str
+    source: str  # "LOADER_API_TOKEN", the token file, or "generated"
+    generated_file: str = ""  # where a generated token was written (removed when the service stops)
+
+
+def resolve_token(token: Optional[str], token_file: Optional[str]) -> Token:
     if token:
-        return token, "LOADER_API_TOKEN"
+        return Token(token, "LOADER_API_TOKEN")
     if token_file:
         try:
             with open(token_file) as f:
@@ -26,11 +34,14 @@ def resolve_token(token: Optional[str], token_file: Optional[str]) -> Tuple[str,
             raise ValueError(f"cannot read the API token file {token_file}: {exc.strerror}") from None
         if not value:
             raise ValueError(f"the API token file {token_file} is empty")
-        return value, token_file
+        return Token(value, token_file)
     value = secrets.token_urlsafe(24)
-    log.warning("no API token configured (LOADER_API_TOKEN / LOADER_API_TOKEN_FILE); generated one for this "
-                "run: %s", value)
-    return value, "generated"
+    fd, path = tempfile.mkstemp(prefix="loader-api-token-")  # mode 0600, a name nobody else holds
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    log.warning("no API token configured (LOADER_API_TOKEN / LOADER_API_TOKEN_FILE); generated one for this run "
+                "and wrote it to %s (mode 0600): LOADER_API_TOKEN_FILE=%s loader-service scale N", path, path)
+    return Token(value, "generated", path)
 
 
 def check_bearer(header: Optional[str], token: str) -> Optional[Tuple[int, str]]:

@@ -28,14 +28,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--image-size", type=int, default=224)
 
     for name, doc in (("status", "show a running service's workers, clients and throughput"),
-                      ("scale", "set a running service's worker count (needs the API token)")):
-        p = sub.add_parser(name, help=doc)
+                      ("scale", "set a running service's worker count (needs the API token: env LOADER_API_TOKEN "
+                                "or a file, never on the command line)")):
+        p = sub.add_parser(name, help=doc, description=doc)
         if name == "scale":
             p.add_argument("count", type=int)
+            from .operator_cli import add_token_options
+
+            add_token_options(p)
         p.add_argument("--url", default=os.environ.get("LOADER_URL", "http://127.0.0.1:8080"),
                        help="the service's REST address (env LOADER_URL)")
-        p.add_argument("--token", default=os.environ.get("LOADER_API_TOKEN"), help="API token (env LOADER_API_TOKEN)")
         p.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    from .keys_cli import add_keys_parser
+
+    add_keys_parser(sub)
 
     from .pack import add_pack_parser
 
@@ -48,6 +55,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .pack import run_pack
 
         return run_pack(args)
+    if args.command == "keys":
+        from .keys_cli import run_keys
+
+        return run_keys(args)
     if args.command in ("status", "scale"):
         from .operator_cli import run_operator
 
@@ -84,6 +95,8 @@ def _service_options(p: argparse.ArgumentParser, demo_default: bool = False) -> 
                    "fails with the list (default 1000; 0 = no cap)")
     p.add_argument("--autoscale", metavar="MIN:MAX", help="let the autoscaler set the worker count in this range")
     p.add_argument("--autoscale-interval", type=float, dest="autoscale_interval_s", metavar="SECONDS")
+    p.add_argument("--curve-keys", metavar="DIR", help="encrypt the data port with CURVE and serve only clients "
+                   "whose key is in DIR (made by `loader-service keys DIR`; env LOADER_CURVE_KEYS)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--status-log", type=float, dest="status_log_s", metavar="SECONDS",
                    help="log clients, img/s and workers this often while serving (default 30; 0 = never)")
@@ -102,7 +115,7 @@ def _config(args) -> ServiceConfig:
         autoscale=args.autoscale, autoscale_interval_s=args.autoscale_interval_s, status_log_s=args.status_log_s,
         task_deadline_s=args.task_deadline_s, task_deadline_floor_s=args.task_deadline_floor_s,
         max_skipped=args.max_skipped, max_image_pixels=args.max_image_pixels, jpeg_fast_dct=args.jpeg_fast_dct,
-        jpeg_fast_upsample=args.jpeg_fast_upsample,
+        jpeg_fast_upsample=args.jpeg_fast_upsample, curve_keys=args.curve_keys,
     )
     if args.demo_default:  # `demo` runs everything in one process on free ports
         overrides.update(demo=True, data=())

@@ -46,6 +46,7 @@ class ServiceConfig:
     jpeg_fast_dct: bool = False  # libjpeg's IFAST DCT (docs/benchmarks.md: speed vs PSNR)
     jpeg_fast_upsample: bool = False  # plain chroma upsampling instead of the smooth ("fancy") one
     api_token_file: str = ""
+    curve_keys: str = ""  # a keys directory (loader-service keys): CURVE on the data port, known clients only
 
     def __post_init__(self) -> None:
         if self.workers == -1:

@@ -45,6 +45,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import protocol as P
 from .config import ServiceConfig
+from .curve import HANDSHAKE_FAILED, secure_router
 from .deadlines import TaskDeadlines
 from .jpeg import decode_path
 from .plan import PlanSpec, RankPlan, make_plan
@@ -101,6 +102,7 @@ class Counters:
     hung_tasks: int = 0
     streams: int = 0
     internal_errors: int = 0
+    refused_handshakes: int = 0  # CURVE (or ZMTP) handshakes the data port refused
     read_s: float = 0.0
     decode_s: float = 0.0
     client_wait_s: float = 0.0
@@ -138,7 +140,13 @@ class Dispatcher:
             (zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_s * 3000)),
         ):
             self.front.setsockopt(opt, val)
-        self.monitor = self.front.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        try:
+            self.guard = secure_router(self.ctx, self.front, config.curve_keys)  # CURVE + ZAP with keys (curve.py)
+        except BaseException:  # bad keys: nothing started yet but the socket and its context
+            self.front.close(0)
+            self.ctx.term()
+            raise
+        self.monitor = self.front.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         if config.data_port == 0:
             self.data_port = self.front.bind_to_random_port(f"tcp://{config.host}")
         else:
@@ -333,6 +341,8 @@ class Dispatcher:
             ident = self.sessions.disconnected(ev["value"])
             if ident is not None:
                 self._drop_client(ident, "disconnected")
+        elif self.guard.on_event(ev):
+            self.counters.refused_handshakes += 1
 
     def _on_client(self, frames) -> None:
         ident = frames[0].bytes
@@ -705,7 +715,7 @@ class Dispatcher:
         sizes = [s.hello.batch_size for s in (x.stream for x in self.sessions) if s is not None] or [1]
         return ServiceStatus(
             instance=self.instance, uptime_s=round(time.time() - self.started, 1), healthy=not problem,
-            problem=problem, data_port=self.data_port,
+            problem=problem, data_port=self.data_port, data_port_curve=self.guard.curve,
             datasets={n: {"length": len(s), "num_classes": s.num_classes} for n, s in self.sources.items()},
             workers=WorkersStatus(target=pool.target, counts=pool.counts(), deaths=pool.deaths, hung=c.hung_tasks,
                                   broken=pool.broken, live=pool.live_count(),
@@ -784,6 +794,7 @@ class Dispatcher:
             self.retiring = []
             self.monitor.close(0)
             self.front.close()  # LINGER (CLOSE_LINGER_MS) lets the goodbyes above leave
+            self.guard.close()  # the ZAP handler's socket would hold term() up
             self.ctx.term()  # returns once zmq has released every zero-copy frame
             self.arena.close()
             self._wake_r.close()

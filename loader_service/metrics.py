@@ -25,6 +25,8 @@ class StatusCollector(Collector):
             ("loader_failed_tasks", "failed_tasks", "Decode tasks that failed (on_error=raise)."),
             ("loader_redone_tasks", "redone_tasks", "Tasks redone after their worker died."),
             ("loader_streams", "streams", "Client streams (rank-epochs) started."),
+            ("loader_refused_handshakes", "refused_handshakes",
+             "Data-port handshakes refused (CURVE: unknown key, no keys, wrong server key)."),
         ):
             yield CounterMetricFamily(name, doc, value=t[key])
         w = s["workers"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -32,12 +34,38 @@ def request(url: str, method: str = "GET", body: Optional[dict] = None, token: O
         raise SystemExit(f"loader-service: cannot reach {url}: {reason} (is the service running? --url / LOADER_URL)") from None
 
 
+def add_token_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", default=os.environ.get("LOADER_API_TOKEN_FILE"), metavar="FILE",
+                   help="read the API token from FILE (env LOADER_API_TOKEN_FILE); else the env LOADER_API_TOKEN. "
+                        "There is no --token: a command line is visible to every user in ps")
+    p.add_argument("--token", help=argparse.SUPPRESS)  # refused with the reason (see token_of)
+
+
+def token_of(args) -> str:
+    """The API token for ``scale``: LOADER_API_TOKEN, else the token file."""
+    if args.token is not None:
+        raise SystemExit("loader-service scale: --token is not accepted (the command line shows in ps); "
+                         "set LOADER_API_TOKEN or use --token-file FILE")
+    token = os.environ.get("LOADER_API_TOKEN", "")
+    if token:
+        return token
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"loader-service scale: cannot read the token file {args.token_file}: {exc.strerror}")
+        if token:
+            return token
+        raise SystemExit(f"loader-service scale: the token file {args.token_file} is empty")
+    raise SystemExit("loader-service scale: needs the API token: set LOADER_API_TOKEN or use --token-file FILE "
+                     "(a service that generated its token logs the file it wrote it to)")
+
+
 def run_operator(args) -> int:
     base = args.url.rstrip("/")
     if args.command == "scale":
-        if not args.token:
-            raise SystemExit("loader-service scale: needs the API token (--token or LOADER_API_TOKEN)")
-        out = request(f"{base}/v1/workers", "PUT", {"count": args.count}, args.token)
+        out = request(f"{base}/v1/workers", "PUT", {"count": args.count}, token_of(args))
         print(json.dumps(out) if args.json else f"workers: {out['previous']} -> {out['target']}")
         return 0
     st = request(f"{base}/v1/status")
@@ -51,7 +79,8 @@ def run_operator(args) -> int:
 def format_status(st: dict) -> str:
     w, t = st["workers"], st["totals"]
     lines = [
-        f"service {st['instance']}  up {st['uptime_s']:.0f}s  data port {st['data_port']}",
+        f"service {st['instance']}  up {st['uptime_s']:.0f}s  data port {st['data_port']}"
+        + (" (CURVE)" if st.get("data_port_curve") else ""),
         f"datasets: " + ", ".join(f"{n} ({d['length']} samples)" for n, d in st["datasets"].items()),
         f"workers: target {w['target']}  " + "  ".join(f"{k} {v}" for k, v in sorted(w["counts"].items()))
         + f"  deaths {w['deaths']}" + (f"  BROKEN: {w['broken'].splitlines()[0]}" if w.get("broken") else ""),

@@ -4,6 +4,7 @@ stopped together. ``Service`` is what the CLI runs and what tests and benchmarks
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -57,6 +58,7 @@ class Service:
         self._stopped = False
         self._stop_lock = threading.Lock()  # a second stop() waits for the first to finish
         self.api_token = ""
+        self._token_file = ""  # a generated token's 0600 file, removed on stop
         self._periodic_stop = threading.Event()
         self._periodic: List[threading.Thread] = []  # the autoscaler and the status log line
         self._progress: Optional[Tuple[float, int, int]] = None  # (time, samples, bytes) at the last line
@@ -76,7 +78,8 @@ class Service:
         stale = sweep_stale()
         if stale:
             log.info("removed %d shared-memory segments left by dead services", len(stale))
-        self.api_token, _ = resolve_token(self.config.api_token, self.config.api_token_file)
+        token = resolve_token(self.config.api_token, self.config.api_token_file)
+        self.api_token, self._token_file = token.value, token.generated_file
         self.sources = self._given_sources if self._given_sources is not None else open_datasets(self.config)
         log.info("JPEG decode: %s; images above %d pixels are refused", decode_path(), self.config.max_image_pixels)
         try:
@@ -219,6 +222,11 @@ class Service:
             self._http_sock.close()
         for src in self.sources.values():
             src.close()
+        if self._token_file:
+            try:
+                os.unlink(self._token_file)
+            except OSError:
+                pass
 
     def __enter__(self) -> "Service":
         return self.start()

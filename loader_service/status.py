@@ -76,6 +76,7 @@ class Totals(_Frozen):
     hung_tasks: int = 0
     streams: int = 0
     internal_errors: int = 0
+    refused_handshakes: int = 0  # on the data port: unknown keys, no keys, wrong server key
 
 
 class StageSeconds(_Frozen):
@@ -91,6 +92,7 @@ class ServiceStatus(_Frozen):
     healthy: bool
     problem: str  # why not healthy ("" when healthy)
     data_port: int
+    data_port_curve: bool = False  # CURVE (--curve-keys) on the data port
     datasets: Dict[str, Dict[str, int]]
     workers: WorkersStatus
     clients: List[ClientStatus]

@@ -3,6 +3,7 @@
 import itertools
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -234,17 +235,28 @@ def test_schema_fuzzed_requests_never_get_5xx(svc):
             one()
 
 
-def test_operator_cli_status_and_scale(svc):
+def test_operator_cli_status_and_scale(svc, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, LOADER_URL=svc.http_url, LOADER_API_TOKEN=TOKEN)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "loader_service", *a], capture_output=True, text=True,  # noqa
-                                    env=env, timeout=60)
+    run = lambda *a, **e: subprocess.run([sys.executable, "-m", "loader_service", *a], capture_output=True,  # noqa
+                                         text=True, env=dict(env, **e), timeout=60)
     r = run("scale", "2")
     assert r.returncode == 0 and "workers: 1 -> 2" in r.stdout
     r = run("status")
     assert r.returncode == 0 and "workers: target 2" in r.stdout and "demo (240 samples)" in r.stdout
-    r = run("scale", "2", "--token", "wrong")
+    r = run("scale", "2", LOADER_API_TOKEN="wrong")
     assert r.returncode != 0 and "HTTP 403: wrong API token" in r.stderr
+    # the token never goes on the command line (ps shows it to every user): refused with the reason
+    r = run("scale", "2", "--token", TOKEN)
+    assert r.returncode != 0 and "--token is not accepted (the command line shows in ps)" in r.stderr
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    r = run("scale", "1", "--token-file", str(token_file), LOADER_API_TOKEN="")
+    assert r.returncode == 0 and "workers: 2 -> 1" in r.stdout, r.stderr
+    r = run("scale", "1", LOADER_API_TOKEN="")
+    assert r.returncode != 0 and "set LOADER_API_TOKEN or use --token-file FILE" in r.stderr
+    r = run("scale", "--help")
+    assert "--token-file" in r.stdout and "never on the command line" in r.stdout
     r = run("status", "--url", "http://127.0.0.1:9")
     assert r.returncode != 0 and "cannot reach http://127.0.0.1:9" in r.stderr
 
@@ -298,17 +310,22 @@ def test_bad_autoscale_range_is_refused():
 def test_token_sources(tmp_path, caplog):
     from loader_service.auth import check_bearer, resolve_token
 
-    assert resolve_token("abc", None) == ("abc", "LOADER_API_TOKEN")
+    assert resolve_token("abc", None)[:2] == ("abc", "LOADER_API_TOKEN")
     f = tmp_path / "token"
     f.write_text("from-file\n")
-    assert resolve_token("", str(f)) == ("from-file", str(f))
+    assert resolve_token("", str(f))[:2] == ("from-file", str(f))
     with pytest.raises(ValueError, match="cannot read the API token file"):
         resolve_token("", str(tmp_path / "missing"))
     (tmp_path / "empty").write_text("")
     with pytest.raises(ValueError, match="is empty"):
         resolve_token("", str(tmp_path / "empty"))
     with caplog.at_level("WARNING", logger="loader_service.auth"):
-        token, where = resolve_token("", "")
-    assert where == "generated" and len(token) >= 24 and token in caplog.text
+        token, where, path = resolve_token("", "")
+    try:
+        # logs are shipped to aggregators: the log names the 0600 file, never the token
+        assert where == "generated" and len(token) >= 24 and token not in caplog.text and path in caplog.text
+        assert open(path).read().strip() == token and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    finally:
+        os.unlink(path)
     assert check_bearer(f"Bearer {token}", token) is None
     assert check_bearer(f"bearer {token}", token) is None

@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""The cost of CURVE on the data port: the service + RemoteLoader with and without keys.
+
+    python bench/bench_curve.py [--data DIR] [--workers N] [--batch-size 64] [--epochs 2] [--rounds 3]
+                                [--io-threads 1,2] [--skip-decode] [--demo-size 2000] [--json PATH]
+
+Rows, alternated round by round so that a drifting machine hurts them alike:
+
+* **plain**: ``loader-service serve`` with no keys, ZeroMQ I/O threads 1;
+* **CURVE, io N**: ``serve --curve-keys DIR`` (keys from ``loader-service keys``) with
+  ``LOADER_IO_THREADS=N`` for every N in ``--io-threads``; the client uses the same keys.
+
+Each row is the service in its own process and a RemoteLoader in this one (prefetch
+``max(4, 2N)``), one warm-up epoch, then ``--epochs`` timed epochs (the same
+``bench_throughput.py`` measures as its service row). ``--skip-decode`` sets
+``LOADER_BENCH_SKIP_DECODE=1`` (workers do not decode; the transport alone, what CURVE costs at
+most). The table shows each row's median over the rounds, its share of the plain row's
+images/s, and the CPU seconds per 1000 images of the client process and of the service's
+processes (where encryption and decryption land). Prints PASS/MISS against "CURVE within 10% of
+plain"; the exit status does not depend on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from bench_throughput import START_TIMEOUT_S, ServiceProcess, cpu_seconds, machine  # noqa: E402
+
+from client import RemoteLoader  # noqa: E402
+from loader_service.curve import make_keys  # noqa: E402
+from loader_service.plan import PlanSpec, make_plan  # noqa: E402
+from loader_service.sources import open_path  # noqa: E402
+from loader_service.sources.demo import ensure_demo  # noqa: E402
+
+SEED = 0
+
+
+def run_row(keys: Optional[str], io_threads: int, args) -> dict:
+    data = ["--data", os.path.abspath(args.data)] if args.data else ["--demo", "--demo-size", str(args.demo_size)]
+    cmd = [sys.executable, "-m", "loader_service", "serve", *data,
+           "--workers", str(args.workers), "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0",
+           "--log-level", "warning"] + (["--curve-keys", keys] if keys else [])
+    env = {"LOADER_IO_THREADS": str(io_threads), "LOADER_BENCH_SKIP_DECODE": "1" if args.skip_decode else ""}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # ServiceProcess passes this process's environment on
+    try:
+        svc = ServiceProcess(cmd)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    prefetch = max(4, 2 * args.workers)
+    try:
+        endpoint = svc.wait_ready(START_TIMEOUT_S)
+        with RemoteLoader(endpoint, batch_size=args.batch_size, seed=SEED, prefetch=prefetch,
+                          curve_keys=keys or "") as loader:
+            loader.set_epoch(0)
+            for _ in loader:
+                pass
+            me, sprocs = psutil.Process(), svc.processes()
+            c0, s0, t0 = cpu_seconds([me]), cpu_seconds(sprocs), time.perf_counter()
+            samples = nbytes = 0
+            for epoch in range(1, args.epochs + 1):
+                loader.set_epoch(epoch)
+                for images, _ in loader:
+                    samples += images.shape[0]
+                    nbytes += images.numel()
+            dt = time.perf_counter() - t0
+            client_cpu, service_cpu = cpu_seconds([me]) - c0, cpu_seconds(sprocs) - s0
+    finally:
+        svc.stop()
+    return {"samples": samples, "seconds": dt, "img_s": samples / dt, "mb_s": nbytes / dt / 1e6,
+            "client_cpu_per_1000": 1000 * client_cpu / samples, "service_cpu_per_1000": 1000 * service_cpu / samples}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=2, help="timed epochs per row and round (after a warm-up)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--io-threads", default="1,2", help="ZeroMQ I/O threads of the service, CURVE rows")
+    p.add_argument("--skip-decode", action="store_true", help="workers do not decode: the transport alone")
+    p.add_argument("--data", metavar="DIR", help="serve this ImageFolder / packed dataset (real photos) instead of the demo set")
+    p.add_argument("--demo-size", type=int, default=2000)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    command = shlex.join([os.path.basename(sys.executable)] + (sys.argv if argv is None else ["bench/bench_curve.py", *argv]))
+    if args.data:
+        src = open_path(os.path.abspath(args.data))
+        n, what = len(src), f"{args.data} ({len(src)} images)"
+        sum(len(src.read(i)) for i in range(n))  # warm the page cache: no row pays for the first read
+    else:
+        src = ensure_demo(args.demo_size)
+        n, what = len(src), f"demo {len(src)} images"
+    src.close()
+    expected = sum(make_plan(PlanSpec(n, args.batch_size, SEED, e)).num_samples
+                   for e in range(1, args.epochs + 1))
+    rows = [("plain, io 1", False, 1)] + [(f"CURVE, io {n}", True, int(n)) for n in args.io_threads.split(",")]
+    results: Dict[str, List[dict]] = {name: [] for name, _, _ in rows}
+    started = machine()
+    with tempfile.TemporaryDirectory(prefix="bench-curve-") as tmp:
+        keys = os.path.join(tmp, "keys")
+        make_keys(keys)
+        for rnd in range(args.rounds):
+            for name, curve, io in rows:
+                r = run_row(keys if curve else None, io, args)
+                if r["samples"] != expected:
+                    print(f"warning: {name} delivered {r['samples']} samples, expected {expected}", file=sys.stderr)
+                print(f"round {rnd + 1} {name}: {r['img_s']:.1f} img/s, {r['mb_s']:.0f} MB/s", file=sys.stderr,
+                      flush=True)
+                results[name].append(r)
+    med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in results.items()}
+    base = med[rows[0][0]]["img_s"]
+    print(f"\nmachine: {started} | {what} | batch {args.batch_size} | workers {args.workers} | "
+          f"decode {'off' if args.skip_decode else 'on'} | {args.epochs} timed epochs x {args.rounds} rounds | "
+          f"command: `{command}`\n")
+    print("| row | images/s (median) | MB/s | % of plain | each round's % of plain | client CPU s / 1000 img | "
+          "service CPU s / 1000 img |")
+    print("|---|---:|---:|---:|---|---:|---:|")
+    for name, _, _ in rows:
+        m = med[name]
+        per_round = ", ".join(f"{100 * r['img_s'] / p['img_s']:.0f}" for r, p in zip(results[name], results[rows[0][0]]))
+        print(f"| {name} | {m['img_s']:.1f} | {m['mb_s']:.0f} | {100 * m['img_s'] / base:.1f}% | {per_round} | "
+              f"{m['client_cpu_per_1000']:.3f} | {m['service_cpu_per_1000']:.3f} |")
+    best = max((med[n]["img_s"], n) for n, c, _ in rows if c)
+    verdict = "PASS" if best[0] >= 0.9 * base else "MISS"
+    print(f"\n{verdict}: best CURVE row ({best[1]}) at {100 * best[0] / base:.1f}% of plain (target >= 90%)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "machine": started, "rounds": results, "median": med}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

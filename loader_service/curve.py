@@ -1,0 +1,235 @@
+"""ZeroMQ CURVE on the data port: key files, the service's ROUTER and its handshake watch.
+
+Keys are zmq.auth certificates (``NAME.key`` public, ``NAME.key_secret`` secret + public), so
+any ZeroMQ tool reads them. A keys directory holds the service's pair (``server.*``) and the
+public key of every authorized client (``*.key`` other than ``server.key``); a trainer needs
+``client.key_secret`` and ``server.key``. The service checks each client key with a ZAP
+handler (``zmq.auth.ThreadAuthenticator``) that reads the directory again when it changes, so
+a client key added or removed counts from the next handshake on, with no restart.
+
+A refused handshake never reaches the dispatcher as a message: ZeroMQ reports it on the
+socket monitor. The dispatcher owns that monitor (one reader per monitor socket) and hands
+the handshake events to :class:`DataPortGuard`, which counts them (``/metrics``) and logs them
+at most once a minute.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import zmq
+import zmq.auth
+
+log = logging.getLogger("loader_service.curve")
+
+SERVER = "server"
+CLIENT = "client"
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+LOG_EVERY_S = 60.0  # refused handshakes: one log line per this interval at most (an open port attracts many)
+
+
+# ---------------------------------------------------------------------------- key files
+def make_keys(directory: str, names: Tuple[str, ...] = (SERVER, CLIENT), force: bool = False) -> List[Path]:
+    """Write a certificate pair per name into ``directory`` (made 0700 if new): ``NAME.key``
+    (0644) and ``NAME.key_secret`` (0600). Refuses to replace an existing file unless
+    ``force``. Returns the paths written."""
+    for n in names:
+        if not n or "/" in n or n.startswith(".") or n != n.strip():
+            raise ValueError(f"invalid key name {n!r}: use a plain file name such as 'client' or 'trainer-a'")
+    out = Path(directory)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    targets = [out / f"{n}{ext}" for n in names for ext in (".key", ".key_secret")]
+    existing = [str(p) for p in targets if p.exists() or p.is_symlink()]
+    if existing and not force:
+        raise FileExistsError(f"refusing to overwrite {', '.join(existing)} (use --force to replace them; "
+                              "clients holding the old keys are then refused)")
+    # Written in a private temporary directory and moved into place: a secret is never
+    # readable by others, not even between its creation and a chmod.
+    tmp = tempfile.mkdtemp(prefix=".keys-", dir=out)
+    try:
+        for n in names:
+            pub, sec = zmq.auth.create_certificates(tmp, n)
+            os.chmod(pub, 0o644)
+            os.chmod(sec, 0o600)
+        for p in targets:
+            os.replace(os.path.join(tmp, p.name), p)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return targets
+
+
+def _read(path: Path) -> Tuple[bytes, Optional[bytes]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"CURVE key {path} not found (make keys with: loader-service keys {path.parent})")
+    try:
+        return zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"cannot read the CURVE key {path}: {exc}") from None
+
+
+def load_pair(path: Path) -> Tuple[bytes, bytes]:
+    """(public, secret) from a ``.key_secret`` file, with errors that name the file."""
+    public, secret = _read(path)
+    if not public or not secret:
+        raise ValueError(f"{path} holds no secret key: is it a .key (public) file?")
+    return public, secret
+
+
+def load_public(path: Path) -> bytes:
+    return _read(path)[0]
+
+
+class ClientKeyDirectory:
+    """The ZAP credentials provider: a client key is authorized while a ``*.key`` file other
+    than ``server.key`` in the directory holds it. The directory is read again when a file in
+    it changes (checked per handshake: a stat of a few files)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._stamp: Optional[tuple] = None
+        self._keys: Dict[bytes, str] = {}
+        self.last_denied = b""  # the z85 key of the latest refused client, for the log line
+        self.reload()
+
+    def _listing(self) -> tuple:
+        entries = []
+        with os.scandir(self.directory) as it:
+            for e in it:
+                if e.name.endswith(".key") and e.name != f"{SERVER}.key":
+                    st = e.stat()  # follows links: a Kubernetes Secret volume is links to ..data/
+                    entries.append((e.name, st.st_mtime_ns, st.st_size))
+        return tuple(sorted(entries))
+
+    def reload(self) -> int:
+        stamp = self._listing()
+        with self._lock:
+            if stamp != self._stamp:
+                keys = {}
+                for name, _, _ in stamp:
+                    try:
+                        keys[load_public(self.directory / name)] = name
+                    except (ValueError, OSError) as exc:
+                        log.error("ignoring client key %s: %s", name, exc)
+                self._keys, self._stamp = keys, stamp
+                log.info("%d authorized client keys in %s", len(keys), self.directory)
+            return len(self._keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        try:
+            self.reload()
+        except OSError as exc:  # the directory went away: refuse, loudly, keep serving
+            log.error("cannot read the keys directory %s: %s", self.directory, exc)
+            return False
+        ok = key in self._keys
+        if not ok:
+            self.last_denied = key
+        return ok
+
+
+# ---------------------------------------------------------------------------- the service side
+REASONS = {
+    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "a client without CURVE keys (plain ZMTP)",
+    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "a client whose server.key is not this service's (cannot decrypt)",
+}
+
+
+class RefusalLog:
+    """Logs the first refused handshake at once, then at most one summary per ``every_s``."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic):
+        self.every_s, self.clock = every_s, clock
+        self._last: Optional[float] = None
+        self._held: Counter = Counter()
+
+    def add(self, reason: str, where: str) -> Optional[str]:
+        """Record one refusal; returns the line to log now, or None (held for the next line)."""
+        self._held[reason] += 1
+        now = self.clock()
+        if self._last is not None and now - self._last < self.every_s:
+            return None
+        held, self._held = self._held, Counter()
+        n = sum(held.values())
+        since = "" if self._last is None else f" in the last {now - self._last:.0f}s"
+        self._last = now
+        what = "; ".join(f"{k} x{v}" for k, v in held.most_common())
+        return (f"refused {n} handshake{'s' if n > 1 else ''} on {where}{since}: {what} "
+                f"(counted in loader_refused_handshakes; at most one such line per {self.every_s:.0f}s)")
+
+
+class DataPortGuard:
+    """What secures the data port: the ZAP authenticator (with keys) and the count of refused
+    handshakes. Lives on the dispatcher thread; :meth:`close` before the context's ``term``."""
+
+    def __init__(self, auth=None, clients: Optional[ClientKeyDirectory] = None):
+        self.auth, self.clients = auth, clients
+        self._log = RefusalLog()
+
+    @property
+    def curve(self) -> bool:
+        return self.auth is not None
+
+    def on_event(self, ev: dict) -> bool:
+        """A monitor event the dispatcher does not handle itself; True if it is a refused
+        handshake (logged here, counted by the dispatcher)."""
+        if not ev["event"] & HANDSHAKE_FAILED:
+            return False
+        if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            key = self.clients.last_denied.decode(errors="replace") if self.clients else ""
+            detail = f"unknown client key {key[:8]}..." if key else "unknown client key"
+        else:
+            detail = REASONS.get(ev["value"], "")
+        if not detail and ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            detail = f"the client left during the handshake ({os.strerror(ev['value'])})"
+        elif not detail:
+            detail = f"handshake failed ({_name(ev['event'])}, value {ev['value']:#x})"
+        line = self._log.add(detail, (ev.get("endpoint") or b"").decode(errors="replace"))
+        if line:
+            log.warning("%s", line)
+        return True
+
+    def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()  # its ZAP socket lives in the context: stop it before term()
+            self.auth = None
+
+
+def secure_router(ctx: zmq.Context, sock: zmq.Socket, keys_dir: str) -> DataPortGuard:
+    """Make ``sock`` (not bound yet) a CURVE server that admits the client keys in
+    ``keys_dir``; with no ``keys_dir``, plain ZMTP (handshake failures still counted)."""
+    if not keys_dir:
+        return DataPortGuard()
+    from zmq.auth.thread import ThreadAuthenticator
+
+    directory = Path(keys_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"--curve-keys {keys_dir}: no such directory (make one with: loader-service keys DIR)")
+    public, secret = load_pair(directory / f"{SERVER}.key_secret")  # raises before anything starts
+    clients = ClientKeyDirectory(directory)
+    if not clients._keys:
+        log.warning("no client key in %s: every client is refused until one is added (loader-service keys %s "
+                    "--client NAME)", directory, directory)
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("loader_service.zap"))
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=clients)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+    log.info("data port: CURVE on, client keys from %s", directory)
+    return DataPortGuard(auth, clients)
+
+
+def _name(event: int) -> str:
+    try:
+        return zmq.Event(event).name
+    except ValueError:
+        return str(event)
