@@ -33,6 +33,7 @@ class ServiceConfig:
     drain_s: float = 2.0  # on stop, let tasks in flight finish and go out for up to this long
     task_deadline_s: float = 0.0  # a task running longer has its worker killed and is redone; 0: from measured times
     task_deadline_floor_s: float = 10.0  # the least a task gets when the deadline is derived (deadlines.py)
+    max_sample_bytes: int = 64 << 20  # a loose image file larger than this is refused (on_error names it)
     max_skipped: int = 1000  # on_error=skip: samples one stream may skip before it fails with the list; 0: no cap
     start_method: str = "spawn"
     io_threads: int = 1
@@ -68,6 +69,8 @@ class ServiceConfig:
         if self.task_deadline_s < 0 or self.task_deadline_floor_s <= 0:
             raise ValueError("task_deadline_s must be >= 0 (0: derived from measured task times) and "
                              f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")
+        if self.max_sample_bytes < 1:
+            raise ValueError(f"max_sample_bytes must be positive, got {self.max_sample_bytes}")
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
         if self.status_log_s < 0:

@@ -26,7 +26,7 @@ def open_datasets(config: ServiceConfig) -> Dict[str, Source]:
         if config.demo:
             sources["demo"] = ensure_demo(config.demo_size)
         for path in config.data:
-            src = open_path(path)  # packed, webdataset, hdf5 or imagefolder (sources/detect.py)
+            src = open_path(path, max_sample_bytes=config.max_sample_bytes)  # packed, webdataset, hdf5 or imagefolder (sources/detect.py)
             if src.name in sources:
                 src.close()
                 raise ValueError(f"two datasets are named {src.name!r}; rename one folder")
