@@ -41,6 +41,9 @@ class ServiceConfig:
     autoscale: str = ""  # "MIN:MAX" turns the autoscaler on
     autoscale_interval_s: float = 2.0
     status_log_s: float = 30.0  # log a throughput line this often while clients are served; 0: never
+    max_http_connections: int = 64  # REST connections at once; more are answered 503 and closed at accept
+    http_receipt_s: float = 10.0  # a REST request must arrive whole (headers and body) within this
+    max_http_body_bytes: int = 65536  # a larger REST body is answered 413 before it is read
     api_token: str = ""  # guards mutating REST calls; see auth.py for the fallbacks
     api_token_file: str = ""
 
@@ -69,8 +72,10 @@ class ServiceConfig:
         if self.task_deadline_s < 0 or self.task_deadline_floor_s <= 0:
             raise ValueError("task_deadline_s must be >= 0 (0: derived from measured task times) and "
                              f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")
-        if self.max_sample_bytes < 1:
-            raise ValueError(f"max_sample_bytes must be positive, got {self.max_sample_bytes}")
+        if min(self.max_sample_bytes, self.max_http_connections, self.max_http_body_bytes) < 1 or self.http_receipt_s <= 0:
+            raise ValueError("max_sample_bytes, max_http_connections, max_http_body_bytes and http_receipt_s must be "
+                             f"positive, got {self.max_sample_bytes}, {self.max_http_connections}, "
+                             f"{self.max_http_body_bytes} and {self.http_receipt_s}")
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
         if self.status_log_s < 0:

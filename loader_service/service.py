@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from .auth import resolve_token
 from .config import ServiceConfig
 from .dispatcher import Dispatcher
+from .http_limits import Counters
 from .shm import sweep_stale
 from .sources import Source, open_path
 from .sources.demo import ensure_demo
@@ -52,6 +53,7 @@ class Service:
         self._http = None
         self._http_thread: Optional[threading.Thread] = None
         self._http_sock: Optional[socket.socket] = None
+        self.http_counters = Counters()  # REST connections refused at the cap or closed at the deadline
         self.http_port = 0
         self._stopped = False
         self._stop_lock = threading.Lock()  # a second stop() waits for the first to finish
@@ -152,17 +154,25 @@ class Service:
         import uvicorn
 
         from .http_api import make_app
+        from .http_limits import guarded_protocol, limit_logs, raise_fd_limit
 
+        c = self.config
+        raise_fd_limit(c.max_http_connections)
+        limit_logs()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        host = "0.0.0.0" if self.config.host == "*" else self.config.host
-        sock.bind((host, self.config.http_port))
-        sock.listen(128)  # connections queue here until uvicorn's loop accepts them
+        host = "0.0.0.0" if c.host == "*" else c.host
+        sock.bind((host, c.http_port))
+        sock.listen(c.max_http_connections)  # connections queue here until uvicorn's loop accepts them
         self._http_sock = sock
         self.http_port = sock.getsockname()[1]
         assert self.dispatcher is not None
         d = self.dispatcher
-        cfg = uvicorn.Config(make_app(d, lambda: self.api_token, self.problem), log_level="warning", lifespan="off", access_log=False)
+        # backlog = the cap: asyncio accepts up to `backlog` connections per wake-up before any is
+        # looked at, so a larger one lets a burst take that many descriptors at once
+        cfg = uvicorn.Config(make_app(d, lambda: self.api_token, self.problem), log_level="warning", lifespan="off",
+                             access_log=False, backlog=c.max_http_connections,
+                             http=guarded_protocol(c.max_http_connections, c.http_receipt_s, self.http_counters))
         self._http = uvicorn.Server(cfg)
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [sock]},
                                              name="loader-http", daemon=True)
