@@ -8,8 +8,9 @@ leaves three gaps, closed here:
   a request's headers have arrived, so a slowloris still holds a descriptor each). Here a
   connection over ``max_connections`` is closed as soon as it is accepted, and the listen
   backlog equals the cap, so one accept burst cannot take more than that many descriptors.
-* **receipt deadline**: uvicorn's keep-alive timer restarts on every byte (encode/uvicorn#2146
-  discusses the gap), so a client sending one byte a second holds its connection forever.
+* **receipt deadline**: uvicorn's keep-alive timer is cancelled on every byte received (the first
+  line of its ``data_received``), so a client sending one byte a second holds its connection
+  forever, and ASGI middleware runs only once the headers are in.
   Here each request must arrive whole, headers and body, within ``receipt_s`` of the
   connection opening or of the previous response; otherwise the connection is closed.
 * **body size**: :class:`BodyLimit` answers 413 from ``Content-Length`` before reading, and
