@@ -41,6 +41,12 @@ class LoaderConfig:
     epoch_lookahead: bool = True  # start epoch e+1 on the service once all of epoch e is asked for
     curve_keys: Optional[str] = None  # a keys dir (client.key_secret + server.key) for CURVE; None: env LOADER_CURVE_KEYS
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame this loader accepts: a full batch of images plus 1 MiB for the
+        header (indices, skip reasons, an error's traceback). A peer sending more is dropped."""
+        return self.batch_size * self.image_size * self.image_size * 3 + (1 << 20)
+
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
             raise ValueError(f"endpoint must look like tcp://host:port, got {self.endpoint!r}")

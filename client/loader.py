@@ -334,7 +334,8 @@ class RemoteLoader:
             return
         if not self._spare:
             assert self._ctx is not None
-            self._spare = [Replica(self._ctx, e, c.heartbeat_s, i, self._curve) for i, e in enumerate(self.endpoints)]
+            self._spare = [Replica(self._ctx, e, c.heartbeat_s, i, self._curve, c.max_frame_bytes)
+                            for i, e in enumerate(self.endpoints)]
         flow = EpochFlow(0, total, self._window, self._window, len(self._spare))
         initial = flow.assign((r.index for r in self._spare), time.monotonic())
         for r in self._spare:
@@ -438,6 +439,12 @@ class RemoteLoader:
         c = self.config
         down = [r for r in reps if r.down_since is not None]
         where = ", ".join(r.endpoint for r in reps)
+        cut = [r.endpoint for r in down if not r.retried]
+        if cut:
+            raise LoaderTimeout(f"the connection to {', '.join(cut)} was cut for breaking the protocol and is not "
+                                f"retried: a peer that sends a frame over this loader's cap of {c.max_frame_bytes} "
+                                "bytes (batch_size x image_size^2 x 3 + 1 MiB), or that is not a ZeroMQ peer, is "
+                                "refused; is this endpoint a loader service?")
         if down and len(down) == len(reps) and any(r.was_connected for r in reps):
             raise LoaderTimeout(f"lost the connection to the loader service at {where} "
                                 f"{time.monotonic() - min(r.down_since for r in down):.0f}s ago and it has not "
@@ -475,7 +482,7 @@ class RemoteLoader:
             if self._closed:
                 raise RuntimeError("this RemoteLoader is closed")
             self._ctx = zmq.Context(1)
-            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s, i, self._curve)
+            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s, i, self._curve, self.config.max_frame_bytes)
                               for i, e in enumerate(self.endpoints)]
         return self._replicas
 

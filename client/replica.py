@@ -21,13 +21,16 @@ class Replica:
     batches it was asked for is the loader's flow control's business (:mod:`client.flow`)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, index: int = 0,
-                 curve: Optional[ClientKeys] = None):
+                 curve: Optional[ClientKeys] = None, max_frame_bytes: int = -1):
+        """``max_frame_bytes``: a peer that sends a larger frame is disconnected before libzmq
+        allocates it (ZMQ_MAXMSGSIZE); -1: no cap."""
         self.index = index  # position in the loader's endpoint list
         self.endpoint = endpoint
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # the credits bound what can queue here
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # a rogue peer's 3 GB frame costs nothing
         sock.setsockopt(zmq.RECONNECT_IVL, 100)  # reconnect with exponential backoff ...
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # ... up to 2 s between tries
         # heartbeats from our side too: a frozen service (or a dead link) reads as a disconnect
@@ -37,11 +40,14 @@ class Replica:
         self.handshake = HandshakeWatch(endpoint, curve)
         # "Connected" is the end of the ZMTP handshake, not the TCP connect: a refused handshake
         # (CURVE) ends the session, and a send into it would block for good.
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS | zmq.EVENT_CONNECT_RETRIED)
         sock.connect(endpoint)
         self.sock = sock
         self.down_since: Optional[float] = time.monotonic()  # not connected yet
         self.was_connected = False
+        # libzmq retries a connection lost to a network error, never one it cut for breaking the
+        # protocol (a frame over MAXMSGSIZE): lost and not retried means the peer was refused
+        self.retried = True
         self.dead = False  # given up on for the rest of this epoch
         self.stream = -1
         self.epoch = 0  # of the current stream
@@ -73,8 +79,11 @@ class Replica:
         ev = msg["event"]
         self.handshake.check(ev, msg["value"])
         if ev == zmq.EVENT_DISCONNECTED:
+            self.retried = False
             if self.down_since is None:
                 self.down_since = time.monotonic()
+        elif ev == zmq.EVENT_CONNECT_RETRIED:
+            self.retried = True
         elif ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             back = self.was_connected
             self.was_connected, self.down_since = True, None

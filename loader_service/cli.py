@@ -93,6 +93,13 @@ def _service_options(p: argparse.ArgumentParser, demo_default: bool = False) -> 
                    help="the least a task gets when its deadline is derived (default 10)")
     p.add_argument("--max-skipped", type=int, help="with --on-error skip: samples one stream may skip before it "
                    "fails with the list (default 1000; 0 = no cap)")
+    p.add_argument("--max-sample-bytes", type=int, help="a loose image file larger than this is refused through "
+                   "--on-error (default 64 MiB)")
+    p.add_argument("--max-http-connections", type=int, help="REST connections at once; more are answered 503 "
+                   "(default 64)")
+    p.add_argument("--http-receipt", type=float, dest="http_receipt_s", metavar="SECONDS",
+                   help="a REST request must arrive whole within this, or its connection is closed (default 10)")
+    p.add_argument("--max-http-body-bytes", type=int, help="a larger REST body is answered 413 (default 65536)")
     p.add_argument("--autoscale", metavar="MIN:MAX", help="let the autoscaler set the worker count in this range")
     p.add_argument("--autoscale-interval", type=float, dest="autoscale_interval_s", metavar="SECONDS")
     p.add_argument("--curve-keys", metavar="DIR", help="encrypt the data port with CURVE and serve only clients "
@@ -115,7 +122,9 @@ def _config(args) -> ServiceConfig:
         autoscale=args.autoscale, autoscale_interval_s=args.autoscale_interval_s, status_log_s=args.status_log_s,
         task_deadline_s=args.task_deadline_s, task_deadline_floor_s=args.task_deadline_floor_s,
         max_skipped=args.max_skipped, max_image_pixels=args.max_image_pixels, jpeg_fast_dct=args.jpeg_fast_dct,
-        jpeg_fast_upsample=args.jpeg_fast_upsample, curve_keys=args.curve_keys,
+        jpeg_fast_upsample=args.jpeg_fast_upsample, curve_keys=args.curve_keys, max_sample_bytes=args.max_sample_bytes,
+        max_http_connections=args.max_http_connections, http_receipt_s=args.http_receipt_s,
+        max_http_body_bytes=args.max_http_body_bytes,
     )
     if args.demo_default:  # `demo` runs everything in one process on free ports
         overrides.update(demo=True, data=())

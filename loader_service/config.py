@@ -34,6 +34,7 @@ class ServiceConfig:
     drain_s: float = 2.0  # on stop, let tasks in flight finish and go out for up to this long
     task_deadline_s: float = 0.0  # a task running longer has its worker killed and is redone; 0: from measured times
     task_deadline_floor_s: float = 10.0  # the least a task gets when the deadline is derived (deadlines.py)
+    max_sample_bytes: int = 64 << 20  # a loose image file larger than this is refused (on_error names it)
     max_skipped: int = 1000  # on_error=skip: samples one stream may skip before it fails with the list; 0: no cap
     start_method: str = "spawn"
     io_threads: int = 1
@@ -41,6 +42,9 @@ class ServiceConfig:
     autoscale: str = ""  # "MIN:MAX" turns the autoscaler on
     autoscale_interval_s: float = 2.0
     status_log_s: float = 30.0  # log a throughput line this often while clients are served; 0: never
+    max_http_connections: int = 64  # REST connections at once; more are answered 503 and closed at accept
+    http_receipt_s: float = 10.0  # a REST request must arrive whole (headers and body) within this
+    max_http_body_bytes: int = 65536  # a larger REST body is answered 413 before it is read
     api_token: str = ""  # guards mutating REST calls; see auth.py for the fallbacks
     max_image_pixels: int = DEFAULT_MAX_PIXELS  # larger images are refused from their header (decode bombs)
     jpeg_fast_dct: bool = False  # libjpeg's IFAST DCT (docs/benchmarks.md: speed vs PSNR)
@@ -73,6 +77,10 @@ class ServiceConfig:
         if self.task_deadline_s < 0 or self.task_deadline_floor_s <= 0:
             raise ValueError("task_deadline_s must be >= 0 (0: derived from measured task times) and "
                              f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")
+        if min(self.max_sample_bytes, self.max_http_connections, self.max_http_body_bytes) < 1 or self.http_receipt_s <= 0:
+            raise ValueError("max_sample_bytes, max_http_connections, max_http_body_bytes and http_receipt_s must be "
+                             f"positive, got {self.max_sample_bytes}, {self.max_http_connections}, "
+                             f"{self.max_http_body_bytes} and {self.http_receipt_s}")
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
         DecodeOptions(self.max_image_pixels)  # raises if the limit is out of range

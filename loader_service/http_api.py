@@ -10,15 +10,19 @@ health, readiness, status and metrics stay open.
 # annotation, and that model is built per service (scale_request_model), so it must be the class
 # itself, not a name to look up in this module.
 import asyncio
+import math
 from typing import Callable, Dict, Optional
 
 from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from .auth import check_bearer
 from .dispatcher import AutoscaleConflict, Dispatcher
+from .http_limits import BodyLimit
 from .metrics import make_registry
 from .status import ServiceStatus
 
@@ -88,7 +92,14 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
     app = FastAPI(title="loader-service", version=_version(),
                   description="Control plane of the disaggregated data-loading service: health, status, "
                               "metrics, and live scaling of the decode worker pool.")
+    app.add_middleware(BodyLimit, max_bytes=d.config.max_http_body_bytes)  # inside AuthFirst: auth comes first
     app.add_middleware(AuthFirst, token=token)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the input, and JSON cannot carry 1e400 (inf) or NaN:
+        # the response would fail to render and the client get a 500 for its own mistake.
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
     async def on_dispatcher(fn, *args):
         try:
@@ -158,6 +169,17 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _json_safe(value):
+    """``value`` with every non-finite float replaced by its name (``"inf"``, ``"nan"``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _version() -> str:

@@ -24,6 +24,7 @@ from .worker import worker_main
 log = logging.getLogger("loader_service.pool")
 
 MAX_START_FAILURES = 3
+REAP_TIMEOUT_S = 2.0  # an exited worker's sentinel fires a moment before it can be waited for
 
 
 @dataclass
@@ -62,6 +63,7 @@ class WorkerPool:
         self.broken = ""  # why workers cannot start; set after MAX_START_FAILURES in a row
         self._busy_gone = 0.0  # busy seconds of workers that have exited
         self._closed = False
+        self._unreaped: List[mp.process.BaseProcess] = []  # exited but not yet waited for (rare)
 
     # ------------------------------------------------------------------ scaling
     def scale(self, n: int) -> None:
@@ -75,6 +77,15 @@ class WorkerPool:
         if self.broken:
             return  # respawning would only fail again; the dispatcher reports why
         live = [w for w in self.workers.values() if w.state not in ("leaving", "stopping")]
+        # Coalesce: a worker asked to leave but not yet told Stop (starting, or busy) stays
+        # instead of a new one starting, so a burst of scale requests converges to the latest
+        # target without starting processes it would stop a moment later.
+        for w in sorted(self.workers.values(), key=lambda w: w.id):
+            if len(live) >= self.target:
+                break
+            if w.state == "leaving":
+                w.state = "busy" if w.task is not None else "starting"
+                live.append(w)
         for _ in range(self.target - len(live)):
             self._spawn()
         surplus = len(live) - self.target
@@ -153,7 +164,9 @@ class WorkerPool:
         w = self.workers.pop(wid, None)
         if w is None:
             return None, None
-        w.process.join(timeout=0)
+        # Its sentinel fired, so it is exiting: wait for that (bounded) and close the handle, or
+        # it stays a zombie holding a descriptor until the next start happens to reap it.
+        w.process.join(timeout=REAP_TIMEOUT_S)
         expected = w.state in ("stopping", "failed")
         if w.state == "starting":
             self._start_failed(f"worker {wid} exited with code {w.process.exitcode} before it was ready")
@@ -163,9 +176,16 @@ class WorkerPool:
                         wid, w.pid, w.process.exitcode, w.task)
         self.version += 1
         self._busy_gone += w.busy_s
+        exitcode = w.process.exitcode
+        if exitcode is not None:
+            w.process.close()
+        else:
+            log.error("worker %d (pid %s) closed its end but did not exit within %.0fs; reaped at close",
+                      wid, w.pid, REAP_TIMEOUT_S)
+            self._unreaped.append(w.process)
         if not self._closed:
             self._converge()
-        return w.task, w.process.exitcode
+        return w.task, exitcode
 
     def _start_failed(self, why: str) -> None:
         self.start_failures += 1
@@ -226,6 +246,10 @@ class WorkerPool:
                 w.process.join()
             w.process.close()
         self.workers.clear()
+        for p in self._unreaped:
+            p.kill()
+            p.join(timeout)
+        self._unreaped.clear()
         self._death_r.close()
         self.sock.close(0)
 

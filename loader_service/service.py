@@ -14,6 +14,7 @@ from .auth import resolve_token
 from .config import ServiceConfig
 from .dispatcher import Dispatcher
 from .jpeg import decode_path
+from .http_limits import Counters
 from .shm import sweep_stale
 from .sources import Source, open_path
 from .sources.demo import ensure_demo
@@ -28,7 +29,7 @@ def open_datasets(config: ServiceConfig) -> Dict[str, Source]:
         if config.demo:
             sources["demo"] = ensure_demo(config.demo_size)
         for path in config.data:
-            src = open_path(path)  # packed, webdataset, hdf5 or imagefolder (sources/detect.py)
+            src = open_path(path, max_sample_bytes=config.max_sample_bytes)  # packed, webdataset, hdf5 or imagefolder (sources/detect.py)
             if src.name in sources:
                 src.close()
                 raise ValueError(f"two datasets are named {src.name!r}; rename one folder")
@@ -54,6 +55,7 @@ class Service:
         self._http = None
         self._http_thread: Optional[threading.Thread] = None
         self._http_sock: Optional[socket.socket] = None
+        self.http_counters = Counters()  # REST connections refused at the cap or closed at the deadline
         self.http_port = 0
         self._stopped = False
         self._stop_lock = threading.Lock()  # a second stop() waits for the first to finish
@@ -157,17 +159,25 @@ class Service:
         import uvicorn
 
         from .http_api import make_app
+        from .http_limits import guarded_protocol, limit_logs, raise_fd_limit
 
+        c = self.config
+        raise_fd_limit(c.max_http_connections)
+        limit_logs()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        host = "0.0.0.0" if self.config.host == "*" else self.config.host
-        sock.bind((host, self.config.http_port))
-        sock.listen(128)  # connections queue here until uvicorn's loop accepts them
+        host = "0.0.0.0" if c.host == "*" else c.host
+        sock.bind((host, c.http_port))
+        sock.listen(c.max_http_connections)  # connections queue here until uvicorn's loop accepts them
         self._http_sock = sock
         self.http_port = sock.getsockname()[1]
         assert self.dispatcher is not None
         d = self.dispatcher
-        cfg = uvicorn.Config(make_app(d, lambda: self.api_token, self.problem), log_level="warning", lifespan="off", access_log=False)
+        # backlog = the cap: asyncio accepts up to `backlog` connections per wake-up before any is
+        # looked at, so a larger one lets a burst take that many descriptors at once
+        cfg = uvicorn.Config(make_app(d, lambda: self.api_token, self.problem), log_level="warning", lifespan="off",
+                             access_log=False, backlog=c.max_http_connections,
+                             http=guarded_protocol(c.max_http_connections, c.http_receipt_s, self.http_counters))
         self._http = uvicorn.Server(cfg)
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [sock]},
                                              name="loader-http", daemon=True)

@@ -4,7 +4,8 @@ Each stream gets one segment of ``n`` equal slots (a worker writes a batch into 
 dispatcher sends it from there). When a stream ends, its segment is kept as its client's
 *reserve* for the client's next stream of the same shape, so an epoch starts on memory that
 is already mapped by the workers and zmq. Live segments and reserves together never exceed
-``max_bytes``.
+``max_bytes``; a new stream that would pass it takes the memory of other clients' reserves
+(oldest first) before it is refused, so idle connected clients hold no capacity.
 
 A large frame is sent zero-copy: libzmq reads the slot while the dispatcher goes on. The frame
 holds a numpy view of the slot, so the segment cannot be unmapped under it (closing raises
@@ -51,10 +52,15 @@ class SlotArena:
             return reserve
         if reserve is not None:
             reserve.close()  # another shape of job: its memory goes back before the check
+        # Reserves are a cache for their owners' next epoch, not a claim: a job that fits the
+        # cap is never refused because idle clients keep reserves. Oldest reserves go first.
+        while self._reserve and self.in_use() + nbytes > self.max_bytes:
+            self._reserve.pop(next(iter(self._reserve))).close()
         in_use = self.in_use()
         if in_use + nbytes > self.max_bytes:
             raise NoCapacity(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
-                             f"{in_use / 2**20:.1f} of {self.max_bytes / 2**20:.0f} MiB are in use")
+                             f"{in_use / 2**20:.1f} of {self.max_bytes / 2**20:.0f} MiB are in use by "
+                             f"{len(self._live)} running streams")
         seg = Segment.create(nbytes, tag="slots")
         self._live.add(seg)
         return seg

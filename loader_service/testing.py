@@ -25,12 +25,20 @@ class ServiceProcess:
     """``loader-service serve`` as a child process, so it can be SIGKILLed and restarted on the
     same data port. Blocks until the service prints its ready line (or fails to start)."""
 
-    def __init__(self, data_port: int, args: List[str], env: Optional[Dict[str, str]] = None, token: str = "chaos"):
+    def __init__(self, data_port: int, args: List[str], env: Optional[Dict[str, str]] = None, token: str = "chaos",
+                 nofile: Optional[int] = None):
+        """``nofile``: the child's descriptor limit (soft and hard), to test what exhausts it."""
         self.data_port, self.http_port, self.token = data_port, free_port(), token
+
+        def limit() -> None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "loader_service", "serve", "--host", "127.0.0.1", "--data-port", str(data_port),
              "--http-port", str(self.http_port), "--log-level", "warning", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=limit if nofile else None,
             env=dict(os.environ, PYTHONPATH=ROOT, LOADER_API_TOKEN=token, **(env or {})))
         line = self.proc.stdout.readline()  # the service prints one line when ready, or exits
         if "loader-service ready" not in line:

@@ -13,6 +13,7 @@ folder with no images) is an error that says which path and why.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from .base import Source
 
@@ -48,11 +49,13 @@ def detect_kind(path: str) -> str:
                      "a .tar shard (or a folder or {000..009} pattern of them) or an .h5/.hdf5 file")
 
 
-def open_path(path: str, **options) -> Source:
+def open_path(path: str, max_sample_bytes: Optional[int] = None, **options) -> Source:
     """Open the dataset at ``path`` as whichever source :func:`detect_kind` picks.
 
     ``options`` go to that source (``name`` for any; ``label_map`` for webdataset;
     ``rdcc_nbytes``, ``rdcc_nslots``, ``rdcc_w0``, ``images``, ``labels`` for hdf5).
+    ``max_sample_bytes`` caps a loose file's read (imagefolder); the other kinds read sizes
+    from their own index, bounded by the shard or file they were scanned from.
     """
     kind = detect_kind(path)
     if kind == "packed":
@@ -71,4 +74,6 @@ def open_path(path: str, **options) -> Source:
         return HDF5Source(path, **options)
     from .imagefolder import ImageFolderSource
 
+    if max_sample_bytes is not None:
+        options["max_sample_bytes"] = max_sample_bytes
     return ImageFolderSource.scan(path, **options)

@@ -3,6 +3,10 @@
 The scan happens once, in the service process; the index (relative paths packed into one
 buffer + offsets, and labels) is placed in a shared-memory segment that workers map
 read-only, so their memory stays flat however many files there are.
+
+Hostile trees cost bounded work: the scan enters each real directory once (symlink loops are
+reported, not followed again), and a read takes only a regular file of at most
+``max_sample_bytes`` (see files.py).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import numpy as np
 
 from ..shm import Segment
 from .base import Source, SourceSpec, register
+from .files import DEFAULT_MAX_SAMPLE_BYTES, ScanProgress, log, read_regular, walk_once
 from .index import PackedStrings
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
@@ -22,35 +27,49 @@ EXTENSIONS = (".jpg", ".jpeg", ".png")
 @register("imagefolder")
 class ImageFolderSource(Source):
     def __init__(self, root: str, name: str, paths: PackedStrings, labels: np.ndarray,
-                 classes: list, segment: Optional[Segment] = None):
+                 classes: list, segment: Optional[Segment] = None,
+                 max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES):
         self.root, self.name, self.paths, self.labels = root, name, paths, labels
-        self.classes, self._segment = classes, segment
+        self.classes, self._segment, self.max_sample_bytes = classes, segment, max_sample_bytes
+        self.scan_skipped: list = []  # (path, why) of folders the scan did not enter
 
     @classmethod
-    def scan(cls, root: str, name: str = "") -> "ImageFolderSource":
-        """Walk ``root`` and build the index in shared memory. Raises if nothing is found."""
+    def scan(cls, root: str, name: str = "", max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> "ImageFolderSource":
+        """Walk ``root`` and build the index in shared memory. Raises if nothing is found.
+
+        Directory symlinks are followed, each real directory once; the ones skipped are
+        logged and kept in ``scan_skipped``."""
         root = os.path.abspath(root)
         if not os.path.isdir(root):
             raise FileNotFoundError(f"dataset folder {root} does not exist")
         classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
         rel, labels = [], []
+        seen: set = {(os.stat(root).st_dev, os.stat(root).st_ino)}  # a link back to the root is a loop too
+        skipped: list = []
+        progress = ScanProgress(root)
         for label, cls_name in enumerate(classes):
-            for dirpath, dirnames, filenames in os.walk(os.path.join(root, cls_name), followlinks=True):
-                dirnames.sort()
-                for fn in sorted(filenames):
+            for dirpath, filenames in walk_once(os.path.join(root, cls_name), seen, skipped, progress):
+                for fn in filenames:
                     if fn.lower().endswith(EXTENSIONS):
                         rel.append(os.path.relpath(os.path.join(dirpath, fn), root))
                         labels.append(label)
+        if skipped:
+            log.warning("scan of %s: %d folders not entered (each real folder is scanned once): %s%s", root,
+                        len(skipped), "; ".join(f"{p}: {why}" for p, why in skipped[:5]),
+                        " ..." if len(skipped) > 5 else "")
         if not rel:
             raise ValueError(
                 f"no images found in {root}: expected ImageFolder layout root/<class>/<image>"
                 f" with extensions {', '.join(EXTENSIONS)}"
             )
         packed = PackedStrings.from_strings(rel)
-        return cls._into_shared(root, name or os.path.basename(root), packed, np.asarray(labels, np.int64), classes)
+        src = cls._into_shared(root, name or os.path.basename(root), packed, np.asarray(labels, np.int64), classes,
+                               max_sample_bytes)
+        src.scan_skipped = skipped
+        return src
 
     @classmethod
-    def _into_shared(cls, root, name, packed, labels, classes) -> "ImageFolderSource":
+    def _into_shared(cls, root, name, packed, labels, classes, max_sample_bytes) -> "ImageFolderSource":
         n, blob_len = len(labels), len(packed.blob)
         seg = Segment.create(16 + 8 * (n + 1) + 8 * n + max(blob_len, 1), tag="index")
         try:
@@ -60,27 +79,28 @@ class ImageFolderSource(Source):
         except BaseException:
             seg.close()
             raise
-        return cls(root, name, PackedStrings(views[2], views[0]), views[1], classes, seg)
+        return cls(root, name, PackedStrings(views[2], views[0]), views[1], classes, seg, max_sample_bytes)
 
     @classmethod
     def from_spec(cls, spec: SourceSpec) -> "ImageFolderSource":
         seg = Segment.attach(spec.index, readonly=True)
         n, blob_len = (int(x) for x in seg.array(np.int64, (2,)))
         offsets, labels, blob = _views(seg, n, blob_len)
-        return cls(spec.path, spec.name, PackedStrings(blob, offsets), labels, [], seg)
+        return cls(spec.path, spec.name, PackedStrings(blob, offsets), labels, [], seg,
+                   spec.option("max_sample_bytes", DEFAULT_MAX_SAMPLE_BYTES))
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def read(self, i: int) -> bytes:
-        with open(os.path.join(self.root, self.paths[i]), "rb") as f:
-            return f.read()
+        return read_regular(os.path.join(self.root, self.paths[i]), self.max_sample_bytes)
 
     def describe(self, i: int) -> str:
         return os.path.join(self.root, self.paths[i])
 
     def spec(self) -> SourceSpec:
-        return SourceSpec(self.name, "imagefolder", self.root, self._segment.name if self._segment else "")
+        return SourceSpec(self.name, "imagefolder", self.root, self._segment.name if self._segment else "",
+                          (("max_sample_bytes", self.max_sample_bytes),))
 
     def close(self) -> None:
         if self._segment is not None:
