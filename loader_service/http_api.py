@@ -10,10 +10,12 @@ health, readiness, status and metrics stay open.
 # annotation, and that model is built per service (scale_request_model), so it must be the class
 # itself, not a name to look up in this module.
 import asyncio
+import os
 from typing import Callable, Dict, Optional
 
 from fastapi import Depends, FastAPI, Header, HTTPException
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -149,6 +151,8 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
+    mount_status_page(app)
+
     registry = make_registry(lambda: d.call(d.status).result(timeout=10))
 
     @app.get("/metrics", tags=["status"], response_class=Response)
@@ -158,6 +162,30 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+# The page loads nothing from elsewhere (no CDN): a browser refuses anything but this origin.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+                                           "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+                "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+
+
+class _PageFiles(StaticFiles):
+    async def get_response(self, path, scope):
+        response = await super().get_response(path, scope)
+        response.headers.update(PAGE_HEADERS)
+        return response
+
+
+def mount_status_page(app: FastAPI) -> None:
+    """The status page at ``/`` (static files, read-only, no token: it only reads /v1/status)."""
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers=PAGE_HEADERS)
+
+    app.mount("/static", _PageFiles(directory=STATIC_DIR), name="static")
 
 
 def _version() -> str:

@@ -78,6 +78,15 @@ class Totals(_Frozen):
     internal_errors: int = 0
 
 
+SKIPS_SHOWN = 20  # the most recent skipped samples kept for the status
+
+
+class SkippedSample(_Frozen):
+    dataset: str
+    index: int
+    reason: str
+
+
 class StageSeconds(_Frozen):
     read: float
     decode_augment: float
@@ -100,3 +109,5 @@ class ServiceStatus(_Frozen):
     shm_bytes: int
     task_deadline_s: float  # the deadline a one-batch task of the median batch size gets now
     autoscaler: dict
+    shm_limit_bytes: int = 0  # the cap on shm_bytes (--max-shm-mb)
+    skipped_recent: List[SkippedSample] = []  # the last SKIPS_SHOWN samples skipped (on_error=skip), oldest first
