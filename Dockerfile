@@ -65,7 +65,7 @@ COPY loader_service/ /src/loader_service/
 COPY client/ /src/client/
 RUN sh /src/pip-install.sh project service \
     && loader-service --help >/dev/null \
-    && python3 -c 'import loader_service.service, loader_service.http_api' \
+    && python3 -c 'import loader_service.service, loader_service.http_api, loader_service.consumer, os; assert os.path.isfile(os.path.join(loader_service.http_api.STATIC_DIR, "index.html"))' \
     && ! python3 -c 'import torch' 2>/dev/null
 
 FROM base AS build-trainer

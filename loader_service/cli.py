@@ -126,15 +126,13 @@ def _serve(config: ServiceConfig) -> int:
 
 
 def _demo(config: ServiceConfig, args) -> int:
-    from client.demo import consume
-
+    from .consumer import run  # no torch: the demo runs in the service image too
     from .service import Service
 
     with Service(config) as svc:
-        print(f"demo: service on {svc.endpoint} (REST {svc.http_url}) with {config.workers} workers, "
-              f"{len(svc.sources['demo'])} demo images", flush=True)
-        consume(svc.endpoint, epochs=args.epochs, batch_size=args.batch_size, image_size=args.image_size)
-    return 0
+        print(f"demo: service on {svc.endpoint} with {config.workers} workers, {len(svc.sources['demo'])} demo "
+              f"images; status page: {svc.http_url}/", flush=True)
+        return run(svc.endpoint, args.epochs, args.batch_size, args.image_size, name="loader-service demo")
 
 
 if __name__ == "__main__":
