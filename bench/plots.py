@@ -69,9 +69,9 @@ def bars(path: str, title: str, values: Dict[str, float], unit: str, note: str =
     for i, v in enumerate(vals):
         ax.text(v + top * 0.01, i, f"{v:,.1f}", va="center", fontsize=9)
     if reference:
-        ax.axvline(reference[1], color="#c0362c", ls="--", lw=1)
-        ax.text(reference[1], -0.6, f" {reference[0]}", color="#c0362c", fontsize=8, va="bottom")
-    ax.set_xlim(0, top * 1.15)
+        ax.axvline(reference[1], color="#c0362c", ls="--", lw=1, label=reference[0])
+        ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    ax.set_xlim(0, top * 1.22)
     ax.set_xlabel(unit)
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, ax, path, title, note)
