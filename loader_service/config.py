@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import fields
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Annotated, Any, Dict, Mapping, Optional, Tuple
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
-from typing_extensions import Annotated
 
 from .sources.demo import DEFAULT_COUNT
 
