@@ -73,7 +73,7 @@ COPY client/ /src/client/
 RUN LOADER_REQUIRE_NATIVE_JPEG=1 sh /src/pip-install.sh project service \
     && LOADER_REQUIRE_NATIVE_JPEG=1 python3 -c 'import loader_service.jpeg as j; print(j.decode_path())' \
     && loader-service --help >/dev/null \
-    && python3 -c 'import loader_service.service, loader_service.http_api' \
+    && python3 -c 'import loader_service.service, loader_service.http_api, loader_service.consumer, os; assert os.path.isfile(os.path.join(loader_service.http_api.STATIC_DIR, "index.html"))' \
     && ! python3 -c 'import torch' 2>/dev/null
 
 FROM base AS build-trainer

@@ -71,6 +71,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
 
+from bench import plots  # noqa: E402
 from client import RemoteLoader  # noqa: E402
 from loader_service import shm  # noqa: E402
 from loader_service.plan import PlanSpec, RankPlan, make_plan  # noqa: E402
@@ -451,10 +452,10 @@ class ServiceProcess:
                 + "\n".join(self.stderr_tail))
 
 
-def bench_service(settings: Settings, dataset_args: List[str]) -> Result:
+def bench_service(settings: Settings, dataset_args: List[str], prefetch: Optional[int] = None) -> Result:
     cmd = [sys.executable, "-m", "loader_service", "serve", *dataset_args, "--workers", str(settings.workers),
            "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0", "--log-level", "warning"]
-    prefetch = max(4, 2 * settings.workers)
+    prefetch = prefetch or max(4, 2 * settings.workers)
     svc = ServiceProcess(cmd)
     try:
         endpoint = svc.wait_ready(START_TIMEOUT_S)
@@ -585,6 +586,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--demo-size", type=int, default=2000, help="images in the demo set (without --data)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="PNG", help="the figure of the table (default: next to --json, else "
+                                                 "results/bench_throughput.png); sweeps add -workers / -prefetch")
+    p.add_argument("--sweep-workers", metavar="N,N,...", type=_int_list,
+                   help="also run every contender at each of these decode process counts (a table and a figure)")
+    p.add_argument("--sweep-prefetch", metavar="N,N,...", type=_int_list,
+                   help="also run the service at each of these client prefetch depths: img/s and client stall")
     args = p.parse_args(argv)
     for name in ("workers", "batch_size", "epochs", "image_size", "demo_size"):
         if getattr(args, name) < 1:
@@ -604,24 +611,91 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "expected_samples": settings.expected_samples, "command": command}
         log(f"benchmark: {len(source)} images ({header['mean_image_kb']:.0f} KB each on average), "
             f"{args.workers} decode processes, batch {args.batch_size}, {args.epochs} timed epochs")
-        results = {}
-        for name, run in ((RAW, lambda: bench_raw(settings)), (DATALOADER, lambda: bench_dataloader(settings)),
-                          (SERVICE, lambda: bench_service(settings, dataset_args))):
-            log(f"running {LABELS[name]} ...")
-            r = results[name] = run()
-            if r.samples != settings.expected_samples:
-                log(f"warning: {LABELS[name]} delivered {r.samples} samples, expected {settings.expected_samples}")
-            log(f"  {r.images_per_s:.1f} img/s ({r.samples} images in {r.seconds:.2f}s)")
+        results = run_contenders(settings, dataset_args)
+        workers_sweep = {w: run_contenders(Settings(settings.source, settings.length, w, args.batch_size,
+                                                    args.image_size, args.epochs), dataset_args)
+                         for w in args.sweep_workers or ()}
+        prefetch_sweep = {}
+        for n in args.sweep_prefetch or ():
+            log(f"running {LABELS[SERVICE]} with prefetch {n} ...")
+            prefetch_sweep[n] = bench_service(settings, dataset_args, prefetch=n)
     except KeyboardInterrupt:
         log("interrupted")
         return 130
     finally:
         source.close()
     checks = report(results, header)
+    out = to_json(results, header, checks)
+    note = (f"{header['machine']}; {header['dataset']}; batch {args.batch_size}, {args.image_size} px, "
+            f"{args.epochs} timed epochs; {command}")
+    plots.bars(plots.png_path(args.plot, args.json, __file__), f"images/s with {args.workers} decode processes",
+               {LABELS[n]: r.images_per_s for n, r in results.items() if n != RAW}, "images/s", note,
+               reference=("raw decode limit", results[RAW].images_per_s))
+    if workers_sweep:
+        out["sweep_workers"] = report_workers(workers_sweep)
+        plots.lines(plots.png_path(args.plot, args.json, __file__, "-workers"), "images/s by decode processes",
+                    "decode processes", "images/s",
+                    {LABELS[n]: (list(workers_sweep), [r[n].images_per_s for r in workers_sweep.values()])
+                     for n in LABELS}, note)
+    if prefetch_sweep:
+        out["sweep_prefetch"] = report_prefetch(prefetch_sweep)
+        plots.lines(plots.png_path(args.plot, args.json, __file__, "-prefetch"),
+                    f"client stall by prefetch depth ({args.workers} decode processes)", "prefetch (batches)",
+                    "client stall, % of wall time",
+                    {LABELS[SERVICE]: (list(prefetch_sweep), [_stall_pct(r) for r in prefetch_sweep.values()])}, note)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(to_json(results, header, checks), f, indent=2)
+            json.dump(out, f, indent=2)
     return 0
+
+
+def run_contenders(settings: Settings, dataset_args: List[str]) -> dict:
+    results = {}
+    for name, run in ((RAW, lambda: bench_raw(settings)), (DATALOADER, lambda: bench_dataloader(settings)),
+                      (SERVICE, lambda: bench_service(settings, dataset_args))):
+        log(f"running {LABELS[name]} with {settings.workers} decode processes ...")
+        r = results[name] = run()
+        if r.samples != settings.expected_samples:
+            log(f"warning: {LABELS[name]} delivered {r.samples} samples, expected {settings.expected_samples}")
+        log(f"  {r.images_per_s:.1f} img/s ({r.samples} images in {r.seconds:.2f}s)")
+    return results
+
+
+def _stall_pct(r: Result) -> float:
+    return 100.0 * r.extra["client_stall_s"] / r.seconds if r.seconds > 0 else 0.0
+
+
+def report_workers(sweep: dict) -> list:
+    """Print the scaling table; return its rows."""
+    print("\n| decode processes | " + " | ".join(f"{LABELS[n]} img/s" for n in LABELS) + " |")
+    print("|---:|" + "---:|" * len(LABELS))
+    rows = []
+    for w, results in sweep.items():
+        print(f"| {w} | " + " | ".join(f"{results[n].images_per_s:.1f}" for n in LABELS) + " |")
+        rows.append({"workers": w, **{n: results[n].images_per_s for n in LABELS}})
+    return rows
+
+
+def report_prefetch(sweep: dict) -> list:
+    """Print the prefetch table; return its rows."""
+    print("\n| prefetch (batches) | service + RemoteLoader img/s | client stall s | stall % of wall time |")
+    print("|---:|---:|---:|---:|")
+    rows = []
+    for n, r in sweep.items():
+        print(f"| {n} | {r.images_per_s:.1f} | {r.extra['client_stall_s']:.2f} | {_stall_pct(r):.1f}% |")
+        rows.append({"prefetch": n, "images_per_s": r.images_per_s, "client_stall_s": r.extra["client_stall_s"],
+                     "stall_pct": _stall_pct(r)})
+    return rows
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected numbers >= 1, got {text!r}")
+    return values
 
 
 if __name__ == "__main__":

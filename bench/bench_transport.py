@@ -83,6 +83,7 @@ import psutil  # noqa: E402
 import zmq  # noqa: E402
 
 from bench_throughput import START_TIMEOUT_S, ServiceProcess, cpu_seconds, log, machine  # noqa: E402
+from bench import plots  # noqa: E402
 from client import RemoteLoader  # noqa: E402
 from loader_service.sources.demo import ensure_demo  # noqa: E402
 
@@ -394,6 +395,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternate raw and service this many times; medians shown")
     p.add_argument("--demo-size", type=int, default=2000, help="demo images the service serves (its epoch length)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="PNG", help="the table's figure (default: next to --json, else "
+                                                 "results/bench_transport.png)")
     args = p.parse_args(argv)
     if args.window is None:
         args.window = max(4, 2 * args.workers)
@@ -438,6 +441,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in results.values():
         r["summary"] = summarize(r["runs"])
     check = report(results, header)
+    plots.bars(plots.png_path(args.plot, args.json, __file__), "transport alone: MB/s received (median of rounds)",
+               {LABELS[n]: r["summary"]["mb_per_s"] for n, r in results.items()}, "MB/s",
+               f"{header['machine']}; batch {args.batch_size} x {args.image_size} px, window {args.window}; {command}")
     if args.json:
         out = dict(header)
         out["rows"] = {name: {"label": LABELS[name], **r["summary"], "runs": [x.to_json() for x in r["runs"]],

@@ -10,7 +10,8 @@ import sys
 import threading
 from typing import List, Optional
 
-from .config import ServiceConfig
+from .config import Loaded, ServiceConfig
+from .settings_cli import add_config_options, config_from_args, format_config
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -18,11 +19,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the service (every option also reads LOADER_<NAME> from the environment)")
-    _service_options(serve)
+    add_config_options(serve)
+
+    show = sub.add_parser("config", help="print the effective configuration (defaults < --config file < LOADER_* "
+                                         "< flags) as TOML with each value's source; the API token is redacted")
+    add_config_options(show)
 
     demo = sub.add_parser("demo", help="serve the embedded demo dataset and stream it into a consumer that "
                                        "prints throughput (no dataset or GPU needed)")
-    _service_options(demo, demo_default=True)
+    add_config_options(demo)
     demo.add_argument("--epochs", type=int, default=2)
     demo.add_argument("--batch-size", type=int, default=64)
     demo.add_argument("--image-size", type=int, default=224)
@@ -49,9 +54,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_pack_parser(sub)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=(getattr(args, "log_level", None) or "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if args.command == "pack":
+        logging.basicConfig(level="INFO", format=log_format)
         from .pack import run_pack
 
         return run_pack(args)
@@ -64,73 +69,24 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return run_operator(args)
     try:
-        config = _config(args)
+        loaded = _config(args)
     except ValueError as exc:
         parser.error(str(exc))
+    config = loaded.config
+    if args.command == "config":
+        print(format_config(loaded))
+        return 0
+    logging.basicConfig(level=config.log_level.upper(), format=log_format)
     if args.command == "serve":
         return _serve(config)
     return _demo(config, args)
 
 
-def _service_options(p: argparse.ArgumentParser, demo_default: bool = False) -> None:
-    src = p.add_mutually_exclusive_group(required=False)
-    src.add_argument("--data", action="append", metavar="DIR",
-                     help="dataset: an ImageFolder or packed folder, WebDataset .tar shard(s) (a file, a folder, or a "
-                          "pattern like shards-{000..009}.tar), or an .h5 file; repeat for several (env LOADER_DATA)")
-    src.add_argument("--demo", action="store_true", default=None, help="serve the embedded demo dataset")
-    p.add_argument("--demo-size", type=int, help="images in the demo dataset (default 2000)")
-    p.add_argument("--workers", type=int, help="decode worker processes (default: CPU count)")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in containers)")
-    p.add_argument("--data-port", type=int, help="ZeroMQ data port (default 5555; 0 = any free port)")
-    p.add_argument("--http-port", type=int, help="REST port (default 8080; 0 = any free port)")
-    p.add_argument("--max-shm-mb", type=int, help="cap on batch slots in shared memory (default 4096)")
-    p.add_argument("--on-error", choices=["raise", "skip"], help="a sample that fails to decode: fail the "
-                   "client's epoch with the reason (raise, default) or deliver the batch without it (skip)")
-    p.add_argument("--task-deadline", type=float, dest="task_deadline_s", metavar="SECONDS",
-                   help="a task running longer has its worker killed and replaced, and is redone "
-                        "(default 0: derived from measured task times, at least --task-deadline-floor)")
-    p.add_argument("--task-deadline-floor", type=float, dest="task_deadline_floor_s", metavar="SECONDS",
-                   help="the least a task gets when its deadline is derived (default 10)")
-    p.add_argument("--max-skipped", type=int, help="with --on-error skip: samples one stream may skip before it "
-                   "fails with the list (default 1000; 0 = no cap)")
-    p.add_argument("--max-sample-bytes", type=int, help="a loose image file larger than this is refused through "
-                   "--on-error (default 64 MiB)")
-    p.add_argument("--max-http-connections", type=int, help="REST connections at once; more are answered 503 "
-                   "(default 64)")
-    p.add_argument("--http-receipt", type=float, dest="http_receipt_s", metavar="SECONDS",
-                   help="a REST request must arrive whole within this, or its connection is closed (default 10)")
-    p.add_argument("--max-http-body-bytes", type=int, help="a larger REST body is answered 413 (default 65536)")
-    p.add_argument("--autoscale", metavar="MIN:MAX", help="let the autoscaler set the worker count in this range")
-    p.add_argument("--autoscale-interval", type=float, dest="autoscale_interval_s", metavar="SECONDS")
-    p.add_argument("--curve-keys", metavar="DIR", help="encrypt the data port with CURVE and serve only clients "
-                   "whose key is in DIR (made by `loader-service keys DIR`; env LOADER_CURVE_KEYS)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--status-log", type=float, dest="status_log_s", metavar="SECONDS",
-                   help="log clients, img/s and workers this often while serving (default 30; 0 = never)")
-    p.add_argument("--max-image-pixels", type=int, help="refuse images with more pixels, from their header "
-                                                         "(default 178956970)")
-    p.add_argument("--jpeg-fast-dct", action="store_true", default=None, help="faster, less accurate JPEG IDCT")
-    p.add_argument("--jpeg-fast-upsample", action="store_true", default=None, help="plain JPEG chroma upsampling")
-    p.set_defaults(demo_default=demo_default)
-
-
-def _config(args) -> ServiceConfig:
-    overrides = dict(
-        data=tuple(args.data) if args.data else None, demo=args.demo, demo_size=args.demo_size,
-        workers=args.workers, host=args.host, data_port=args.data_port, http_port=args.http_port,
-        max_shm_mb=args.max_shm_mb, on_error=args.on_error, log_level=args.log_level,
-        autoscale=args.autoscale, autoscale_interval_s=args.autoscale_interval_s, status_log_s=args.status_log_s,
-        task_deadline_s=args.task_deadline_s, task_deadline_floor_s=args.task_deadline_floor_s,
-        max_skipped=args.max_skipped, max_image_pixels=args.max_image_pixels, jpeg_fast_dct=args.jpeg_fast_dct,
-        jpeg_fast_upsample=args.jpeg_fast_upsample, curve_keys=args.curve_keys, max_sample_bytes=args.max_sample_bytes,
-        max_http_connections=args.max_http_connections, http_receipt_s=args.http_receipt_s,
-        max_http_body_bytes=args.max_http_body_bytes,
-    )
-    if args.demo_default:  # `demo` runs everything in one process on free ports
-        overrides.update(demo=True, data=())
-        overrides["data_port"] = args.data_port if args.data_port is not None else 0
-        overrides["http_port"] = args.http_port if args.http_port is not None else 0
-    return ServiceConfig.from_env(**overrides)
+def _config(args) -> Loaded:
+    if args.command != "demo":
+        return config_from_args(args)
+    # `demo` runs everything in one process on the demo dataset, on free ports unless told otherwise
+    return config_from_args(args, demo=True, data=(), data_port=args.data_port or 0, http_port=args.http_port or 0)
 
 
 def _serve(config: ServiceConfig) -> int:
@@ -181,15 +137,13 @@ def _serve(config: ServiceConfig) -> int:
 
 
 def _demo(config: ServiceConfig, args) -> int:
-    from client.demo import consume
-
+    from .consumer import run  # no torch: the demo runs in the service image too
     from .service import Service
 
     with Service(config) as svc:
-        print(f"demo: service on {svc.endpoint} (REST {svc.http_url}) with {config.workers} workers, "
-              f"{len(svc.sources['demo'])} demo images", flush=True)
-        consume(svc.endpoint, epochs=args.epochs, batch_size=args.batch_size, image_size=args.image_size)
-    return 0
+        print(f"demo: service on {svc.endpoint} with {config.workers} workers, {len(svc.sources['demo'])} demo "
+              f"images; status page: {svc.http_url}/", flush=True)
+        return run(svc.endpoint, args.epochs, args.batch_size, args.image_size, name="loader-service demo")
 
 
 if __name__ == "__main__":

@@ -1,56 +1,97 @@
-"""Service configuration: one frozen dataclass, validated on construction.
+"""Service configuration: one frozen model, validated on construction.
 
-Every field can come from the command line or from a ``LOADER_<FIELD>`` environment variable
-(the command line wins), which is how containers configure the service.
+:class:`ServiceConfig` is a frozen pydantic dataclass: it is built as ``ServiceConfig(workers=2, ...)``
+and read as ``config.workers``, and its fields, with their descriptions, are the single list of
+options. :func:`load_config` fills it from, lowest first, the defaults, a config file (TOML, JSON or
+YAML: ``--config`` or ``LOADER_CONFIG``), ``LOADER_<FIELD>`` environment variables (the
+pydantic-settings sources) and command-line flags, which ``cli.py`` generates from the same
+fields (``settings_cli.py``). A bad value is reported with the option and where it came from.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from dataclasses import fields
+from typing import Annotated, Any, Dict, Mapping, Optional, Tuple
+
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic.dataclasses import dataclass
 
 from .jpeg import DEFAULT_MAX_PIXELS, DecodeOptions
 from .sources.demo import DEFAULT_COUNT
 
 ON_ERROR = ("raise", "skip")
 START_METHODS = ("spawn", "forkserver", "fork")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ENV_PREFIX = "LOADER_"
+CONFIG_ENV = "LOADER_CONFIG"  # the config file, when --config is not given
+REDACTED = "***"
 
 
-@dataclass(frozen=True)
+def opt(description: str, *, flag: Optional[str] = None, metavar: Optional[str] = None, choices=None,
+        cli: bool = True, secret: bool = False) -> Any:
+    """A field's description and how it shows on the command line: ``flag`` overrides the name
+    derived from the field, ``cli=False`` keeps it off the command line (a secret on a command line
+    is visible to every user of the machine), ``secret`` redacts it in ``loader-service config``."""
+    return Field(description=description, json_schema_extra={
+        "flag": flag, "metavar": metavar, "choices": list(choices) if choices else None, "cli": cli, "secret": secret})
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class ServiceConfig:
-    data: Tuple[str, ...] = ()  # datasets: ImageFolder, packed, WebDataset shards, HDF5 (sources/detect.py)
-    demo: bool = False  # serve the embedded demo dataset
-    demo_size: int = DEFAULT_COUNT
-    workers: int = -1  # -1: the CPUs this process may use (affinity and cgroup quota, as in a container)
-    max_workers: int = 256
-    host: str = "127.0.0.1"
-    data_port: int = 5555  # 0: pick a free port
-    http_port: int = 8080  # 0: pick a free port
-    max_shm_mb: int = 4096  # cap on batch slots in shared memory, all clients together
-    on_error: str = "raise"  # a sample that fails to decode: fail the stream, or skip it
-    heartbeat_s: float = 2.0  # ZMTP heartbeat; silent peers are dropped after 3 intervals
-    stop_timeout_s: float = 5.0  # per stage of the worker stop ladder
-    drain_s: float = 2.0  # on stop, let tasks in flight finish and go out for up to this long
-    task_deadline_s: float = 0.0  # a task running longer has its worker killed and is redone; 0: from measured times
-    task_deadline_floor_s: float = 10.0  # the least a task gets when the deadline is derived (deadlines.py)
-    max_sample_bytes: int = 64 << 20  # a loose image file larger than this is refused (on_error names it)
-    max_skipped: int = 1000  # on_error=skip: samples one stream may skip before it fails with the list; 0: no cap
-    start_method: str = "spawn"
-    io_threads: int = 1
-    log_level: str = "info"
-    autoscale: str = ""  # "MIN:MAX" turns the autoscaler on
-    autoscale_interval_s: float = 2.0
-    status_log_s: float = 30.0  # log a throughput line this often while clients are served; 0: never
-    max_http_connections: int = 64  # REST connections at once; more are answered 503 and closed at accept
-    http_receipt_s: float = 10.0  # a REST request must arrive whole (headers and body) within this
-    max_http_body_bytes: int = 65536  # a larger REST body is answered 413 before it is read
-    api_token: str = ""  # guards mutating REST calls; see auth.py for the fallbacks
-    max_image_pixels: int = DEFAULT_MAX_PIXELS  # larger images are refused from their header (decode bombs)
-    jpeg_fast_dct: bool = False  # libjpeg's IFAST DCT (docs/benchmarks.md: speed vs PSNR)
-    jpeg_fast_upsample: bool = False  # plain chroma upsampling instead of the smooth ("fancy") one
-    api_token_file: str = ""
-    curve_keys: str = ""  # a keys directory (loader-service keys): CURVE on the data port, known clients only
+    data: Annotated[Tuple[str, ...], opt(
+        "dataset: an ImageFolder or packed folder, WebDataset .tar shard(s) (a file, a folder, or a pattern like "
+        "shards-{000..009}.tar), or an .h5 file; repeat the flag for several (in LOADER_DATA: separated by "
+        f"{os.pathsep!r})", metavar="PATH")] = ()
+    demo: Annotated[bool, opt("serve the embedded demo dataset")] = False
+    demo_size: Annotated[int, opt("images in the demo dataset")] = DEFAULT_COUNT
+    workers: Annotated[int, opt(
+        "decode worker processes (-1: the CPUs this process may use, affinity and cgroup quota included)")] = -1
+    max_workers: Annotated[int, opt("upper bound for --workers, PUT /v1/workers and the autoscaler")] = 256
+    host: Annotated[str, opt("address to bind (0.0.0.0 in containers)")] = "127.0.0.1"
+    data_port: Annotated[int, opt("ZeroMQ data port (0: any free port)")] = 5555
+    http_port: Annotated[int, opt("REST port, also the status page at / (0: any free port)")] = 8080
+    max_shm_mb: Annotated[int, opt("cap on batch slots in shared memory, all clients together (MiB)")] = 4096
+    on_error: Annotated[str, opt("a sample that fails to decode: fail the client's epoch with the reason (raise) "
+                                 "or deliver the batch without it (skip)", choices=ON_ERROR)] = "raise"
+    heartbeat_s: Annotated[float, opt("ZMTP heartbeat interval; silent peers are dropped after 3 intervals")] = 2.0
+    stop_timeout_s: Annotated[float, opt("per stage of the worker stop ladder")] = 5.0
+    drain_s: Annotated[float, opt("on stop, let tasks in flight finish and go out for up to this long")] = 2.0
+    task_deadline_s: Annotated[float, opt(
+        "a task running longer has its worker killed and replaced, and is redone (0: derived from measured task "
+        "times, at least --task-deadline-floor)")] = 0.0
+    task_deadline_floor_s: Annotated[float, opt("the least a task gets when its deadline is derived")] = 10.0
+    max_skipped: Annotated[int, opt("with --on-error skip: samples one stream may skip before it fails with the "
+                                    "list (0: no cap)")] = 1000
+    start_method: Annotated[str, opt("how worker processes start", choices=START_METHODS)] = "spawn"
+    io_threads: Annotated[int, opt("ZeroMQ I/O threads")] = 1
+    log_level: Annotated[str, opt("log level", choices=LOG_LEVELS)] = "info"
+    autoscale: Annotated[str, opt("let the autoscaler set the worker count in this range (empty: off)",
+                                  metavar="MIN:MAX")] = ""
+    autoscale_interval_s: Annotated[float, opt("how often the autoscaler decides")] = 2.0
+    status_log_s: Annotated[float, opt("log clients, img/s and workers this often while serving (0: never)")] = 30.0
+    max_sample_bytes: Annotated[int, opt("a loose image file (ImageFolder) larger than this is refused through "
+                                         "--on-error, with its path; only regular files are read")] = 64 << 20
+    max_image_pixels: Annotated[int, opt("an image whose header claims more pixels (width x height) is refused "
+                                         "before anything is decoded or allocated (a decode bomb)")] = DEFAULT_MAX_PIXELS
+    jpeg_fast_dct: Annotated[bool, opt("libjpeg's fast integer IDCT: a few % faster, ~0.3 dB off")] = False
+    jpeg_fast_upsample: Annotated[bool, opt("plain JPEG chroma upsampling instead of the smooth one")] = False
+    max_http_connections: Annotated[int, opt("REST connections at once; more are answered 503 and closed at accept "
+                                             "(the listen backlog is the same number)")] = 64
+    http_receipt_s: Annotated[float, opt("a REST request must arrive whole (headers and body) within this, or its "
+                                         "connection is closed (slowloris)")] = 10.0
+    max_http_body_bytes: Annotated[int, opt("a larger REST body is answered 413 before it is read")] = 65536
+    curve_keys: Annotated[str, opt("encrypt the data port with CURVE and serve only clients whose key is in DIR "
+                                   "(made by `loader-service keys DIR`)", metavar="DIR")] = ""
+    api_token: Annotated[str, opt("guards mutating REST calls (empty: see --api-token-file; else one is generated "
+                                  "and logged); environment or config file only", cli=False, secret=True)] = ""
+    api_token_file: Annotated[str, opt("a file holding the API token", metavar="PATH")] = ""
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _split_paths(cls, v):
+        # LOADER_DATA=/a:/b, as PATH is written; a list or tuple (config file, flags) passes as is
+        return tuple(p for p in v.split(os.pathsep) if p) if isinstance(v, str) else v
 
     def __post_init__(self) -> None:
         if self.workers == -1:
@@ -68,6 +109,8 @@ class ServiceConfig:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
         if self.start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {self.start_method!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.autoscale:
             from .autoscale import AutoscalePolicy
 
@@ -87,6 +130,10 @@ class ServiceConfig:
         if self.status_log_s < 0:
             raise ValueError(f"status_log_s must be >= 0 (0 turns the log line off), got {self.status_log_s}")
 
+    def __repr__(self) -> str:  # the token stays out of logs and tracebacks
+        shown = ", ".join(f"{k}={v!r}" for k, v in redacted(self).items())
+        return f"ServiceConfig({shown})"
+
     @property
     def decode_options(self) -> DecodeOptions:
         return DecodeOptions(self.max_image_pixels, self.jpeg_fast_dct, self.jpeg_fast_upsample)
@@ -96,16 +143,124 @@ class ServiceConfig:
         return self.max_shm_mb << 20
 
     @classmethod
-    def from_env(cls, environ: Optional[dict] = None, **overrides) -> "ServiceConfig":
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides) -> "ServiceConfig":
         """Defaults, then ``LOADER_*`` variables, then ``overrides`` (those not None)."""
-        env = os.environ if environ is None else environ
-        values: dict = {}
-        for f in fields(cls):
-            raw = env.get(f"LOADER_{f.name.upper()}")
-            if raw is not None and raw != "":
-                values[f.name] = _parse(f.name, f.type, raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return load_config(environ=environ, overrides=overrides).config
+
+
+def option_fields() -> Dict[str, Any]:
+    """Every option: field name -> pydantic FieldInfo (annotation, default, description, extras)."""
+    return dict(ServiceConfig.__pydantic_fields__)
+
+
+def option_extra(name: str) -> dict:
+    info = ServiceConfig.__pydantic_fields__[name]
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    return {"flag": None, "metavar": None, "choices": None, "cli": True, "secret": False, **extra}
+
+
+class Loaded:
+    """The effective configuration and, for every option, where its value came from."""
+
+    def __init__(self, config: ServiceConfig, origin: Dict[str, str]):
+        self.config, self.origin = config, origin
+
+
+
+def redacted(config: ServiceConfig) -> Dict[str, Any]:
+    """Field -> value, secrets replaced by ``***`` when set."""
+    out = {}
+    for f in fields(ServiceConfig):
+        value = getattr(config, f.name)
+        out[f.name] = REDACTED if option_extra(f.name)["secret"] and value else value
+    return out
+
+
+def load_config(environ: Optional[Mapping[str, str]] = None, config_file: Optional[str] = None,
+                overrides: Optional[Mapping[str, Any]] = None,
+                override_origin: Optional[Mapping[str, str]] = None) -> Loaded:
+    """Defaults < config file < ``LOADER_*`` variables < ``overrides`` (those not None).
+
+    ``config_file`` defaults to ``$LOADER_CONFIG``; ``override_origin`` names each override's
+    source for error messages (the CLI passes ``--flag``). Raises ValueError naming the option,
+    its value and its source."""
+    env = os.environ if environ is None else environ
+    values: Dict[str, Any] = {}
+    origin: Dict[str, str] = {f.name: "default" for f in fields(ServiceConfig)}
+    path = config_file or env.get(CONFIG_ENV) or None
+    if path:
+        for name, value in _file_values(path).items():
+            values[name], origin[name] = value, f"config file {path}"
+    for name, value in _env_values(env).items():
+        values[name], origin[name] = value, f"environment {ENV_PREFIX}{name.upper()}"
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+            origin[name] = (override_origin or {}).get(name, "argument")
+    try:
+        return Loaded(ServiceConfig(**values), origin)
+    except ValidationError as exc:
+        raise ValueError(_explain(exc, values, origin)) from None
+
+
+def _settings_class():
+    """A pydantic-settings model with ServiceConfig's field names and no validation of its own
+    (every field ``Any``): its sources only find raw values; ServiceConfig validates them once."""
+    from pydantic import create_model
+    from pydantic_settings import BaseSettings, SettingsConfigDict
+
+    class Base(BaseSettings):
+        model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="forbid")
+
+    return create_model("LoaderSettings", __base__=Base, **{f.name: (Any, None) for f in fields(ServiceConfig)})
+
+
+def _env_values(environ: Mapping[str, str]) -> Dict[str, Any]:
+    from pydantic_settings import EnvSettingsSource
+    from pydantic_settings.sources.utils import parse_env_vars
+
+    class FromMapping(EnvSettingsSource):
+        def _load_env_vars(self):  # the mapping given (tests, manifests), not os.environ
+            return parse_env_vars(environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+    return {k: v for k, v in FromMapping(_settings_class())().items() if v is not None}
+
+
+def _file_values(path: str) -> Dict[str, Any]:
+    from pydantic_settings import JsonConfigSettingsSource, TomlConfigSettingsSource, YamlConfigSettingsSource
+
+    if not os.path.isfile(path):
+        raise ValueError(f"config file {path}: not found")
+    kind = os.path.splitext(path)[1].lower()
+    cls = {".toml": TomlConfigSettingsSource, ".json": JsonConfigSettingsSource,
+           ".yaml": YamlConfigSettingsSource, ".yml": YamlConfigSettingsSource}.get(kind)
+    if cls is None:
+        raise ValueError(f"config file {path}: use .toml, .json or .yaml")
+    try:
+        raw = cls(_settings_class(), path)()
+    except Exception as exc:  # a syntax error: the parser's own message, with the file
+        raise ValueError(f"config file {path}: {exc}") from None
+    known = {f.name for f in fields(ServiceConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"config file {path}: unknown option(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(sorted(known))})")
+    return raw
+
+
+def _explain(exc: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = [p for p in err.get("loc", ()) if isinstance(p, str)]
+        msg = err["msg"].removeprefix("Value error, ")
+        if loc and loc[0] in origin:
+            name = loc[0]
+            lines.append(f"{name}={values.get(name)!r} (from {origin[name]}): {msg}")
+        else:  # a check across options (__post_init__): name the sources of those it mentions
+            named = [n for n in origin if n in msg and origin[n] != "default"]
+            where = "; ".join(f"{n} from {origin[n]}" for n in named)
+            lines.append(msg + (f" ({where})" if where else ""))
+    return "invalid configuration: " + "; ".join(lines)
 
 
 def available_cpus() -> int:
@@ -123,23 +278,3 @@ def available_cpus() -> int:
     except (OSError, ValueError):
         pass
     return max(1, n)
-
-
-def _parse(name: str, typ, raw: str):
-    typ = str(typ)
-    try:
-        if "Tuple" in typ:
-            return tuple(p for p in raw.split(os.pathsep) if p)
-        if typ == "bool":
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if typ == "int":
-            return int(raw)
-        if typ == "float":
-            return float(raw)
-    except ValueError:
-        raise ValueError(f"LOADER_{name.upper()}={raw!r} is not a valid {typ}") from None
-    return raw

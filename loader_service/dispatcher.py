@@ -55,8 +55,8 @@ from .sessions import Session, Sessions
 from .shm import Segment
 from .slots import NoCapacity, SlotArena
 from .sources import Source
-from .status import (ClientStatus, ServiceStatus, StageSeconds, StreamStatus, Totals, WorkersStatus,
-                     WorkerStatus)
+from .status import (SKIPS_SHOWN, ClientStatus, ServiceStatus, SkippedSample, StageSeconds, StreamStatus, Totals,
+                     WorkersStatus, WorkerStatus)
 from .stream_state import Effect, Fail, Finish, RunTask, SendBatch, StreamLimits, StreamState
 
 log = logging.getLogger("loader_service.dispatcher")
@@ -166,6 +166,7 @@ class Dispatcher:
         self._deadline_heap: List[Tuple[float, int]] = []  # (deadline, task id)
         self.retiring: List[Stream] = []  # ended streams whose slots are still read by a task or send
         self.counters = Counters()
+        self.recent_skips: Deque[SkippedSample] = deque(maxlen=SKIPS_SHOWN)  # for the status page
         self._task_ids = itertools.count()
         self._running_loop = False
         self._closed = False
@@ -566,6 +567,7 @@ class Dispatcher:
             for pos, idx, reason in e.skipped:
                 keep[pos] = False
                 skipped.append([idx, reason])
+                self.recent_skips.append(SkippedSample(dataset=s.source.name, index=int(idx), reason=str(reason)))
             if e.compact:  # one-sample tasks wrote at their positions: close the gaps
                 row = s.hello.image_size ** 2 * 3
                 view = s.segment.array(np.uint8, (len(indices), row), e.slot * s.slot_bytes)
@@ -729,6 +731,7 @@ class Dispatcher:
             task_deadline_s=round(self.deadlines.deadline_s(sorted(sizes)[len(sizes) // 2]), 3),
             autoscaler=self.autoscaler.status() if self.autoscaler else {"enabled": False},
             decode_path=decode_path(),
+            shm_limit_bytes=self.config.max_shm_bytes, skipped_recent=list(self.recent_skips),
         )
 
     def status(self) -> dict:

@@ -11,12 +11,14 @@ health, readiness, status and metrics stay open.
 # itself, not a name to look up in this module.
 import asyncio
 import math
+import os
 from typing import Callable, Dict, Optional
 
 from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -160,6 +162,8 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
+    mount_status_page(app)
+
     registry = make_registry(lambda: d.call(d.status).result(timeout=10))
 
     @app.get("/metrics", tags=["status"], response_class=Response)
@@ -180,6 +184,30 @@ def _json_safe(value):
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     return value
+
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+# The page loads nothing from elsewhere (no CDN): a browser refuses anything but this origin.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+                                           "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+                "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+
+
+class _PageFiles(StaticFiles):
+    async def get_response(self, path, scope):
+        response = await super().get_response(path, scope)
+        response.headers.update(PAGE_HEADERS)
+        return response
+
+
+def mount_status_page(app: FastAPI) -> None:
+    """The status page at ``/`` (static files, read-only, no token: it only reads /v1/status)."""
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers=PAGE_HEADERS)
+
+    app.mount("/static", _PageFiles(directory=STATIC_DIR), name="static")
 
 
 def _version() -> str:

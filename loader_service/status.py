@@ -79,6 +79,15 @@ class Totals(_Frozen):
     refused_handshakes: int = 0  # on the data port: unknown keys, no keys, wrong server key
 
 
+SKIPS_SHOWN = 20  # the most recent skipped samples kept for the status
+
+
+class SkippedSample(_Frozen):
+    dataset: str
+    index: int
+    reason: str
+
+
 class StageSeconds(_Frozen):
     read: float
     decode_augment: float
@@ -103,3 +112,5 @@ class ServiceStatus(_Frozen):
     task_deadline_s: float  # the deadline a one-batch task of the median batch size gets now
     autoscaler: dict
     decode_path: str = ""  # how JPEGs are decoded: "native-roi (libjpeg-turbo X.Y.Z)" or the simplejpeg fallback
+    shm_limit_bytes: int = 0  # the cap on shm_bytes (--max-shm-mb)
+    skipped_recent: List[SkippedSample] = []  # the last SKIPS_SHOWN samples skipped (on_error=skip), oldest first

@@ -68,6 +68,11 @@ def test_benchmark_runs_and_reports_three_contenders(tmp_path):
         assert contenders[name]["trainer_cpu_s_per_1000_img"] is not None
     assert len(result["targets"]) == 3
     assert "| service + RemoteLoader | 1 |" in stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the table's figure, next to it
 
 
 TRANSPORT_SCRIPT = os.path.join(ROOT, "bench", "bench_transport.py")
