@@ -103,24 +103,18 @@ def h2d(batch: int, size: int, iters: int, warmup: int) -> dict:
     out["pageable"] = gbps(nbytes, per_call(lambda: pageable.to(dev), iters, warmup, True))
     out["raw_pinned"] = gbps(nbytes, per_call(lambda: pinned.to(dev, non_blocking=True), iters, warmup, True))
     for normalize in (False, True):
-        sink = CudaSink(_config(batch, size, str(dev), normalize))
-        for slot in sink._ring:
+        sink = CudaSink(_config(batch, size, str(dev), normalize), held=2)
+        for slot in sink._slots:
             slot.images.copy_(pageable.view(-1))
         k = [0]
 
         def one():
-            # CudaSink.receive without the socket: slot wait, then the slot's bytes as they are
-            slot = sink._ring[sink._next_slot]
-            sink._next_slot = (sink._next_slot + 1) % len(sink._ring)
-            if slot.copied is not None:
-                sink._wait_slot_free(slot)
+            # CudaSink.receive without the socket: a free slot (slot wait), its bytes as they are
+            slot = sink._take_slot()
             msg = P.Batch(stream=1, epoch=0, index=k[0], indices=list(range(batch)), shape=list(shape))
             k[0] += 1
-            sink.push(msg, (slot, slot.images.view(shape), slot.labels))
-            for b in sink.ready(final=False):
-                sink.hand_over(b)
+            sink.hand_over(sink.push(msg, (slot, slot.images.view(shape), slot.labels)))
 
-        sink.begin(0)
         out["ring_normalize" if normalize else "ring"] = gbps(nbytes, per_call(one, iters, warmup, True))
         sink.close()
     return out
@@ -186,14 +180,11 @@ def receive(batch: int, size: int, iters: int, warmup: int, cuda: bool) -> dict:
 
         out["recv_only"] = gbps(nbytes, per_call(recv_only, iters, warmup, False))
         device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
-        sink = make_sink(_config(batch, size, device))
-        sink.begin(0)
+        sink = make_sink(_config(batch, size, device), held=2)
 
         def through_sink():
             msg = sender.recv_header()
-            sink.push(msg, sink.receive(sender.pull, msg))
-            for b in sink.ready(final=False):
-                sink.hand_over(b)
+            sink.hand_over(sink.push(msg, sink.receive(sender.pull, msg)))
 
         out["recv_sink"] = gbps(nbytes, per_call(through_sink, iters, warmup, cuda))
         sink.close()

@@ -136,6 +136,10 @@ class Dispatcher:
             (zmq.SNDHWM, 0),  # credits bound what is queued; a full ROUTER would drop batches
             (zmq.RCVHWM, 0),
             (zmq.MAXMSGSIZE, P.MAX_CLIENT_MESSAGE_BYTES),  # oversized: the peer is disconnected
+            # a client's new connection takes over its identity at once: after a freeze or a network
+            # blip its old connection may not be torn down yet, and without handover the new one's
+            # messages would be dropped until then (the client would wait for an answer forever)
+            (zmq.ROUTER_HANDOVER, 1),
             (zmq.HEARTBEAT_IVL, int(config.heartbeat_s * 1000)),
             (zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_s * 3000)),
         ):
