@@ -16,7 +16,11 @@ service restart the loader starts its stream again from it.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
+import uuid
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
@@ -66,6 +70,8 @@ class RemoteLoader:
         """``endpoint``: one ``tcp://host:port``, or a list of service replicas to spread this
         rank's batches over (see :func:`client.resolve_endpoints` for a DNS name)."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not options.get("job"):
+            options["job"] = default_job()
         if not endpoints:
             raise ValueError("endpoint: give at least one tcp://host:port")
         self.endpoints = endpoints
@@ -84,9 +90,14 @@ class RemoteLoader:
         self._spare: List[Replica] = []  # a second connection per replica, for epoch lookahead
         self._ahead: Optional[_Lookahead] = None  # the next epoch, already streaming on the spare set
         self._stream = 0
+        self._client_id = uuid.uuid4().hex  # all this loader's connections: one client to the services
         self._epoch = 0
         self._next_batch = 0
         self._epoch_set = False  # set_epoch since the last iteration: no auto-advance (see __iter__)
+        self._resume = False  # the next iteration resumes at a cursor from load_state_dict
+        self._pending_epoch: Optional[int] = None  # set_epoch during an epoch: for the next iteration
+        self._live: Optional["weakref.ref"] = None  # the iterator of the epoch in progress
+        self._iter_lock = threading.Lock()
         self._dataset_length: Optional[int] = None
         self._stats = LoaderStats()
         self._closed = False
@@ -101,30 +112,53 @@ class RemoteLoader:
         return num_batches(self._dataset_length, c.batch_size, c.world_size, c.drop_last) * c.echo
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next iteration serves (as with DistributedSampler).
-
-        Setting the epoch the cursor is already in keeps its position, so a loader restored
-        from a ``state_dict`` resumes where it was: mid-epoch, the rest of it; at the end of an
-        epoch, nothing (the usual ``for epoch in range(saved_epoch, epochs): set_epoch(epoch)``
-        loop then goes on with the next epoch, as it should).
-        """
+        """Select the epoch the next iteration serves (as with DistributedSampler). Called while
+        an epoch is being iterated, it applies to the next iteration (the cursor, and so
+        :meth:`state_dict`, stay on the epoch in progress)."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
+        with self._iter_lock:
+            if self._live_iterator() is not None:
+                self._pending_epoch = epoch
+                return
+            self._select_epoch(epoch)
+
+    def _select_epoch(self, epoch: int) -> None:
         if epoch != self._epoch:
-            self._epoch, self._next_batch = epoch, 0
+            # another epoch from its start; a loaded cursor in the same epoch is kept (resume)
+            self._epoch, self._next_batch, self._resume = epoch, 0, False
         self._epoch_set = True
 
     def __iter__(self) -> Iterator[Batch]:
-        """The rest of the current epoch. Iterating again without :meth:`set_epoch` once an
-        epoch is done starts the next one, like a DataLoader."""
+        """One epoch, DataLoader-style: the current epoch from its first batch, except the first
+        iteration after :meth:`load_state_dict`, which resumes at the loaded cursor. Iterating
+        again without :meth:`set_epoch` once an epoch is complete starts the next one. One live
+        iterator at a time: a second one is an error at once."""
         if self._closed:
             raise RuntimeError("this RemoteLoader is closed")
-        if self._dataset_length is None:
-            self._describe()
-        if not self._epoch_set and self._next_batch >= self._raw_len():
-            self._epoch, self._next_batch = self._epoch + 1, 0
-        self._epoch_set = False
-        return self._iterate(self._epoch, self._next_batch)
+        with self._iter_lock:
+            if self._live_iterator() is not None:
+                raise RuntimeError("this RemoteLoader already has a live iterator (another thread, or an "
+                                   "earlier iter() still referenced): finish or close it first; use one "
+                                   "loader per consumer")
+            if self._dataset_length is None:
+                self._describe()
+            if self._pending_epoch is not None:
+                self._select_epoch(self._pending_epoch)
+                self._pending_epoch = None
+            resume, self._resume = self._resume, False  # a loaded cursor is resumed once
+            if not self._epoch_set and self._next_batch >= self._raw_len():
+                self._epoch, self._next_batch = self._epoch + 1, 0
+            elif not resume:
+                self._next_batch = 0  # an epoch left part-way (a peek, a break) starts again
+            self._epoch_set = False
+            gen = self._iterate(self._epoch, self._next_batch)
+            self._live = weakref.ref(gen)
+            return gen
+
+    def _live_iterator(self):
+        gen = self._live() if self._live is not None else None
+        return gen if gen is not None and gen.gi_frame is not None else None
 
     def state_dict(self) -> dict:
         """The cursor: where the next iteration starts. Small, JSON-friendly."""
@@ -142,7 +176,11 @@ class RemoteLoader:
         if mismatched:
             detail = ", ".join(f"{k}: saved {a!r} vs loader {b!r}" for k, (a, b) in mismatched.items())
             raise ValueError(f"loader state does not match this loader's plan ({detail})")
-        self._epoch, self._next_batch = int(state["epoch"]), int(state["next_batch"])
+        with self._iter_lock:
+            if self._live_iterator() is not None:
+                raise RuntimeError("load_state_dict while an epoch is being iterated: finish or close it first")
+            self._epoch, self._next_batch = int(state["epoch"]), int(state["next_batch"])
+            self._resume, self._pending_epoch = True, None
 
     def stats(self) -> dict:
         """Counters since creation: batches, samples, bytes, wait_s (stall), h2d_s, restarts."""
@@ -315,7 +353,7 @@ class RemoteLoader:
             stream=self._stream, batch_size=c.batch_size, image_size=c.image_size, seed=c.seed, epoch=epoch,
             rank=c.rank, world_size=c.world_size, shuffle=c.shuffle, drop_last=c.drop_last, train=c.train,
             prefetch=c.prefetch, dataset=c.dataset, scale=list(c.scale), ratio=list(c.ratio), job=c.job,
-            batches=list(batches), lookahead=lookahead, on_demand=True))
+            batches=list(batches), lookahead=lookahead, on_demand=True, client=self._client_id))
 
     def _restart(self, r: Replica, flow: EpochFlow) -> None:
         """A new stream on ``r`` for the batches it was asked for and has not delivered."""
@@ -487,6 +525,18 @@ class RemoteLoader:
         return self._replicas
 
 
+def default_job() -> str:
+    """The job name a loader uses when given none: the launcher's id of this training, so that
+    the ranks of one training share it and unrelated trainings on one service never do:
+    ``TORCHELASTIC_RUN_ID`` (torchrun), else ``MASTER_ADDR:MASTER_PORT``; empty (no job rules)
+    outside a launcher."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return f"torchelastic:{run_id}"[:256]
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"{addr}:{port}"[:256] if addr and port else ""
+
+
 def resolve_endpoints(endpoint: str) -> List[str]:
     """``tcp://name:port`` -> one endpoint per address the name resolves to (a Kubernetes
     headless Service, say), sorted so every rank lists the replicas in the same order."""
@@ -501,4 +551,4 @@ def resolve_endpoints(endpoint: str) -> List[str]:
     return [f"tcp://[{a}]:{u.port}" if ":" in a else f"tcp://{a}:{u.port}" for a in addrs]
 
 
-__all__ = ["RemoteLoader", "LoaderStats", "resolve_endpoints"]
+__all__ = ["RemoteLoader", "LoaderStats", "default_job", "resolve_endpoints"]

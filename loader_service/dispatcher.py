@@ -47,6 +47,7 @@ from . import protocol as P
 from .config import ServiceConfig
 from .curve import HANDSHAKE_FAILED, secure_router
 from .deadlines import TaskDeadlines
+from .jobs import conflicts, describe_conflicts, plan_params
 from .jpeg import decode_path
 from .plan import PlanSpec, RankPlan, make_plan
 from .pool import WorkerPool
@@ -409,11 +410,13 @@ class Dispatcher:
         if hello.stream <= session.stream_id:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB,
                                 f"stream {hello.stream} is not newer than this client's stream {session.stream_id}")
-        session.stream_id, session.job = hello.stream, hello.job
+        session.stream_id, session.job, session.client_id = hello.stream, hello.job, hello.client
         if session.stream is not None:
             self._retire(session.stream)
         source = self._source(ident, hello.dataset, hello.stream)
         if source is None:
+            return
+        if hello.job and not self._admit_rank(session, hello, source.name):
             return
         if self.pool.broken:
             return self._refuse(ident, hello, P.ErrorCode.INTERNAL, self.pool.broken)
@@ -461,6 +464,31 @@ class Dispatcher:
                  "on demand, asked at once for" if hello.on_demand else "serves", len(order), nb,
                  " (lookahead)" if hello.lookahead else "")
         self._apply(stream, state.start())
+
+    def _admit_rank(self, session: Session, hello: P.Hello, dataset: str) -> bool:
+        """The job rules (jobs.py): refuse a rank whose plan differs from its job's connected
+        ranks; take a (job, rank) over from an older client. False: refused."""
+        params = plan_params(hello, dataset)
+        others = [x for x in self.sessions if x is not session and x.plan is not None and x.job == hello.job
+                  and x.client_id != hello.client]
+        for other in others:
+            diff = conflicts(params, other.plan)
+            if diff:
+                self._refuse(session.ident, hello, P.ErrorCode.BAD_JOB,
+                             describe_conflicts(hello.job, hello.rank, other.rank, diff))
+                return False
+        for other in others:
+            if other.rank == hello.rank:
+                why = (f"rank {hello.rank} of job {hello.job!r} was taken over by a newer client "
+                       f"({session.name}); two loaders must not serve one rank")
+                log.warning("client %s: %s", other.name, why)
+                other.plan = None
+                if other.stream is not None:
+                    self._end_stream(other.stream, Fail(P.ErrorCode.REPLACED, why))
+                else:
+                    self._send(other.ident, P.Error(code=P.ErrorCode.REPLACED, message=why))
+        session.rank, session.plan = hello.rank, params
+        return True
 
     def _on_credit(self, ident: bytes, session: Optional[Session], msg) -> None:
         """A Credit (more of a plain stream) or a Request (batches of an on-demand stream)."""
@@ -715,7 +743,8 @@ class Dispatcher:
                          task_s=round(now - w.task_started, 3) if w.task is not None else None)
             for w in pool.workers.values()
         ]
-        clients = [self._client_status(c, now) for c in self.sessions]
+        # one entry per client: a loader's second connection (its epoch lookahead) is not another client
+        clients = [self._client_status(c, now) for c in self._one_session_per_client()]
         c = self.counters
         problem = self.failure or pool.broken
         sizes = [s.hello.batch_size for s in (x.stream for x in self.sessions) if s is not None] or [1]
@@ -741,6 +770,20 @@ class Dispatcher:
     def status(self) -> dict:
         """:meth:`snapshot` as plain JSON-ready data."""
         return self.snapshot().model_dump(mode="json")
+
+    def _one_session_per_client(self) -> List[Session]:
+        """A loader's connections as one client: the one serving its current epoch if any."""
+        def rank(c: Session) -> int:
+            return 0 if c.stream is not None and not c.stream.lookahead else 1 if c.stream is not None else 2
+
+        shown: Dict[str, Session] = {}
+        out = []
+        for c in self.sessions:
+            if not c.client_id:
+                out.append(c)
+            elif c.client_id not in shown or rank(c) < rank(shown[c.client_id]):
+                shown[c.client_id] = c
+        return out + list(shown.values())
 
     @staticmethod
     def _client_status(c: Session, now: float) -> ClientStatus:

@@ -57,6 +57,7 @@ class ErrorCode:
     NO_CAPACITY = "no_capacity"
     SAMPLE_FAILED = "sample_failed"
     SHUTTING_DOWN = "shutting_down"
+    REPLACED = "replaced"  # a newer client took over this (job, rank)
     INTERNAL = "internal"
 
 
@@ -114,6 +115,7 @@ class Hello(Message):
     batches: list = field(default_factory=list)
     lookahead: bool = False  # the next epoch, started early: served only when nothing else waits
     on_demand: bool = False
+    client: str = ""  # the loader instance (all its connections): one (job, rank) belongs to one client
 
     def check(self) -> None:
         _range(self, "stream", 0)
@@ -134,8 +136,8 @@ class Hello(Message):
                 raise ProtocolError(f"{name} must satisfy 0 < min <= max, got {v!r}", ErrorCode.BAD_JOB)
         if self.scale[1] > 1:
             raise ProtocolError(f"scale max must be <= 1, got {self.scale[1]}", ErrorCode.BAD_JOB)
-        if len(self.job) > 256:
-            raise ProtocolError("job name longer than 256 characters", ErrorCode.BAD_JOB)
+        if len(self.job) > 256 or len(self.client) > 64:
+            raise ProtocolError("job name longer than 256 characters, or client id longer than 64", ErrorCode.BAD_JOB)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,9 @@ class Session:
     fd: int = -1
     fd_gen: int = 0
     job: str = ""
+    client_id: str = ""  # the loader instance behind this connection (Hello.client)
+    rank: int = -1
+    plan: Optional[dict] = None  # its job's plan parameters while it holds a rank of a named job (jobs.py)
     stream_id: int = -1  # highest stream this client started
     stream: Optional[object] = None  # its current dispatcher Stream, if any
     connected: float = field(default_factory=time.monotonic)
