@@ -58,12 +58,16 @@ ARG WHEELS=auto
 COPY deploy/docker/wheels/service/ /wheels/service/
 COPY pyproject.toml deploy/docker/requirements.py deploy/docker/pip-install.sh /src/
 RUN python3 -m venv /opt/venv && sh /src/pip-install.sh deps service
-# The native JPEG kernel (loader_service/_jpegroi.c) needs a C compiler and libjpeg-turbo's
-# headers here (the air-gapped base has them: deploy/docker/build-base.sh); the image must have
+# The native JPEG kernel (loader_service/_jpegroi.c) needs a C compiler, Python's and
+# libjpeg-turbo's headers here (the air-gapped base has them: deploy/docker/build-base.sh); the image must have
 # the fast path, so LOADER_REQUIRE_NATIVE_JPEG=1 makes a failed build fail the image build.
-RUN set -eu; \
-    [ -f /usr/include/jpeglib.h ] && command -v gcc >/dev/null || { apt-get update \
-        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev libjpeg62-turbo-dev \
+RUN set -eu; pkgs=""; \
+    [ -f /usr/include/jpeglib.h ] || pkgs="$pkgs libjpeg62-turbo-dev"; \
+    command -v gcc >/dev/null || pkgs="$pkgs gcc libc6-dev"; \
+    python3 -c 'import os, sysconfig; assert os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' \
+        2>/dev/null || pkgs="$pkgs python3-dev"; \
+    [ -z "$pkgs" ] || { apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $pkgs \
         && rm -rf /var/lib/apt/lists/*; }
 # The project itself, from source. --no-deps: the project's own dependency list includes torch,
 # which the service never imports.

@@ -22,8 +22,8 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CACHE=${LOADER_CONTAINER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/loader-service/container}
 # What the images need from Debian: the interpreter (+ venv, so pip can install wheels into
 # /opt/venv), tini as PID 1, CA certificates, and gcc + libjpeg-turbo (runtime and headers) for
-# the native JPEG kernel. Everything else comes from wheels.
-PACKAGES=python3,python3-venv,tini,ca-certificates,gcc,libc6-dev,libjpeg62-turbo,libjpeg62-turbo-dev
+# the native JPEG kernel (python3-dev: Python.h, to build it). Everything else comes from wheels.
+PACKAGES=python3,python3-venv,python3-dev,tini,ca-certificates,gcc,libc6-dev,libjpeg62-turbo,libjpeg62-turbo-dev
 RECIPE_VERSION=1
 
 # The cache key covers everything that changes the tarball.
