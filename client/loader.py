@@ -251,7 +251,7 @@ class RemoteLoader:
             while not flow.done:
                 t0 = time.perf_counter()
                 heard = max(heard, time.monotonic())  # the trainer's own time is no service's silence
-                probed = heard
+                probed, told = heard, False
                 while not in_order.ready(flow.next_yield):
                     now = time.monotonic()
                     wake = min(heard + c.timeout, probed + probe_s)
@@ -265,6 +265,11 @@ class RemoteLoader:
                         if now >= probed + probe_s:
                             self._probe(reps, flow)
                             probed = now
+                            if not told:  # one line per wait, so a stall is never silent
+                                told = True
+                                log.warning("waiting %.0fs for batch %d of epoch %d (asked of %s); nothing heard "
+                                            "for %.0fs of the %gs timeout", time.perf_counter() - t0,
+                                            flow.next_yield, epoch, self._owner(reps, flow), now - heard, c.timeout)
                         self._fail_over_dead(reps, flow, epoch, now)
                         self._ask(reps, flow)
                         continue
@@ -330,6 +335,13 @@ class RemoteLoader:
                 log.info("service replica %s is back; it takes batches again", r.endpoint)
                 r.dead = False
             self._restart(r, flow)
+
+    @staticmethod
+    def _owner(reps: List[Replica], flow: EpochFlow) -> str:
+        for r in reps:
+            if flow.next_yield in flow.outstanding[r.index]:
+                return r.endpoint
+        return "no replica yet: " + ", ".join(r.endpoint for r in reps)
 
     def _probe(self, reps: List[Replica], flow: EpochFlow) -> None:
         """Silence while batches are owed: ask again (an empty Request). A service that forgot

@@ -116,7 +116,8 @@ def test_a_frozen_service_resumes_its_ranks_exactly_once(demo_source):
         svc.stop()
 
 
-def test_loader_timeout_fires_within_a_second_of_its_deadline(demo_source):
+def test_loader_timeout_fires_within_a_second_of_its_deadline(demo_source, caplog):
+    caplog.set_level(logging.WARNING, logger="client")
     svc = ServiceProcess(free_port(), ["--demo", "--demo-size", str(N), "--workers", "1"])
     try:
         with RemoteLoader(svc.endpoint, batch_size=8, image_size=32, timeout=3, heartbeat_s=30,
@@ -130,6 +131,8 @@ def test_loader_timeout_fires_within_a_second_of_its_deadline(demo_source):
                     t0 = time.monotonic()  # batches already on their way still arrive
             waited = time.monotonic() - t0
         assert 3.0 <= waited < 4.0, f"LoaderTimeout after {waited:.2f}s of silence with timeout=3"
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting")]
+        assert len(said) == 1 and f"(asked of {svc.endpoint})" in said[0], said  # one line while it waited
     finally:
         svc.proc.send_signal(signal.SIGCONT)
         svc.stop()
