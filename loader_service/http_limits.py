@@ -22,6 +22,7 @@ Repeated warnings (refused connections, deadlines, malformed requests) are rate-
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -90,6 +91,9 @@ def raise_fd_limit(max_connections: int) -> int:
     return soft
 
 
+REFUSED_GRACE_S = 0.25  # a refused connection is closed this long after its 503 (see connection_made)
+
+
 class Counters:
     """What the guards refused, for ``/v1/status`` and the tests (written on the server's loop)."""
 
@@ -109,9 +113,14 @@ def guarded_protocol(max_connections: int, receipt_s: float, counters: Counters)
                 self.conn = None  # marks this protocol as refused: it never joins the server's state
                 counters.refused += 1
                 log.warning("REST: refusing connections over the cap of %d (max_http_connections)", max_connections)
-                # a fresh socket's send buffer takes this at once, so close() frees the descriptor now
+                # Answer, half-close, and close for good a moment later: closing a socket whose
+                # request bytes are still unread sends RST, and the client's kernel may then drop
+                # the 503 before the client reads it. The grace is short and refused connections
+                # are discarded as they read, so a flood holds few descriptors.
                 transport.write(TOO_MANY)
-                transport.close()
+                if transport.can_write_eof():
+                    transport.write_eof()
+                self._receipt = asyncio.get_event_loop().call_later(REFUSED_GRACE_S, transport.close)
                 return
             super().connection_made(transport)
             self._arm()
