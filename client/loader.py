@@ -22,7 +22,7 @@ import time
 import uuid
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 import zmq
 
@@ -232,11 +232,7 @@ class RemoteLoader:
             self._drop_lookahead()
             if start >= total:
                 return
-            flow = EpochFlow(start, total, self._window, self._window, len(reps))
-            initial = flow.assign((r.index for r in reps), time.monotonic())
-            for r in reps:
-                r.dead = False
-                self._hello(r, epoch, initial.get(r.index, []))
+            flow = self._start_epoch(reps, epoch, start, total)
         else:
             reps = self._replicas
         in_order = InOrder(flow.next_yield, c.device_prefetch, lambda _, item: self._sink.push(*item))
@@ -270,12 +266,12 @@ class RemoteLoader:
                                 log.warning("waiting %.0fs for batch %d of epoch %d (asked of %s); nothing heard "
                                             "for %.0fs of the %gs timeout", time.perf_counter() - t0,
                                             flow.next_yield, epoch, self._owner(reps, flow), now - heard, c.timeout)
-                        self._fail_over_dead(reps, flow, epoch, now)
+                        self._fail_over_dead(reps, flow, now)
                         self._ask(reps, flow)
                         continue
                     for r in reps:
                         if r.monitor in events:
-                            self._on_monitor(r, flow, epoch)
+                            self._on_monitor(r, flow)
                         if r.sock in events and self._pump(r, flow, in_order, total):
                             heard = probed = now
                     self._ask(reps, flow)
@@ -303,6 +299,17 @@ class RemoteLoader:
                 self._sink.discard(payload)
             self._sink.end()
 
+    def _start_epoch(self, reps: List[Replica], epoch: int, start: int, total: int,
+                     lookahead: bool = False) -> EpochFlow:
+        """The flow control of ``epoch`` from ``start`` over ``reps``, with a new stream on each
+        replica asking at once for what the flow assigns it."""
+        flow = EpochFlow(start, total, self._window, self._window, len(reps))
+        initial = flow.assign((r.index for r in reps), time.monotonic())
+        for r in reps:
+            r.dead = False
+            self._hello(r, epoch, initial.get(r.index, []), lookahead=lookahead)
+        return flow
+
     def _pump(self, r: Replica, flow: EpochFlow, in_order: InOrder, total: int) -> bool:
         """Read what ``r`` has (bounded per round, so one replica cannot starve the rest);
         True if anything came from the service."""
@@ -329,7 +336,7 @@ class RemoteLoader:
                 self._restart(r, flow)  # the service forgot us: ask again for what we miss
         return heard
 
-    def _on_monitor(self, r: Replica, flow: EpochFlow, epoch: int) -> None:
+    def _on_monitor(self, r: Replica, flow: EpochFlow) -> None:
         if r.on_monitor():  # back, maybe to a restarted service: start again with what it owes
             if r.dead:
                 log.info("service replica %s is back; it takes batches again", r.endpoint)
@@ -379,19 +386,11 @@ class RemoteLoader:
         """Start ``epoch`` on a second set of connections, so the service never idles between
         epochs. Best effort: adopted if the next iteration is that epoch from its start;
         otherwise (or if a service refuses it) those streams are released at once."""
-        c = self.config
         if any(r.dead or r.down_since is not None for r in self._replicas):
             return
         if not self._spare:
-            assert self._ctx is not None
-            self._spare = [Replica(self._ctx, e, c.heartbeat_s, i, self._curve, c.max_frame_bytes)
-                            for i, e in enumerate(self.endpoints)]
-        flow = EpochFlow(0, total, self._window, self._window, len(self._spare))
-        initial = flow.assign((r.index for r in self._spare), time.monotonic())
-        for r in self._spare:
-            r.dead = False
-            self._hello(r, epoch, initial.get(r.index, []), lookahead=True)
-        self._ahead = _Lookahead(epoch, flow)
+            self._spare = self._open_connections()
+        self._ahead = _Lookahead(epoch, self._start_epoch(self._spare, epoch, 0, total, lookahead=True))
 
     def _adopt_lookahead(self, epoch: int, start: int, total: int) -> Optional[EpochFlow]:
         """The lookahead's flow if it is for this epoch from its start and every service accepted
@@ -440,7 +439,7 @@ class RemoteLoader:
             r.close()
         self._spare = []
 
-    def _fail_over_dead(self, reps: List[Replica], flow: EpochFlow, epoch: int, now: float) -> None:
+    def _fail_over_dead(self, reps: List[Replica], flow: EpochFlow, now: float) -> None:
         """Give the outstanding batches of a replica that stayed down to the live ones."""
         if len(reps) < 2:
             return  # nobody else to ask: wait for it, up to `timeout`
@@ -532,9 +531,15 @@ class RemoteLoader:
             if self._closed:
                 raise RuntimeError("this RemoteLoader is closed")
             self._ctx = zmq.Context(1)
-            self._replicas = [Replica(self._ctx, e, self.config.heartbeat_s, i, self._curve, self.config.max_frame_bytes)
-                              for i, e in enumerate(self.endpoints)]
+            self._replicas = self._open_connections()
         return self._replicas
+
+    def _open_connections(self) -> List[Replica]:
+        """One connection per endpoint (the current set, or the lookahead's second set)."""
+        c = self.config
+        assert self._ctx is not None
+        return [Replica(self._ctx, e, c.heartbeat_s, i, self._curve, c.max_frame_bytes)
+                for i, e in enumerate(self.endpoints)]
 
 
 def default_job() -> str:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
