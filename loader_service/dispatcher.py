@@ -443,9 +443,8 @@ class Dispatcher:
         slot_bytes = hello.batch_size * hello.image_size * hello.image_size * 3
         what = f"prefetch {nslots} x {slot_bytes / 2**20:.1f} MiB"
         try:
-            if hello.lookahead:
-                self._check_lookahead_budget(ident, nslots * slot_bytes, what)
-            segment = self.arena.acquire(ident, nslots * slot_bytes, what)
+            segment = self.arena.acquire(ident, nslots * slot_bytes, what,
+                                         headroom=self._lookahead_headroom() if hello.lookahead else 0)
         except NoCapacity as exc:
             if hello.lookahead:  # best effort: the client starts the epoch plainly when it comes
                 return self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY, f"lookahead refused: {exc}", fatal=False)
@@ -526,16 +525,11 @@ class Dispatcher:
             return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
         self._apply(s, effects)
 
-    def _check_lookahead_budget(self, ident: bytes, nbytes: int, what: str) -> None:
-        """Lookahead takes memory only if, after it, a plain stream as large as the largest one
-        live could still start: an early next epoch never crowds out a current one."""
-        plain = [x.stream.segment.size for x in self.sessions if x.stream is not None and not x.stream.lookahead]
-        headroom = max(plain, default=0)
-        in_use = self.arena.in_use() - self.arena.held_by(ident)
-        if in_use + nbytes + headroom > self.arena.max_bytes:
-            raise NoCapacity(f"a lookahead of {nbytes / 2**20:.1f} MiB ({what}) would leave less than "
-                             f"{headroom / 2**20:.1f} MiB for a current epoch ({in_use / 2**20:.1f} of "
-                             f"{self.arena.max_bytes / 2**20:.0f} MiB in use)")
+    def _lookahead_headroom(self) -> int:
+        """What a lookahead must leave free: room for a plain stream as large as the largest one
+        live, so an early next epoch never crowds out a current one."""
+        return max((x.stream.segment.size for x in self.sessions if x.stream is not None and not x.stream.lookahead),
+                   default=0)
 
     def _drop_client(self, ident: bytes, why: str) -> None:
         session = self.sessions.pop(ident)

@@ -43,25 +43,33 @@ class SlotArena:
     def held_by(self, owner: bytes) -> int:
         return self._reserve[owner].size if owner in self._reserve else 0
 
-    def acquire(self, owner: bytes, nbytes: int, what: str) -> Segment:
+    def acquire(self, owner: bytes, nbytes: int, what: str, headroom: int = 0) -> Segment:
         """A segment of ``nbytes`` for ``owner``'s new stream: its reserve if that has the size,
-        else a new one. Raises :class:`NoCapacity` (``what`` describes the request)."""
+        else a new one. ``headroom``: bytes that must still be free afterwards (an epoch
+        lookahead leaves room for a current epoch). Raises :class:`NoCapacity` (``what``
+        describes the request); a refused owner keeps its reserve."""
         reserve = self._reserve.pop(owner, None)
-        if reserve is not None and reserve.size == nbytes:
-            self._live.add(reserve)
-            return reserve
-        if reserve is not None:
+        reuse = reserve is not None and reserve.size == nbytes
+        if reserve is not None and not reuse:
             reserve.close()  # another shape of job: its memory goes back before the check
-        # Reserves are a cache for their owners' next epoch, not a claim: a job that fits the
-        # cap is never refused because idle clients keep reserves. Oldest reserves go first.
-        while self._reserve and self.in_use() + nbytes > self.max_bytes:
-            self._reserve.pop(next(iter(self._reserve))).close()
-        in_use = self.in_use()
-        if in_use + nbytes > self.max_bytes:
-            raise NoCapacity(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
-                             f"{in_use / 2**20:.1f} of {self.max_bytes / 2**20:.0f} MiB are in use by "
-                             f"{len(self._live)} running streams")
-        seg = Segment.create(nbytes, tag="slots")
+        if not reuse or headroom:
+            # Reserves are a cache for their owners' next epoch, not a claim: a job that fits the
+            # cap is never refused because idle clients keep reserves. Oldest reserves go first.
+            while self._reserve and self.in_use() + nbytes + headroom > self.max_bytes:
+                self._reserve.pop(next(iter(self._reserve))).close()
+            in_use = self.in_use()
+            if in_use + nbytes + headroom > self.max_bytes:
+                if reuse:
+                    self._reserve[owner] = reserve
+                if headroom:
+                    raise NoCapacity(
+                        f"{nbytes / 2**20:.1f} MiB of batch slots ({what}) would leave less than "
+                        f"{headroom / 2**20:.1f} MiB for a current epoch ({in_use / 2**20:.1f} of "
+                        f"{self.max_bytes / 2**20:.0f} MiB in use)")
+                raise NoCapacity(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
+                                 f"{in_use / 2**20:.1f} of {self.max_bytes / 2**20:.0f} MiB are in use by "
+                                 f"{len(self._live)} running streams")
+        seg = reserve if reuse else Segment.create(nbytes, tag="slots")
         self._live.add(seg)
         return seg
 
