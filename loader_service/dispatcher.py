@@ -111,6 +111,21 @@ class Counters:
 
 
 @dataclass
+class _Opening:
+    """A stream admitted but not yet given its slots."""
+
+    session: Session
+    hello: P.Hello
+    source: Source
+    plan: RankPlan
+    order: List[int]
+    granted: int
+    final: bool
+    nslots: int
+    slot_bytes: int
+
+
+@dataclass
 class _Running:
     """A task on a worker."""
 
@@ -170,6 +185,7 @@ class Dispatcher:
         self.running: Dict[int, _Running] = {}  # task id -> where it runs
         self._deadline_heap: List[Tuple[float, int]] = []  # (deadline, task id)
         self.retiring: List[Stream] = []  # ended streams whose slots are still read by a task or send
+        self.waiting: Dict[bytes, _Opening] = {}  # client -> its new stream, until ending streams free its slots
         self.counters = Counters()
         self.recent_skips: Deque[SkippedSample] = deque(maxlen=SKIPS_SHOWN)  # for the status page
         self._task_ids = itertools.count()
@@ -411,6 +427,7 @@ class Dispatcher:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB,
                                 f"stream {hello.stream} is not newer than this client's stream {session.stream_id}")
         session.stream_id, session.job, session.client_id = hello.stream, hello.job, hello.client
+        self.waiting.pop(ident, None)
         if session.stream is not None:
             self._retire(session.stream)
         source = self._source(ident, hello.dataset, hello.stream)
@@ -441,15 +458,35 @@ class Dispatcher:
             granted, final = hello.prefetch, True
             nslots = max(1, min(hello.prefetch, len(order)))
         slot_bytes = hello.batch_size * hello.image_size * hello.image_size * 3
-        what = f"prefetch {nslots} x {slot_bytes / 2**20:.1f} MiB"
+        opening = _Opening(session, hello, source, plan, order, granted, final, nslots, slot_bytes)
+        if not self._open_stream(opening):
+            self.waiting[ident] = opening
+            log.info("client %s stream %d waits for %.1f MiB of slots that ending streams still hold",
+                     session.name, hello.stream, nslots * slot_bytes / 2**20)
+
+    def _open_stream(self, o: "_Opening") -> bool:
+        """Give ``o`` its slots and start serving it. False: it waits for memory that streams
+        ending now still hold (it is retried as they release it)."""
+        session, hello, ident, nb = o.session, o.hello, o.session.ident, o.plan.num_batches
+        what = f"prefetch {o.nslots} x {o.slot_bytes / 2**20:.1f} MiB"
         try:
-            segment = self.arena.acquire(ident, nslots * slot_bytes, what,
+            segment = self.arena.acquire(ident, o.nslots * o.slot_bytes, what,
                                          headroom=self._lookahead_headroom() if hello.lookahead else 0)
         except NoCapacity as exc:
             if hello.lookahead:  # best effort: the client starts the epoch plainly when it comes
-                return self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY, f"lookahead refused: {exc}", fatal=False)
-            return self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY,
-                                f"{exc}; lower prefetch or batch size, or raise --max-shm-mb")
+                self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY, f"lookahead refused: {exc}", fatal=False)
+                return True
+            # A stream that just ended keeps its slots until its last send leaves and its tasks
+            # finish (bounded by the task deadlines and the heartbeat); a job that fits once they
+            # are back waits for them instead of failing on a race with the client that left.
+            retiring = sum(s.segment.size for s in self.retiring)
+            if self.arena.in_use() - retiring + o.nslots * o.slot_bytes <= self.arena.max_bytes:
+                return False
+            self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY,
+                         f"{exc}; lower prefetch or batch size, or raise --max-shm-mb")
+            return True
+        order, granted, final, nslots, slot_bytes, source, plan = (o.order, o.granted, o.final, o.nslots,
+                                                                   o.slot_bytes, o.source, o.plan)
         state = StreamState(order, nslots, granted, plan.batch, source.describe, self.limits, final=final)
         stream = Stream(client=ident, hello=hello, source=source, plan=plan, segment=segment,
                         slot_bytes=slot_bytes, state=state, lookahead=hello.lookahead)
@@ -463,6 +500,7 @@ class Dispatcher:
                  "on demand, asked at once for" if hello.on_demand else "serves", len(order), nb,
                  " (lookahead)" if hello.lookahead else "")
         self._apply(stream, state.start())
+        return True
 
     def _admit_rank(self, session: Session, hello: P.Hello, dataset: str) -> bool:
         """The job rules (jobs.py): refuse a rank whose plan differs from its job's connected
@@ -497,6 +535,8 @@ class Dispatcher:
                                       message="this service has no stream for the client; start it again"))
             return
         s = session.stream
+        if s is None and ident in self.waiting and self.waiting[ident].hello.stream == msg.stream:
+            return self._waiting_credit(self.waiting[ident], msg)
         if s is None or s.id != msg.stream:
             return  # for a stream that already ended or was replaced
         # the stall figures are deltas since the connection's previous message: add, keep no baseline
@@ -525,6 +565,26 @@ class Dispatcher:
             return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
         self._apply(s, effects)
 
+    def _waiting_credit(self, o: "_Opening", msg) -> None:
+        """A Credit or Request for a stream still waiting for its slots: it counts when it opens."""
+        self.counters.client_wait_s += msg.wait_s
+        self.counters.client_h2d_s += msg.h2d_s
+        if isinstance(msg, P.Credit) and not o.hello.on_demand:
+            o.granted += msg.n
+        elif isinstance(msg, P.Request) and o.hello.on_demand:
+            o.order.extend(msg.batches)  # checked (range, repeats) by the stream once it opens
+            o.final = o.final or msg.final
+            o.granted = len(o.order)
+
+    def _open_waiting(self) -> None:
+        """Retry the streams waiting for slots, oldest first, now that some came back."""
+        for ident, o in list(self.waiting.items()):
+            del self.waiting[ident]
+            if self.sessions.get(ident) is not o.session or o.session.stream_id != o.hello.stream:
+                continue  # the client left or started another stream meanwhile
+            if not self._open_stream(o):
+                self.waiting[ident] = o
+
     def _lookahead_headroom(self) -> int:
         """What a lookahead must leave free: room for a plain stream as large as the largest one
         live, so an early next epoch never crowds out a current one."""
@@ -533,6 +593,7 @@ class Dispatcher:
 
     def _drop_client(self, ident: bytes, why: str) -> None:
         session = self.sessions.pop(ident)
+        self.waiting.pop(ident, None)
         if session is None:
             return
         if session.stream is not None:
@@ -582,7 +643,10 @@ class Dispatcher:
                 self.arena.release(s.segment, s.client if self.sessions.get(s.client) is not None else None)
             else:
                 keep.append(s)
+        released = len(keep) < len(self.retiring)
         self.retiring = keep
+        if released and self.waiting:
+            self._open_waiting()
 
     def _send_batch(self, s: Stream, e: SendBatch) -> None:
         indices = s.plan.batch(e.batch)
@@ -835,7 +899,7 @@ class Dispatcher:
         finally:
             for session in self.sessions:
                 self._drop_client(session.ident, "service stopping")
-            self.retiring = []
+            self.retiring, self.waiting = [], {}
             self.monitor.close(0)
             self.front.close()  # LINGER (CLOSE_LINGER_MS) lets the goodbyes above leave
             self.guard.close()  # the ZAP handler's socket would hold term() up
