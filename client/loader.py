@@ -318,6 +318,9 @@ class RemoteLoader:
             if not r.sock.poll(0):
                 break
             msg, payload = self._recv(r)
+            if isinstance(msg, P.Progress):  # the service is alive, but the timeout counts until a batch
+                r.progress, r.progress_at = msg, time.monotonic()
+                continue
             heard = True
             if msg is None:
                 continue
@@ -328,6 +331,7 @@ class RemoteLoader:
                         "do all replicas serve the same dataset?"))
                 r.accepted = True
             elif isinstance(msg, P.Batch):
+                r.progress = None
                 if not flow.on_batch(r.index, msg.index, time.monotonic()):
                     self._sink.discard(payload)
                     raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
@@ -356,7 +360,7 @@ class RemoteLoader:
         and the stream starts again from what it owed; one that knows it says nothing."""
         for r in reps:
             if not r.dead and r.stream >= 0 and flow.outstanding[r.index]:
-                r.request([], self._stats.batches)
+                r.request([], self._stats.batches, probe=True)
 
     def _ask(self, reps: List[Replica], flow: EpochFlow) -> None:
         """Request what the flow control allows of the replicas that can take requests."""
@@ -498,8 +502,14 @@ class RemoteLoader:
             raise LoaderTimeout(f"lost the connection to the loader service at {where} "
                                 f"{time.monotonic() - min(r.down_since for r in down):.0f}s ago and it has not "
                                 f"come back within {c.timeout:g}s")
-        raise LoaderTimeout(f"no message from the loader service at {where} for {c.timeout:g}s; is "
-                            "it running and reachable? (start one with: loader-service serve --demo)")
+        if not any(r.was_connected for r in reps):
+            raise LoaderTimeout(f"could not connect to the loader service at {where} within {c.timeout:g}s; is "
+                                "it running and reachable? (start one with: loader-service serve --demo)")
+        said = [_progress_text(r) for r in reps if r.progress is not None]
+        if said:
+            raise LoaderTimeout(f"no batch for {c.timeout:g}s: " + "; ".join(said))
+        raise LoaderTimeout(f"the loader service at {where} is connected but has answered nothing for "
+                            f"{c.timeout:g}s (is its process stopped or stuck? its /healthz and log say more)")
 
     def _describe(self) -> None:
         """Learn the dataset's length from whichever replica answers first."""
@@ -569,3 +579,22 @@ def resolve_endpoints(endpoint: str) -> List[str]:
 
 
 __all__ = ["RemoteLoader", "LoaderStats", "default_job", "resolve_endpoints"]
+
+
+def _progress_text(r: Replica) -> str:
+    """What ``r``'s service last said it does for our stream, in words."""
+    p, age = r.progress, time.monotonic() - r.progress_at
+    where = f"the loader service at {r.endpoint}"
+    if p.workers == 0:
+        text = f"{where} is alive but has no workers (its /healthz says why)"
+    elif p.tasks:
+        text = f"{where} is alive but slow: batch {p.batch} has been decoding for {p.task_s:.0f}s"
+        if p.sample >= 0:
+            text += f", its worker on sample {p.sample} ({p.file}) for {p.sample_s:.0f}s"
+    elif p.busy >= p.workers:
+        text = (f"{where} is alive and all its {p.workers} workers are busy with other clients' tasks; "
+                f"{p.waiting} of this loader's batches wait for one")
+    else:
+        text = f"{where} is alive with {p.workers} workers ({p.busy} busy); {p.waiting} of this loader's batches wait"
+    return text + (f" (said {age:.0f}s ago)" if age >= 1 else "")
+

@@ -52,6 +52,10 @@ class Replica:
         self.stream = -1
         self.epoch = 0  # of the current stream
         self.accepted = False  # the service accepted the current stream
+        # what the service last said it does for our stream (answer to a probe), and when;
+        # cleared by each batch, so it always describes the current wait
+        self.progress: Optional[P.Progress] = None
+        self.progress_at = 0.0
         # stall seconds not yet reported to this replica's service (each service hears all of them once)
         self.wait_s = 0.0
         self.h2d_s = 0.0
@@ -63,13 +67,15 @@ class Replica:
 
     def hello(self, stream: int, hello: P.Hello) -> None:
         """Start ``stream`` on this connection (``hello``'s stream field is set here)."""
-        self.stream, self.epoch, self.accepted = stream, hello.epoch, False
+        self.stream, self.epoch, self.accepted, self.progress = stream, hello.epoch, False, None
         self.send(dataclasses.replace(hello, stream=stream))
 
-    def request(self, batches, consumed: int, promote: bool = False, final: bool = False) -> None:
-        """Ask the current stream for ``batches``, with the stall seconds since the last report."""
+    def request(self, batches, consumed: int, promote: bool = False, final: bool = False,
+                probe: bool = False) -> None:
+        """Ask the current stream for ``batches``, with the stall seconds since the last report
+        (``probe``: and for a :class:`~loader_service.protocol.Progress` report)."""
         self.send(P.Request(stream=self.stream, batches=list(batches), wait_s=self.wait_s, h2d_s=self.h2d_s,
-                            consumed=consumed, promote=promote, final=final))
+                            consumed=consumed, promote=promote, final=final, probe=probe))
         self.wait_s = self.h2d_s = 0.0
 
     def on_monitor(self) -> bool:

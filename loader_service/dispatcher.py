@@ -536,9 +536,15 @@ class Dispatcher:
             return
         s = session.stream
         if s is None and ident in self.waiting and self.waiting[ident].hello.stream == msg.stream:
-            return self._waiting_credit(self.waiting[ident], msg)
+            o = self.waiting[ident]
+            self._waiting_credit(o, msg)
+            if getattr(msg, "probe", False):
+                self._send(ident, self._progress(msg.stream, None, len(o.order)))
+            return
         if s is None or s.id != msg.stream:
             return  # for a stream that already ended or was replaced
+        if getattr(msg, "probe", False):
+            self._send(ident, self._progress(s.id, s, s.state.not_started))
         # the stall figures are deltas since the connection's previous message: add, keep no baseline
         self.counters.client_wait_s += msg.wait_s
         self.counters.client_h2d_s += msg.h2d_s
@@ -564,6 +570,34 @@ class Dispatcher:
         except ValueError as exc:  # a batch asked for twice
             return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
         self._apply(s, effects)
+
+    def _progress(self, stream_id: int, s: Optional[Stream], not_started: int) -> P.Progress:
+        """What the service does for stream ``s`` now (None: not yet opened), for a client that
+        has waited a while: its longest-running task, and the sample that task's worker is on."""
+        counts = self.pool.counts()
+        base = dict(stream=stream_id, workers=self.pool.live_count(),
+                    busy=counts.get("busy", 0) + counts.get("leaving", 0), waiting=not_started)
+        mine = [(tid, r) for tid, r in self.running.items() if r.stream is s] if s is not None else []
+        if not mine:
+            return P.Progress(tasks=0, **base)
+        tid, r = min(mine, key=lambda x: x[1].started)
+        task = s.state.tasks.get(tid)
+        batch = task.batch if task is not None else -1
+        sample, file, sample_s = -1, "", 0.0
+        w = self.pool.workers.get(r.worker)
+        if task is not None and w is not None and w.task == tid:
+            pos, sample_s = w.current_sample()
+            indices = s.plan.batch(task.batch)
+            if task.pos >= 0:  # a one-sample task: its only sample
+                pos = task.pos if pos == 0 else -1
+            if 0 <= pos < len(indices):
+                sample = int(indices[pos])
+                try:
+                    file = s.source.describe(sample)
+                except Exception as exc:  # a name is a courtesy; the progress report still goes
+                    file = f"(no name: {type(exc).__name__})"
+        return P.Progress(tasks=len(mine), batch=batch, task_s=time.monotonic() - r.started, sample=sample,
+                          file=file, sample_s=sample_s, **base)
 
     def _waiting_credit(self, o: "_Opening", msg) -> None:
         """A Credit or Request for a stream still waiting for its slots: it counts when it opens."""

@@ -12,7 +12,7 @@ import logging
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import zmq
 
@@ -38,6 +38,17 @@ class WorkerRecord:
     busy_s: float = 0.0
     started_at: float = 0.0
     task_started: float = 0.0
+    # Shared with the worker: [position in its task of the sample it is on (-1: none), when that
+    # sample began (time.monotonic, one clock for all processes)]. Tells a waiting client which
+    # file a slow task is stuck on; two stores per sample in the worker.
+    progress: Optional[Any] = None
+
+    def current_sample(self) -> Tuple[int, float]:
+        """(position in the task, seconds on it) of the sample the worker is on; (-1, 0) if unknown."""
+        if self.progress is None or self.task is None:
+            return -1, 0.0
+        pos, since = self.progress[0], self.progress[1]
+        return (int(pos), max(0.0, time.monotonic() - since)) if pos >= 0 else (-1, 0.0)
 
 
 class WorkerPool:
@@ -98,12 +109,13 @@ class WorkerPool:
     def _spawn(self) -> None:
         wid = self._next_id
         self._next_id += 1
+        progress = self._mp.RawArray("d", [-1.0, 0.0])
         proc = self._mp.Process(
-            target=worker_main, args=(wid, self.endpoint, self._specs, self._death_r, self._decode),
+            target=worker_main, args=(wid, self.endpoint, self._specs, self._death_r, self._decode, progress),
             name=f"loader-worker-{wid}", daemon=True,
         )
         proc.start()
-        self.workers[wid] = WorkerRecord(wid, proc, pid=proc.pid or 0, started_at=time.monotonic())
+        self.workers[wid] = WorkerRecord(wid, proc, pid=proc.pid or 0, started_at=time.monotonic(), progress=progress)
         self.version += 1
         log.info("worker %d started (pid %s)", wid, proc.pid)
 

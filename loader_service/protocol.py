@@ -39,6 +39,7 @@ class MsgType(IntEnum):
     END_OF_EPOCH = 12
     ERROR = 13
     DATASET_INFO = 14
+    PROGRESS = 15
     # worker <-> dispatcher (inside the service)
     READY = 20
     TASK = 21
@@ -177,6 +178,7 @@ class Request(Message):
     consumed: int = 0
     promote: bool = False
     final: bool = False  # nothing more will be asked: the stream ends once these are sent
+    probe: bool = False  # the client has heard nothing for a while: answer with a Progress
 
     def check(self) -> None:
         _range(self, "stream", 0)
@@ -277,6 +279,24 @@ class DatasetInfo(Message):
     dataset: str
     length: int
     num_classes: int
+
+
+@dataclass(frozen=True)
+class Progress(Message):
+    """The answer to a probing :class:`Request`: what the service is doing for the stream, so a
+    client that times out can say whether the service is slow, starved or out of workers."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PROGRESS
+    stream: int
+    workers: int  # live workers of the service
+    busy: int  # of them, busy with any client's task
+    tasks: int  # tasks of this stream running now
+    waiting: int = 0  # batches of this stream asked for and not yet started
+    batch: int = -1  # the batch of this stream's longest-running task (-1: none is running)
+    task_s: float = 0.0  # how long that task has run
+    sample: int = -1  # the dataset index its worker is on (-1: unknown)
+    file: str = ""  # where that sample comes from (a path, a key)
+    sample_s: float = 0.0  # how long the worker has been on it
 
 
 # --------------------------------------------------------------------------- inside the service

@@ -249,6 +249,11 @@ class StreamState:
         return self.done and not self.tasks and not self.sending
 
     @property
+    def not_started(self) -> int:
+        """Batches asked for (and granted) that no worker has started yet."""
+        return max(0, min(len(self.order), self.granted) - self.next_dispatch) + len(self.redo)
+
+    @property
     def to_send(self) -> int:
         return len(self.order)
 

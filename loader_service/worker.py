@@ -32,8 +32,9 @@ BENCH_SKIP_DECODE_ENV = "LOADER_BENCH_SKIP_DECODE"
 
 
 def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn,
-                decode: DecodeOptions = DEFAULT_OPTIONS) -> None:
-    """Entry point of a worker process. Returns when told to stop or when the service dies."""
+                decode: DecodeOptions = DEFAULT_OPTIONS, progress=None) -> None:
+    """Entry point of a worker process. Returns when told to stop or when the service dies.
+    ``progress``: shared ``[position, since]`` of the sample being worked on (see pool.py)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the service, which stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     segments: "OrderedDict[str, Segment]" = OrderedDict()
@@ -67,7 +68,7 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
             msg, _ = P.decode(sock.recv_multipart(), expect=(P.Task, P.Stop))
             if isinstance(msg, P.Stop):
                 return
-            done = task_fn(msg, worker_id, sources, segments, decode)
+            done = task_fn(msg, worker_id, sources, segments, decode, progress)
             sock.send_multipart(P.encode(done))
     finally:
         for seg in segments.values():
@@ -79,7 +80,11 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
 
 
 def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments,
-             decode: DecodeOptions = DEFAULT_OPTIONS) -> P.Done:
+             decode: DecodeOptions = DEFAULT_OPTIONS, progress=None) -> P.Done:
+    """Decode ``task`` into its slot. ``progress`` (if given) is kept at [position, start time]
+    of the sample being read or decoded, and [-1, ...] once the task is done."""
+    if progress is None:
+        progress = [-1.0, 0.0]
     t_read = t_decode = 0.0
     try:
         source = sources[task.dataset]
@@ -92,6 +97,8 @@ def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments,
     skipped: list = []
     k = 0
     for pos, idx in enumerate(task.indices):
+        progress[1] = time.monotonic()
+        progress[0] = pos
         t0 = time.perf_counter()
         try:
             data = source.read(idx)
@@ -109,6 +116,7 @@ def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments,
                           error=f"sample {idx} ({_describe(source, idx)}) failed: {reason}",
                           traceback=traceback.format_exc())
     del out
+    progress[0] = -1
     return P.Done(task=task.task, worker=worker_id, ok=True, read_s=t_read, decode_s=t_decode, skipped=skipped)
 
 
@@ -119,7 +127,7 @@ def _describe(source: Source, idx: int) -> str:
         return f"sample {idx} (no name: {type(exc).__name__}: {exc})"
 
 
-def blank_task(task: P.Task, worker_id: int, sources, segments, decode=None) -> P.Done:
+def blank_task(task: P.Task, worker_id: int, sources, segments, decode=None, progress=None) -> P.Done:
     """The transport benchmark's task: done at once, nothing read or decoded (see above)."""
     return P.Done(task=task.task, worker=worker_id, ok=True)
 

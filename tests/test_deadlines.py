@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import threading
 import httpx
 import pytest
 
-from client import LoaderError, RemoteLoader
+from client import LoaderError, LoaderTimeout, RemoteLoader
 from loader_service.sources.fault import FaultSource
 from loader_service.testing import ROOT, free_port
 
@@ -120,3 +121,25 @@ def test_serve_exits_non_zero_when_the_dispatcher_dies(tmp_path):
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "injected scheduler bug" in proc.stderr
+
+
+def test_a_timeout_while_a_sample_hangs_names_the_sample_and_its_file(make_service, demo_source):
+    """The service is alive but one read never returns (its deadline is far off): the client's
+    timeout says so, naming the batch, the sample and its file, not "is it running?"."""
+    stuck = 21  # batch 1, position 5, with shuffle off and batches of 16
+    svc = make_service(workers=1, task_deadline_s=120, sources={"demo": FaultSource(demo_source, hang=[stuck])})
+    with RemoteLoader(svc.endpoint, **{**KW, "shuffle": False, "timeout": 3}) as ld:
+        with pytest.raises(LoaderTimeout) as info:
+            collect(ld)
+    assert re.fullmatch(
+        rf"\[timeout\] no batch for 3s: the loader service at {re.escape(svc.endpoint)} is alive but slow: batch 1 has been "
+        rf"decoding for \d+s, its worker on sample {stuck} \({re.escape(demo_source.describe(stuck))}\) for \d+s"
+        r"( \(said \d+s ago\))?", str(info.value)), str(info.value)
+
+
+def test_a_timeout_on_a_service_without_workers_says_so(make_service):
+    svc = make_service(workers=0)
+    with RemoteLoader(svc.endpoint, **{**KW, "timeout": 2}) as ld:
+        with pytest.raises(LoaderTimeout, match=rf"no batch for 2s: the loader service at {re.escape(svc.endpoint)} "
+                                                r"is alive but has no workers \(its /healthz says why\)"):
+            collect(ld)

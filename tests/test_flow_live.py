@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 
 import pytest
@@ -90,9 +91,13 @@ def test_the_service_adds_up_the_clients_stall_exactly_once(service):
         wait_for(lambda: abs(reported() - mine) < 0.002, what=f"the service to report {mine:.3f}s of client wait")
 
 
-def test_a_frozen_service_resumes_its_ranks_exactly_once(demo_source):
-    """SIGSTOP for longer than the heartbeat timeout (the service drops both clients when it
-    continues), then SIGCONT: both ranks finish the epoch exactly once."""
+@pytest.mark.slow
+@pytest.mark.parametrize("freeze_s,taken", [(5, 1), (5, 7), (5, 14), (15, 7), (25, 1)],
+                         ids=["5s-start", "5s-middle", "5s-end", "15s-middle", "25s-start"])
+def test_a_frozen_service_resumes_its_ranks_exactly_once(demo_source, freeze_s, taken):
+    """The service is stopped (SIGSTOP: a VM pause, a swap storm) for longer than the heartbeat
+    timeout, after each rank has taken ``taken`` of its 15 batches, then continued: both ranks,
+    iterating at once, finish the epoch exactly once, in seconds, far inside their timeout."""
     svc = ServiceProcess(free_port(), ["--demo", "--demo-size", str(N), "--workers", "2"],
                          env={"LOADER_HEARTBEAT_S": "0.3"})
     try:
@@ -101,16 +106,34 @@ def test_a_frozen_service_resumes_its_ranks_exactly_once(demo_source):
                                 heartbeat_s=0.3, timeout=60, epoch_lookahead=False) for k in (0, 1)]
         iters = [iter(ld) for ld in loaders]
         for k in (0, 1):
-            got[k] += next(iters[k]).indices
+            for _ in range(taken):
+                got[k] += next(iters[k]).indices
         svc.proc.send_signal(signal.SIGSTOP)
-        time.sleep(3.0)  # the freeze being tested: > 3 heartbeats, so the service drops both clients
+        time.sleep(freeze_s)  # the freeze being tested, not a wait for some state
         svc.proc.send_signal(signal.SIGCONT)
-        for k in (0, 1):
-            for b in iters[k]:
-                got[k] += b.indices
+        resumed = time.monotonic()
+        errors = []
+
+        def finish(k):
+            try:
+                for b in iters[k]:
+                    got[k] += b.indices
+            except Exception as exc:  # reported by the main thread's assertion
+                errors.append(exc)
+
+        threads = [threading.Thread(target=finish, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)  # the loaders' own 60 s timeout ends a stuck wait first
+        took = time.monotonic() - resumed
         for ld in loaders:
             ld.close()
-        assert sorted(got[0] + got[1]) == list(range(N))
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        assert sorted(got[0] + got[1]) == list(range(N))  # exactly once across the ranks
+        # recovered by the protocol (a probe after at most 5 s of silence, then a restart from the
+        # cursor), not by waiting out the 60 s timeout
+        assert took < 30, f"the epoch ended {took:.1f}s after SIGCONT"
     finally:
         svc.proc.send_signal(signal.SIGCONT)
         svc.stop()
@@ -126,7 +149,8 @@ def test_loader_timeout_fires_within_a_second_of_its_deadline(demo_source, caplo
             next(it)
             svc.proc.send_signal(signal.SIGSTOP)
             t0 = time.monotonic()
-            with pytest.raises(LoaderTimeout):
+            with pytest.raises(LoaderTimeout, match=rf"the loader service at {svc.endpoint} is connected but has "
+                                                    r"answered nothing for 3s \(is its process stopped or stuck\?"):
                 for _ in it:
                     t0 = time.monotonic()  # batches already on their way still arrive
             waited = time.monotonic() - t0

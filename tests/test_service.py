@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from client import LoaderError, LoaderTimeout, RemoteLoader
-from loader_service import protocol as P
+from loader_service import protocol as P, shm
 from loader_service.config import ServiceConfig
 from loader_service.plan import PlanSpec, epoch_permutation, make_plan
 from loader_service.shm import list_segments
@@ -244,13 +244,13 @@ def test_killed_clients_free_their_buffers(service):
                  what="the service to drop the killed client and free its slots")
     after = status(service)
     assert after["shm_bytes"] == baseline["shm_bytes"] == 0
-    from loader_service import shm
     assert shm.list_segments(os.getpid()) == [n for n in shm.list_segments(os.getpid()) if "-index-" in n]
 
 
 def test_no_service_gives_a_timeout_naming_the_endpoint():
     with RemoteLoader("tcp://127.0.0.1:9", timeout=0.5, **KW) as ld:
-        with pytest.raises(LoaderTimeout, match=r"tcp://127.0.0.1:9 for 0.5s"):
+        with pytest.raises(LoaderTimeout, match=r"could not connect to the loader service at tcp://127.0.0.1:9 "
+                                                r"within 0.5s; is it running and reachable\?"):
             collect(ld)
 
 
@@ -319,6 +319,8 @@ def test_service_logs_throughput_while_serving_and_stays_quiet_when_idle(make_se
     svc._log_progress()
     assert len(lines()) == 1
     assert f"{N} samples delivered, 0 skipped" in lines()[0] and "workers: idle 2" in lines()[0]
+    # the client's last Request (its stream ends) and Bye may still be on their way
+    wait_for(lambda: not status(svc)["clients"], what="the client to have left")
     svc._log_progress()  # idle, nothing delivered since: quiet
     assert len(lines()) == 1
 
@@ -340,7 +342,6 @@ def test_status_log_interval_is_validated():
 
 
 def test_a_clients_next_epoch_reuses_its_batch_slots_and_leaving_frees_them(service):
-    from loader_service import shm
 
     def slot_segments():
         return sorted(n for n in shm.list_segments(os.getpid()) if "-slots-" in n)
@@ -386,8 +387,11 @@ def test_resume_from_an_epoch_end_checkpoint_in_the_usual_loop(service):
 
 
 def _deleted_shm_mappings(pid: int) -> list:
+    """The service's unlinked segments ``pid`` still maps (not multiprocessing's own arenas,
+    which it unlinks at once by design: the worker's progress cell lives in one)."""
     with open(f"/proc/{pid}/maps") as f:
-        return sorted({line.split()[-2] for line in f if "/dev/shm/" in line and line.rstrip().endswith("(deleted)")})
+        return sorted({line.split()[-2] for line in f if f"/dev/shm/{shm.PREFIX}" in line
+                       and line.rstrip().endswith("(deleted)")})
 
 
 def _shm_mappings(pid: int) -> list:
