@@ -585,7 +585,10 @@ def _progress_text(r: Replica) -> str:
     """What ``r``'s service last said it does for our stream, in words."""
     p, age = r.progress, time.monotonic() - r.progress_at
     where = f"the loader service at {r.endpoint}"
-    if p.workers == 0:
+    if p.no_slots:
+        text = (f"{where} is alive but its batch memory (--max-shm-mb) is all in use by other jobs' streams; "
+                f"{p.waiting} of this loader's batches wait for slots (its /v1/status shows who holds them)")
+    elif p.workers == 0:
         text = f"{where} is alive but has no workers (its /healthz says why)"
     elif p.tasks:
         text = f"{where} is alive but slow: batch {p.batch} has been decoding for {p.task_s:.0f}s"

@@ -52,6 +52,9 @@ class ServiceConfig:
     data_port: Annotated[int, opt("ZeroMQ data port (0: any free port)")] = 5555
     http_port: Annotated[int, opt("REST port, also the status page at / (0: any free port)")] = 8080
     max_shm_mb: Annotated[int, opt("cap on batch slots in shared memory, all clients together (MiB)")] = 4096
+    reclaim_idle_s: Annotated[float, opt(
+        "a connected client's stream that has asked for nothing, with nothing in flight, for this long lends its "
+        "batch slots to a job that needs them; it gets slots again with its next request")] = 10.0
     on_error: Annotated[str, opt("a sample that fails to decode: fail the client's epoch with the reason (raise) "
                                  "or deliver the batch without it (skip)", choices=ON_ERROR)] = "raise"
     heartbeat_s: Annotated[float, opt("ZMTP heartbeat interval; silent peers are dropped after 3 intervals")] = 2.0
@@ -117,6 +120,8 @@ class ServiceConfig:
             AutoscalePolicy.parse(self.autoscale, self.autoscale_interval_s)  # raises if malformed
         if self.max_shm_mb < 1 or self.demo_size < 1 or self.heartbeat_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("max_shm_mb, demo_size, heartbeat_s and stop_timeout_s must be positive")
+        if self.reclaim_idle_s < 0:
+            raise ValueError(f"reclaim_idle_s must be >= 0, got {self.reclaim_idle_s}")
         if self.task_deadline_s < 0 or self.task_deadline_floor_s <= 0:
             raise ValueError("task_deadline_s must be >= 0 (0: derived from measured task times) and "
                              f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")

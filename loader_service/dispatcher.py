@@ -78,17 +78,23 @@ class Stream:
     hello: P.Hello
     source: Source
     plan: RankPlan
-    segment: Segment
+    segment: Optional[Segment]  # None: lent out while the stream was quiet (see Dispatcher._lend)
     slot_bytes: int
     state: StreamState
     lookahead: bool  # low priority until the client promotes it
     wait_s: float = 0.0  # the client's stall figures during this stream (sum of its deltas)
     h2d_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
+    asked_at: float = field(default_factory=time.monotonic)  # the client's last ask for work
 
     @property
     def id(self) -> int:
         return self.hello.stream
+
+    @property
+    def nbytes(self) -> int:
+        """The size of its slots (held or lent)."""
+        return self.state.num_slots * self.slot_bytes
 
 
 @dataclass
@@ -185,7 +191,9 @@ class Dispatcher:
         self.running: Dict[int, _Running] = {}  # task id -> where it runs
         self._deadline_heap: List[Tuple[float, int]] = []  # (deadline, task id)
         self.retiring: List[Stream] = []  # ended streams whose slots are still read by a task or send
-        self.waiting: Dict[bytes, _Opening] = {}  # client -> its new stream, until ending streams free its slots
+        self.waiting: Dict[bytes, _Opening] = {}  # client -> its new stream, until slots free up for it
+        self.starved: List[Stream] = []  # streams asked for work after lending their slots, with none free yet
+        self._lend_due: Optional[float] = None  # when to retry those, as a quiet stream's slots become lendable
         self.counters = Counters()
         self.recent_skips: Deque[SkippedSample] = deque(maxlen=SKIPS_SHOWN)  # for the status page
         self._task_ids = itertools.count()
@@ -282,6 +290,7 @@ class Dispatcher:
                 if self.pool.broken:
                     self._fail_all(self.pool.broken)
                 self._release_idle_streams()
+                self._lend_if_due()
                 self._schedule()
         except BaseException as exc:
             self.failure = f"the dispatcher loop crashed: {type(exc).__name__}: {exc}"
@@ -291,7 +300,8 @@ class Dispatcher:
             self.close()
 
     def _poll_timeout_ms(self) -> Optional[int]:
-        """Until the next task deadline or the end of a draining stop (None: no deadline)."""
+        """Until the next task deadline, the next time a quiet stream's slots may be lent to one
+        that waits for slots, or the end of a draining stop (None: no deadline)."""
         now = time.monotonic()
         heap = self._deadline_heap
         while heap and heap[0][1] not in self.running:
@@ -299,6 +309,9 @@ class Dispatcher:
         ends = []
         if heap:
             ends.append(self._deadline_heap[0][0])
+        self._lend_due = self._next_lend_at(now)
+        if self._lend_due is not None:
+            ends.append(self._lend_due)
         if self._stop_by is not None:
             if now >= self._stop_by or not self.running:
                 self._running_loop = False
@@ -470,17 +483,15 @@ class Dispatcher:
         session, hello, ident, nb = o.session, o.hello, o.session.ident, o.plan.num_batches
         what = f"prefetch {o.nslots} x {o.slot_bytes / 2**20:.1f} MiB"
         try:
-            segment = self.arena.acquire(ident, o.nslots * o.slot_bytes, what,
-                                         headroom=self._lookahead_headroom() if hello.lookahead else 0)
+            if hello.lookahead:  # best effort: never at the cost of a current epoch, lent slots included
+                segment = self.arena.acquire(ident, o.nslots * o.slot_bytes, what, headroom=self._lookahead_headroom())
+            else:
+                segment = self._acquire(ident, o.nslots * o.slot_bytes, what)
         except NoCapacity as exc:
-            if hello.lookahead:  # best effort: the client starts the epoch plainly when it comes
+            if hello.lookahead:  # the client starts the epoch plainly when it comes
                 self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY, f"lookahead refused: {exc}", fatal=False)
                 return True
-            # A stream that just ended keeps its slots until its last send leaves and its tasks
-            # finish (bounded by the task deadlines and the heartbeat); a job that fits once they
-            # are back waits for them instead of failing on a race with the client that left.
-            retiring = sum(s.segment.size for s in self.retiring)
-            if self.arena.in_use() - retiring + o.nslots * o.slot_bytes <= self.arena.max_bytes:
+            if self._will_fit(o.nslots * o.slot_bytes):
                 return False
             self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY,
                          f"{exc}; lower prefetch or batch size, or raise --max-shm-mb")
@@ -539,12 +550,14 @@ class Dispatcher:
             o = self.waiting[ident]
             self._waiting_credit(o, msg)
             if getattr(msg, "probe", False):
-                self._send(ident, self._progress(msg.stream, None, len(o.order)))
+                self._send(ident, self._progress(msg.stream, None, len(o.order), no_slots=True))
             return
         if s is None or s.id != msg.stream:
             return  # for a stream that already ended or was replaced
         if getattr(msg, "probe", False):
-            self._send(ident, self._progress(s.id, s, s.state.not_started))
+            self._send(ident, self._progress(s.id, s, s.state.not_started, no_slots=s in self.starved))
+        if (isinstance(msg, P.Credit) and msg.n) or (isinstance(msg, P.Request) and msg.batches):
+            s.asked_at = time.monotonic()
         # the stall figures are deltas since the connection's previous message: add, keep no baseline
         self.counters.client_wait_s += msg.wait_s
         self.counters.client_h2d_s += msg.h2d_s
@@ -556,6 +569,8 @@ class Dispatcher:
             if s.hello.on_demand:
                 return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Credit on an on_demand stream; send Request"))
             s.state.grant(msg.n)
+            if s.segment is None and not s.state.settled:
+                self._take_slots_again(s)
             return
         if not s.hello.on_demand:
             return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Request on a stream that is not on_demand"))
@@ -570,13 +585,15 @@ class Dispatcher:
         except ValueError as exc:  # a batch asked for twice
             return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
         self._apply(s, effects)
+        if s.segment is None and not s.state.settled and not s.state.done:
+            self._take_slots_again(s)
 
-    def _progress(self, stream_id: int, s: Optional[Stream], not_started: int) -> P.Progress:
+    def _progress(self, stream_id: int, s: Optional[Stream], not_started: int, no_slots: bool) -> P.Progress:
         """What the service does for stream ``s`` now (None: not yet opened), for a client that
         has waited a while: its longest-running task, and the sample that task's worker is on."""
         counts = self.pool.counts()
         base = dict(stream=stream_id, workers=self.pool.live_count(),
-                    busy=counts.get("busy", 0) + counts.get("leaving", 0), waiting=not_started)
+                    busy=counts.get("busy", 0) + counts.get("leaving", 0), waiting=not_started, no_slots=no_slots)
         mine = [(tid, r) for tid, r in self.running.items() if r.stream is s] if s is not None else []
         if not mine:
             return P.Progress(tasks=0, **base)
@@ -598,6 +615,91 @@ class Dispatcher:
                     file = f"(no name: {type(exc).__name__})"
         return P.Progress(tasks=len(mine), batch=batch, task_s=time.monotonic() - r.started, sample=sample,
                           file=file, sample_s=sample_s, **base)
+
+    # ------------------------------------------------------------------ batch memory
+    # Policy (README, "Batch memory"): a job that fits --max-shm-mb is never refused because a
+    # connected client sits on slots. A reserve (slots kept for a client's next epoch) goes first;
+    # then the slots of a stream that has asked for nothing, with nothing in flight, for
+    # reclaim_idle_s are lent out, and that stream takes slots again with its next request (it
+    # waits, and says so in Progress and /v1/status, if none are free). A new stream that would fit
+    # once ending or quiet streams give theirs back waits for them; otherwise it is refused.
+
+    def _acquire(self, owner: bytes, nbytes: int, what: str, exclude: Optional[Stream] = None) -> Segment:
+        """A segment for ``owner``, lending the slots of quiet streams (longest quiet first) if
+        that makes room. Raises NoCapacity."""
+        while True:
+            try:
+                return self.arena.acquire(owner, nbytes, what)
+            except NoCapacity:
+                quiet = self._lendable(time.monotonic(), exclude)
+                lendable = sum(q.nbytes for q in quiet) + self.arena.reserved()
+                if not quiet or self.arena.in_use() - lendable + nbytes > self.arena.max_bytes:
+                    raise  # lending would not make room: lend nothing
+                self._lend(quiet[0])
+
+    def _lendable(self, now: float, exclude: Optional[Stream] = None) -> List[Stream]:
+        """Streams whose slots may be lent now, longest quiet first."""
+        return sorted((x.stream for x in self.sessions if x.stream is not None and x.stream is not exclude
+                       and x.stream.segment is not None and x.stream.state.settled
+                       and now - x.stream.asked_at >= self.config.reclaim_idle_s), key=lambda s: s.asked_at)
+
+    def _lend(self, s: Stream) -> None:
+        self.arena.release(s.segment, None)
+        s.segment = None
+        log.info("client %s stream %d has asked for nothing for %.0fs: its %.1f MiB of slots go to a job that "
+                 "needs them", s.client.hex()[:12], s.id, time.monotonic() - s.asked_at, s.nbytes / 2**20)
+
+    def _will_fit(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit once the streams ending now and the quiet ones (when their quiet
+        time is up) give their slots back: then a new stream waits rather than being refused."""
+        ending = sum(s.segment.size for s in self.retiring if s.segment is not None)
+        quiet = sum(x.stream.segment.size for x in self.sessions if x.stream is not None
+                    and x.stream.segment is not None and x.stream.state.settled)
+        return self.arena.in_use() - self.arena.reserved() - ending - quiet + nbytes <= self.arena.max_bytes
+
+    def _next_lend_at(self, now: float) -> Optional[float]:
+        """When the next quiet stream's slots become lendable, if something waits for slots.
+        (Streams lendable already were tried when that wait began or memory last came back.)"""
+        if not self.waiting and not self.starved:
+            return None
+        times = [x.stream.asked_at + self.config.reclaim_idle_s for x in self.sessions
+                 if x.stream is not None and x.stream.segment is not None and x.stream.state.settled]
+        return min((t for t in times if t > now), default=None)
+
+    def _lend_if_due(self) -> None:
+        """While something waits for slots: retry it when a quiet stream's slots may be lent
+        (its quiet time is up, or it went quiet after its time was up)."""
+        if not self.waiting and not self.starved:
+            return
+        now = time.monotonic()
+        if (self._lend_due is not None and now >= self._lend_due) or self._lendable(now):
+            self._lend_due = None
+            self._slots_freed()
+
+    def _take_slots_again(self, s: Stream) -> None:
+        """``s`` lent its slots and is asked for work: slots again, or wait for them."""
+        try:
+            s.segment = self._acquire(s.client, s.nbytes, f"prefetch {s.state.num_slots} x "
+                                      f"{s.slot_bytes / 2**20:.1f} MiB", exclude=s)
+        except NoCapacity:
+            if s not in self.starved:
+                self.starved.append(s)
+                log.info("client %s stream %d waits for %.1f MiB of slots (in use by other jobs)",
+                         s.client.hex()[:12], s.id, s.nbytes / 2**20)
+            return
+        if s in self.starved:
+            self.starved.remove(s)
+
+    def _slots_freed(self) -> None:
+        """Retry whatever waits for slots: new streams first (oldest first), then lent ones."""
+        if self.waiting:
+            self._open_waiting()
+        for s in list(self.starved):
+            session = self.sessions.get(s.client)
+            if s.state.done or session is None or session.stream is not s:
+                self.starved.remove(s)
+            else:
+                self._take_slots_again(s)
 
     def _waiting_credit(self, o: "_Opening", msg) -> None:
         """A Credit or Request for a stream still waiting for its slots: it counts when it opens."""
@@ -622,7 +724,7 @@ class Dispatcher:
     def _lookahead_headroom(self) -> int:
         """What a lookahead must leave free: room for a plain stream as large as the largest one
         live, so an early next epoch never crowds out a current one."""
-        return max((x.stream.segment.size for x in self.sessions if x.stream is not None and not x.stream.lookahead),
+        return max((x.stream.nbytes for x in self.sessions if x.stream is not None and not x.stream.lookahead),
                    default=0)
 
     def _drop_client(self, ident: bytes, why: str) -> None:
@@ -634,6 +736,7 @@ class Dispatcher:
             self._retire(session.stream)
         self.arena.forget(ident)
         log.info("client %s %s", session.name, why)
+        self._slots_freed()
 
     def _send(self, ident: bytes, msg: P.Message) -> None:
         self.front.send_multipart([ident, *P.encode(msg)])
@@ -674,13 +777,14 @@ class Dispatcher:
         keep = []
         for s in self.retiring:
             if s.state.idle:
-                self.arena.release(s.segment, s.client if self.sessions.get(s.client) is not None else None)
+                if s.segment is not None:
+                    self.arena.release(s.segment, s.client if self.sessions.get(s.client) is not None else None)
             else:
                 keep.append(s)
         released = len(keep) < len(self.retiring)
         self.retiring = keep
-        if released and self.waiting:
-            self._open_waiting()
+        if released:
+            self._slots_freed()
 
     def _send_batch(self, s: Stream, e: SendBatch) -> None:
         indices = s.plan.batch(e.batch)
@@ -736,7 +840,8 @@ class Dispatcher:
         if not idle or self._stop_by is not None:
             return
         streams = [c.stream for c in self.sessions if c.stream is not None]
-        self.scheduler.pick(streams, len(idle), lambda s: s.state.dispatchable(), lambda s: s.lookahead,
+        self.scheduler.pick(streams, len(idle), lambda s: s.segment is not None and s.state.dispatchable(),
+                            lambda s: s.lookahead,
                             lambda s: self._dispatch(s, idle.pop()))
 
     def _dispatch(self, s: Stream, worker) -> None:
@@ -836,7 +941,12 @@ class Dispatcher:
             for w in pool.workers.values()
         ]
         # one entry per client: a loader's second connection (its epoch lookahead) is not another client
-        clients = [self._client_status(c, now) for c in self._one_session_per_client()]
+        held: Dict[str, int] = {}  # a loader's batch memory over all its connections
+        for c in self.sessions:
+            key = c.client_id or c.name
+            held[key] = held.get(key, 0) + self._slot_bytes(c)
+        clients = [self._client_status(c, now, self._slots_word(c), held[c.client_id or c.name])
+                   for c in self._one_session_per_client()]
         c = self.counters
         problem = self.failure or pool.broken
         sizes = [s.hello.batch_size for s in (x.stream for x in self.sessions) if s is not None] or [1]
@@ -877,8 +987,21 @@ class Dispatcher:
                 shown[c.client_id] = c
         return out + list(shown.values())
 
+    def _slot_bytes(self, c: Session) -> int:
+        live = c.stream.segment.size if c.stream is not None and c.stream.segment is not None else 0
+        return live + self.arena.held_by(c.ident)
+
+    def _slots_word(self, c: Session) -> str:
+        """The ``slots`` field of ClientStatus (see there)."""
+        s = c.stream
+        if c.ident in self.waiting or (s is not None and s in self.starved):
+            return "waiting"
+        if s is not None:
+            return "stream" if s.segment is not None else "lent"
+        return "reserve" if self.arena.held_by(c.ident) else ""
+
     @staticmethod
-    def _client_status(c: Session, now: float) -> ClientStatus:
+    def _client_status(c: Session, now: float, slots: str, slot_bytes: int) -> ClientStatus:
         s = c.stream
         stream = None
         if s is not None:
@@ -891,7 +1014,8 @@ class Dispatcher:
                 credits=st.granted - st.next_send, in_flight=len(st.tasks), lookahead=s.lookahead,
                 skipped=st.skipped, wait_s=round(s.wait_s, 3), h2d_s=round(s.h2d_s, 3))
         return ClientStatus(client=c.name, job=c.job, batches=c.batches, samples=c.samples,
-                            connected_s=round(now - c.connected, 1), stream=stream)
+                            connected_s=round(now - c.connected, 1), stream=stream, slots=slots,
+                            slot_bytes=slot_bytes)
 
     def scale(self, n: int) -> dict:
         """Set the worker count (REST). Refused while the autoscaler owns the count."""
@@ -928,12 +1052,13 @@ class Dispatcher:
                                                   message="the service is stopping; reconnect and resume"))
             except zmq.ZMQError:
                 pass
+        self.waiting, self.starved = {}, []  # nothing opens while the service stops
         try:
             self.pool.close(timeout=self.config.stop_timeout_s)
         finally:
             for session in self.sessions:
                 self._drop_client(session.ident, "service stopping")
-            self.retiring, self.waiting = [], {}
+            self.retiring, self.waiting, self.starved = [], {}, []
             self.monitor.close(0)
             self.front.close()  # LINGER (CLOSE_LINGER_MS) lets the goodbyes above leave
             self.guard.close()  # the ZAP handler's socket would hold term() up

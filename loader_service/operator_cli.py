@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import urllib.error
 import urllib.request
 from typing import Optional
@@ -81,7 +80,7 @@ def format_status(st: dict) -> str:
     lines = [
         f"service {st['instance']}  up {st['uptime_s']:.0f}s  data port {st['data_port']}"
         + (" (CURVE)" if st.get("data_port_curve") else ""),
-        f"datasets: " + ", ".join(f"{n} ({d['length']} samples)" for n, d in st["datasets"].items()),
+        "datasets: " + ", ".join(f"{n} ({d['length']} samples)" for n, d in st["datasets"].items()),
         f"workers: target {w['target']}  " + "  ".join(f"{k} {v}" for k, v in sorted(w["counts"].items()))
         + f"  deaths {w['deaths']}" + (f"  BROKEN: {w['broken'].splitlines()[0]}" if w.get("broken") else ""),
         f"throughput: {st['throughput']['samples_per_s']:.1f} samples/s  delivered {t['samples']} samples "

@@ -292,6 +292,7 @@ class Progress(Message):
     busy: int  # of them, busy with any client's task
     tasks: int  # tasks of this stream running now
     waiting: int = 0  # batches of this stream asked for and not yet started
+    no_slots: bool = False  # they wait for batch memory that other jobs' streams use
     batch: int = -1  # the batch of this stream's longest-running task (-1: none is running)
     task_s: float = 0.0  # how long that task has run
     sample: int = -1  # the dataset index its worker is on (-1: unknown)

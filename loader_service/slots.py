@@ -38,7 +38,11 @@ class SlotArena:
 
     def in_use(self) -> int:
         """Bytes of every live segment and every reserve."""
-        return sum(s.size for s in self._live) + sum(s.size for s in self._reserve.values())
+        return sum(s.size for s in self._live) + self.reserved()
+
+    def reserved(self) -> int:
+        """Bytes of every reserve (what :meth:`acquire` may take back)."""
+        return sum(s.size for s in self._reserve.values())
 
     def held_by(self, owner: bytes) -> int:
         return self._reserve[owner].size if owner in self._reserve else 0

@@ -63,6 +63,10 @@ class ClientStatus(_Frozen):
     samples: int
     connected_s: float
     stream: Optional[StreamStatus]
+    # batch memory: "stream" (its stream's slots), "reserve" (kept for its next epoch), "lent"
+    # (its quiet stream's slots went to another job), "waiting" (it needs slots that are in use), ""
+    slots: str = ""
+    slot_bytes: int = 0
 
 
 class Totals(_Frozen):

@@ -249,6 +249,13 @@ class StreamState:
         return self.done and not self.tasks and not self.sending
 
     @property
+    def settled(self) -> bool:
+        """Live, with no slot in use and nothing asked that has not started: its slots could be
+        lent out and taken again later without losing anything."""
+        return (not self.done and not self.tasks and not self.ready and not self.sending and not self.isolated
+                and self.not_started == 0)
+
+    @property
     def not_started(self) -> int:
         """Batches asked for (and granted) that no worker has started yet."""
         return max(0, min(len(self.order), self.granted) - self.next_dispatch) + len(self.redo)

@@ -159,6 +159,7 @@ def test_status_page_follows_a_streaming_client(make_service, browser, tmp_path)
         assert row[0] == client["client"] and row[2] == "demo"
         assert _number(row[-1]) == client["samples"]
         assert row[5] == f"{client['stream']['sent']}/{client['stream']['num_batches']}"
+        assert client["slots"] == "stream" and row[-2] == f"stream {_fmt_bytes(client['slot_bytes'])}"
 
         for _ in range(6):
             permits.release()
@@ -203,3 +204,11 @@ def test_page_is_served_self_contained(service):
         urllib.request.urlopen(service.http_url + "/static/../config.py", timeout=10)
     err.value.close()
     assert err.value.code == 404
+
+
+def _fmt_bytes(b: float) -> str:
+    """The page's fmtBytes."""
+    units, i = ["B", "KiB", "MiB", "GiB", "TiB"], 0
+    while b >= 1024 and i < len(units) - 1:
+        b, i = b / 1024, i + 1
+    return f"{b:,.{1 if i else 0}f} {units[i]}"

@@ -114,6 +114,7 @@ function render(st) {
     return [c.client, c.job || "–", s ? s.dataset : "idle", s ? `${s.rank}/${s.world_size}` : "–",
       s ? s.epoch : "–", s ? `${s.sent}/${s.num_batches}` : "–",
       imgs === null ? "–" : fmtNum(imgs, 1), stall === null ? "–" : `${fmtNum(Math.min(100, 100 * stall), 1)}%`,
+      c.slots ? `${c.slots} ${fmtBytes(c.slot_bytes)}` : "–",
       { text: fmtInt(c.samples), value: c.samples }];
   }));
 
