@@ -250,11 +250,12 @@ class RemoteLoader:
                 probed, told = heard, False
                 while not in_order.ready(flow.next_yield):
                     now = time.monotonic()
-                    wake = min(heard + c.timeout, probed + probe_s)
+                    wake = min([heard + c.timeout, probed + probe_s, *self._cut_times(reps)])
                     if len(reps) > 1:  # wake up in time to notice a replica that stays down
                         wake = min(wake, now + c.replica_timeout / 2)
                     events = dict(poller.poll(max(1, int((wake - now) * 1000) + 1)))
                     now = time.monotonic()
+                    self._check_cut(reps, now)
                     if not events:
                         if now >= heard + c.timeout:
                             self._raise_timeout(reps)
@@ -443,12 +444,28 @@ class RemoteLoader:
             r.close()
         self._spare = []
 
+    @staticmethod
+    def _cut_times(reps: List[Replica]) -> List[float]:
+        return [t for t in (r.cut_at() for r in reps if not r.dead) if t is not None]
+
+    def _check_cut(self, reps: List[Replica], now: float) -> None:
+        """Raise at once when every connection was cut for breaking the protocol (a rogue peer,
+        an endpoint that is not a loader service): waiting out the timeout would change nothing."""
+        cut = [r for r in reps if r.cut_at() is not None and now >= r.cut_at()]
+        if cut and all(r.dead or r in cut for r in reps):
+            raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
+                f"the connection to {', '.join(r.endpoint for r in cut)} was cut for breaking the protocol and is "
+                f"not retried: a peer that sends a frame over this loader's cap of {self.config.max_frame_bytes} "
+                "bytes (batch_size x image_size^2 x 3 + 1 MiB), or that is not a ZeroMQ peer, is refused; is this "
+                "endpoint a loader service?"))
+
     def _fail_over_dead(self, reps: List[Replica], flow: EpochFlow, now: float) -> None:
-        """Give the outstanding batches of a replica that stayed down to the live ones."""
+        """Give the outstanding batches of a replica that stayed down (or was cut) to the live ones."""
         if len(reps) < 2:
             return  # nobody else to ask: wait for it, up to `timeout`
         for r in reps:
-            if r.dead or r.down_since is None or now - r.down_since < self.config.replica_timeout:
+            cut = r.cut_at() is not None and now >= r.cut_at()
+            if r.dead or r.down_since is None or (now - r.down_since < self.config.replica_timeout and not cut):
                 continue
             live = [x for x in reps if not x.dead and x is not r and x.down_since is None]
             if not live:
@@ -492,12 +509,7 @@ class RemoteLoader:
         c = self.config
         down = [r for r in reps if r.down_since is not None]
         where = ", ".join(r.endpoint for r in reps)
-        cut = [r.endpoint for r in down if not r.retried]
-        if cut:
-            raise LoaderTimeout(f"the connection to {', '.join(cut)} was cut for breaking the protocol and is not "
-                                f"retried: a peer that sends a frame over this loader's cap of {c.max_frame_bytes} "
-                                "bytes (batch_size x image_size^2 x 3 + 1 MiB), or that is not a ZeroMQ peer, is "
-                                "refused; is this endpoint a loader service?")
+        self._check_cut(reps, float("inf"))  # a cut shorter than its grace still is one at the timeout
         if down and len(down) == len(reps) and any(r.was_connected for r in reps):
             raise LoaderTimeout(f"lost the connection to the loader service at {where} "
                                 f"{time.monotonic() - min(r.down_since for r in down):.0f}s ago and it has not "
@@ -523,9 +535,10 @@ class RemoteLoader:
             poller.register(r.monitor, zmq.POLLIN)
         deadline = time.monotonic() + self.config.timeout
         while True:
-            left = deadline - time.monotonic()
+            left = min([deadline, *self._cut_times(reps)]) - time.monotonic()
             events = dict(poller.poll(max(0, left) * 1000)) if left > 0 else {}
-            if not events:
+            self._check_cut(reps, time.monotonic())
+            if not events and time.monotonic() >= deadline:
                 self._raise_timeout(reps)
             for r in reps:
                 if r.monitor in events and r.on_monitor():

@@ -15,6 +15,9 @@ from loader_service import protocol as P
 from .curve import EVENTS as HANDSHAKE_EVENTS, ClientKeys, HandshakeWatch, secure_dealer
 
 
+CUT_GRACE_S = 1.0  # a disconnect with no reconnect scheduled this long after it was a cut
+
+
 class Replica:
     """A DEALER socket to ``endpoint`` with its own connection monitor (read only through
     :meth:`on_monitor`). ``stream`` is the stream this connection is on (-1: none); which
@@ -30,6 +33,7 @@ class Replica:
         sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # the credits bound what can queue here
+        sock.setsockopt(zmq.SNDHWM, 0)  # requests are few (the window bounds them): a send fails only when cut
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # a rogue peer's 3 GB frame costs nothing
         sock.setsockopt(zmq.RECONNECT_IVL, 100)  # reconnect with exponential backoff ...
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # ... up to 2 s between tries
@@ -96,8 +100,19 @@ class Replica:
             return back
         return False
 
+    def cut_at(self) -> Optional[float]:
+        """When this connection counts as cut for good: libzmq schedules its reconnect (and says
+        so) within a millisecond of a disconnect it will retry, and never retries one it cut for
+        breaking the protocol. None while connected or retrying."""
+        return self.down_since + CUT_GRACE_S if self.down_since is not None and not self.retried else None
+
     def send(self, msg: P.Message) -> None:
-        self.sock.send_multipart(P.encode(msg))
+        """Queue ``msg`` (never blocks). A connection libzmq cut for good has nowhere to queue it:
+        the message is dropped, and the loader's cut check gives that replica up."""
+        try:
+            self.sock.send_multipart(P.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def drain(self) -> None:
         while self.sock.getsockopt(zmq.RCVMORE):
