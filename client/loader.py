@@ -561,7 +561,11 @@ class RemoteLoader:
         """One connection per endpoint (the current set, or the lookahead's second set)."""
         c = self.config
         assert self._ctx is not None
-        return [Replica(self._ctx, e, c.heartbeat_s, i, self._curve, c.max_frame_bytes)
+        # A service sends a connection at most `window` batches of its stream, plus as many of a
+        # stream being replaced and a few control messages: more can only come from a rogue peer,
+        # and libzmq then stops reading (backpressure, nothing dropped).
+        queued = 2 * self._window + 16
+        return [Replica(self._ctx, e, c.heartbeat_s, i, self._curve, c.max_frame_bytes, queued)
                 for i, e in enumerate(self.endpoints)]
 
 

@@ -24,15 +24,17 @@ class Replica:
     batches it was asked for is the loader's flow control's business (:mod:`client.flow`)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, index: int = 0,
-                 curve: Optional[ClientKeys] = None, max_frame_bytes: int = -1):
+                 curve: Optional[ClientKeys] = None, max_frame_bytes: int = -1, max_queued: int = 0):
         """``max_frame_bytes``: a peer that sends a larger frame is disconnected before libzmq
-        allocates it (ZMQ_MAXMSGSIZE); -1: no cap."""
+        allocates it (ZMQ_MAXMSGSIZE); -1: no cap. ``max_queued``: messages libzmq queues for
+        us before it stops reading the connection (0: no cap); with the frame cap it bounds
+        what a peer can make this process hold."""
         self.index = index  # position in the loader's endpoint list
         self.endpoint = endpoint
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)  # the credits bound what can queue here
+        sock.setsockopt(zmq.RCVHWM, max_queued)
         sock.setsockopt(zmq.SNDHWM, 0)  # requests are few (the window bounds them): a send fails only when cut
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # a rogue peer's 3 GB frame costs nothing
         sock.setsockopt(zmq.RECONNECT_IVL, 100)  # reconnect with exponential backoff ...
