@@ -5,6 +5,7 @@ against the raw decode limit of the same machine.
     python bench/bench_throughput.py [--data DIR] [--workers N] [--batch-size 64] [--epochs 2]
                                      [--image-size 224] [--demo-size 2000] [--json PATH]
                                      [--runs 3] [--step-ms 50] [--sweep-workers 1,2] [--sweep-prefetch 1,2,4]
+                                     [--sweep-step 0,30,60]
 
 Every contender does exactly the same work: the same images (the embedded demo set by
 default, or any ImageFolder / packed folder given with ``--data``), in the same plan order
@@ -616,6 +617,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="also run every contender at each of these decode process counts (a table and a figure)")
     p.add_argument("--sweep-prefetch", metavar="N,N,...", type=_int_list,
                    help="also run the service at each of these client prefetch depths: img/s and client stall")
+    p.add_argument("--sweep-step", metavar="MS,MS,...", type=_ms_list,
+                   help="run the prefetch sweep at each of these training steps (default: --step-ms); a line each")
     args = p.parse_args(argv)
     for name in ("workers", "batch_size", "epochs", "image_size", "demo_size", "runs"):
         if getattr(args, name) < 1:
@@ -644,12 +647,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                          for w in args.sweep_workers or ()}
         # the main table is the sweep's row for --workers when there is one: the same measurement
         all_runs = workers_sweep.get(args.workers) or run_contenders(settings, dataset_args, args.runs)
-        prefetch_sweep = {}
-        for n in args.sweep_prefetch or ():
-            prefetch_sweep[n] = []
-            for r in range(args.runs):
-                log(f"running {LABELS[SERVICE]} with prefetch {n} (run {r + 1}/{args.runs}) ...")
-                prefetch_sweep[n].append(bench_service(settings, dataset_args, prefetch=n))
+        prefetch_sweep: dict = {}  # {step ms: {prefetch: [Result per run]}}
+        for step_ms in (args.sweep_step or [args.step_ms]) if args.sweep_prefetch else ():
+            prefetch_sweep[step_ms] = {}
+            for n in args.sweep_prefetch:
+                prefetch_sweep[step_ms][n] = []
+                for r in range(args.runs):
+                    log(f"running {LABELS[SERVICE]} with prefetch {n}, step {step_ms:g} ms (run {r + 1}/{args.runs}) ...")
+                    prefetch_sweep[step_ms][n].append(
+                        bench_service(replace(settings, step_s=step_ms / 1000), dataset_args, prefetch=n))
     except KeyboardInterrupt:
         log("interrupted")
         return 130
@@ -673,12 +679,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                     {LABELS[n]: (list(workers_sweep), [median_run(r[n]).images_per_s for r in workers_sweep.values()])
                      for n in LABELS}, note)
     if prefetch_sweep:
-        out["sweep_prefetch"] = report_prefetch(prefetch_sweep)
+        out["sweep_prefetch"] = report_prefetch(prefetch_sweep, args.batch_size)
         plots.lines(plots.png_path(args.plot, args.json, __file__, "-prefetch"),
-                    f"client stall by prefetch depth ({args.workers} decode processes{step})", "prefetch (batches)",
-                    "client stall, % of wall time",
-                    {LABELS[SERVICE]: (list(prefetch_sweep), [_median(_stall_pct(r) for r in rs)
-                                                              for rs in prefetch_sweep.values()])}, note)
+                    f"client stall by prefetch depth, service + RemoteLoader ({args.workers} decode processes)",
+                    "prefetch (batches)", "client stall, % of wall time",
+                    {_step_label(ms, args.batch_size): (list(by_n), [_median(_stall_pct(r) for r in rs)
+                                                                     for rs in by_n.values()])
+                     for ms, by_n in prefetch_sweep.items()}, note)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
@@ -735,20 +742,38 @@ def report_workers(sweep: dict) -> list:
     return rows
 
 
-def report_prefetch(sweep: dict) -> list:
-    """Print the prefetch table (medians over the runs, each run's stall % listed); return its rows."""
-    print("\n| prefetch (batches) | service + RemoteLoader img/s | client stall s | stall % of wall time | "
-          "stall % each run |")
-    print("|---:|---:|---:|---:|---|")
+def _step_label(step_ms: float, batch_size: int) -> str:
+    if not step_ms:
+        return "no training step"
+    return f"step {step_ms:g} ms / batch (at most {1000 * batch_size / step_ms:,.0f} img/s)"
+
+
+def report_prefetch(sweep: dict, batch_size: int) -> list:
+    """Print the prefetch table, {step ms: {prefetch: [Result per run]}} (medians over the runs,
+    each run's stall % listed); return its rows."""
+    print("\n| training step (ms per batch) | prefetch (batches) | service + RemoteLoader img/s | client stall s | "
+          "stall % of wall time | stall % each run |")
+    print("|---:|---:|---:|---:|---:|---|")
     rows = []
-    for n, rs in sweep.items():
-        ips, stall_s = _median(r.images_per_s for r in rs), _median(r.extra["client_stall_s"] for r in rs)
-        pct = _median(_stall_pct(r) for r in rs)
-        print(f"| {n} | {ips:.1f} | {stall_s:.2f} | {pct:.1f}% | "
-              + " / ".join(f"{_stall_pct(r):.1f}" for r in rs) + " |")
-        rows.append({"prefetch": n, "images_per_s": ips, "client_stall_s": stall_s, "stall_pct": pct,
-                     "runs_stall_pct": [_stall_pct(r) for r in rs]})
+    for step_ms, by_n in sweep.items():
+        for n, rs in by_n.items():
+            ips, stall_s = _median(r.images_per_s for r in rs), _median(r.extra["client_stall_s"] for r in rs)
+            pct = _median(_stall_pct(r) for r in rs)
+            print(f"| {step_ms:g} | {n} | {ips:.1f} | {stall_s:.2f} | {pct:.1f}% | "
+                  + " / ".join(f"{_stall_pct(r):.1f}" for r in rs) + " |")
+            rows.append({"step_ms": step_ms, "prefetch": n, "images_per_s": ips, "client_stall_s": stall_s,
+                         "stall_pct": pct, "runs_stall_pct": [_stall_pct(r) for r in rs]})
     return rows
+
+
+def _ms_list(text: str) -> List[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds separated by commas, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return values
 
 
 def _int_list(text: str) -> List[int]:
