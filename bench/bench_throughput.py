@@ -766,24 +766,22 @@ def report_prefetch(sweep: dict, batch_size: int) -> list:
     return rows
 
 
-def _ms_list(text: str) -> List[float]:
+def _number_list(text: str, cast, minimum, what: str) -> list:
     try:
-        values = [float(x) for x in text.split(",") if x.strip()]
+        values = [cast(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds separated by commas, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what} >= {minimum}, got {text!r}")
     return values
 
 
 def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected numbers >= 1, got {text!r}")
-    return values
+    return _number_list(text, int, 1, "numbers")
+
+
+def _ms_list(text: str) -> List[float]:
+    return _number_list(text, float, 0, "milliseconds")
 
 
 if __name__ == "__main__":
