@@ -3,6 +3,7 @@
 
     python bench/photos.py                                  # build the sets once (bench/photos.py)
     python bench/bench_photos.py [--photos ~/.cache/remote-loader/photos] [--runs 3] [--workers 2]
+                                 [--plot results/photos.png]
 
 On each size group (``imagenet/``: ~500x375; ``camera/``: 4000x3000), in one run, the same
 samples, plan order, crop boxes and flips (RandomResizedCrop(224) + flip), N decode processes
@@ -16,7 +17,9 @@ everywhere:
 5. **service + RemoteLoader**: the real service (N workers) and client, on the same machine.
 
 Each row is the median of ``--runs`` runs (contenders interleaved within a run). Prints a
-markdown table per group and the issue's target checks (the exit status does not depend on them).
+markdown table per group and the issue's target checks (the exit status does not depend on them),
+and draws each group's table as bars (``--plot`` base name + ``-<group>.png``, default
+``results/bench_photos-<group>.png``; the naive raw reference is the dashed line).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, ROOT)
 
 import bench_throughput as B  # noqa: E402
 
+from bench import plots  # noqa: E402
 from loader_service.jpeg import decode_path  # noqa: E402
 from loader_service.sources.imagefolder import ImageFolderSource  # noqa: E402
 
@@ -60,10 +64,12 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--epochs", default="imagenet:4,camera:1", help="timed epochs per group")
+    p.add_argument("--plot", metavar="PNG", help="figure base name: one PNG per group, suffixed -<group>")
     args = p.parse_args(argv)
     epochs = dict((k, int(v)) for k, v in (e.split(":") for e in args.epochs.split(",")))
     command = shlex.join(["python"] + sys.argv)
-    print(f"machine: {B.machine()} | decode path: {decode_path()} | command: `{command}`")
+    mach = B.machine()
+    print(f"machine: {mach} | decode path: {decode_path()} | command: `{command}`")
     verdicts = []
     for group in args.groups.split(","):
         path = os.path.join(args.photos, group)
@@ -87,6 +93,12 @@ def main(argv=None) -> int:
         for k, label in ROWS:
             each = " / ".join(f"{run[k].images_per_s:.0f}" for run in runs)
             print(f"| {label} | {med[k]:.0f} | {each} | {med[k] / med['naive']:.2f}x |")
+        plots.bars(plots.png_path(args.plot, None, __file__, f"-{group}"),
+                   f"{group}: images/s, {args.workers} decode processes (median of {args.runs})",
+                   {label: med[k] for k, label in ROWS if k != "naive"}, "images/s",
+                   f"{mach}; {count} photos, {nbytes / count / 1024:.0f} KiB mean; batch {args.batch_size}, "
+                   f"224 px, {settings.epochs} timed epoch(s); {command}",
+                   reference=("naive, raw (reference)", med["naive"]))
         target = 1.2 if group == "imagenet" else 3.0
         verdicts.append((f"{group}: service + RemoteLoader >= {target}x naive raw", med["service"] / med["naive"] >= target,
                          f"{med['service'] / med['naive']:.2f}x"))

@@ -4,6 +4,8 @@ against the raw decode limit of the same machine.
 
     python bench/bench_throughput.py [--data DIR] [--workers N] [--batch-size 64] [--epochs 2]
                                      [--image-size 224] [--demo-size 2000] [--json PATH]
+                                     [--runs 3] [--step-ms 50] [--sweep-workers 1,2] [--sweep-prefetch 1,2,4]
+                                     [--sweep-step 0,30,60]
 
 Every contender does exactly the same work: the same images (the embedded demo set by
 default, or any ImageFolder / packed folder given with ``--data``), in the same plan order
@@ -28,7 +30,13 @@ Contenders:
 How to read the table:
 
 * ``images/s``: samples delivered to the consuming loop during the timed epochs, divided by
-  their wall time. The loop only counts the batches; it does not touch their pixels.
+  their wall time. The loop only counts the batches; it does not touch their pixels, unless
+  ``--step-ms`` gives it a simulated training step: a sleep of that long after every batch (a
+  sleep, not a busy loop: a GPU step leaves the trainer's CPU idle, and on a small machine a
+  busy loop would take a core from the decoders). Without a step the loop always waits for
+  data, so the client stall is ~100% of wall time at every prefetch depth.
+* ``--runs N``: every contender N times (interleaved); each row is the run with the median
+  images/s (the upper median for an even N), and the runs' images/s are listed.
 * ``% of raw limit``: how much of the machine's decode capacity the contender delivers.
 * ``trainer CPU s / 1000 img``: CPU seconds (user + system, from psutil, sampled before and
   after the timed epochs while every process involved is alive) spent on the *trainer* per
@@ -59,7 +67,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +110,7 @@ class Settings:
     epochs: int  # timed epochs 1..epochs; epoch 0 is the warm-up
     seed: int = SEED
     fn: str = "service"  # the per-sample function of the raw and DataLoader rows: a key of SAMPLE_FNS
+    step_s: float = 0.0  # simulated training step after every batch (DataLoader and service loops)
 
     @property
     def transform(self) -> TransformSpec:
@@ -184,6 +193,12 @@ def pil_sample(data: bytes, spec: TransformSpec, rng: np.random.Generator, out: 
 
 
 SAMPLE_FNS = {"service": process_sample, "naive": naive_sample, "pil": pil_sample}
+
+
+def train_step(seconds: float) -> None:
+    """The simulated training step: a sleep (see the module docstring for why not a busy loop)."""
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 # ---------------------------------------------------------------------------------- raw limit
@@ -343,6 +358,7 @@ def bench_dataloader(settings: Settings) -> Result:
             sampler.set_epoch(epoch)
             for images, labels in loader:
                 samples += images.shape[0]
+                train_step(settings.step_s)
         t1 = time.perf_counter()
         cpu = cpu_seconds(procs) - cpu0
         start_method = loader.multiprocessing_context or mp.get_start_method()
@@ -472,6 +488,7 @@ def bench_service(settings: Settings, dataset_args: List[str], prefetch: Optiona
                 loader.set_epoch(epoch)
                 for images, labels in loader:
                     samples += images.shape[0]
+                    train_step(settings.step_s)
             t1 = time.perf_counter()
             cpu, svc_cpu = cpu_seconds([me]) - cpu0, cpu_seconds(service_procs) - svc0
             extra = {"service_cpu_s": svc_cpu, "prefetch": prefetch, "endpoint": endpoint,
@@ -500,18 +517,23 @@ def fmt(x: Optional[float], digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def report(results: dict, header: dict) -> List[dict]:
-    """Print the table and the target checks; return the checks."""
+def report(results: dict, header: dict, all_runs: Optional[dict] = None) -> List[dict]:
+    """Print the table (``results``: the median run per contender; ``all_runs``: every run, listed
+    when there are several) and the target checks; return the checks."""
     raw = results[RAW]
+    several = all_runs is not None and any(len(rs) > 1 for rs in all_runs.values())
     print(f"\nmachine: {header['machine']} | dataset: {header['dataset']} | images: {header['images']} | "
           f"batch size: {header['batch_size']} | image size: {header['image_size']} | "
-          f"epochs: {header['epochs']} timed (+1 warm-up) | command: `{header['command']}`\n")
-    print("| contender | decode processes | images/s | % of raw limit | trainer CPU s / 1000 img |")
-    print("|---|---:|---:|---:|---:|")
+          f"epochs: {header['epochs']} timed (+1 warm-up) | training step: {header['step_ms']:g} ms per batch | "
+          f"runs: {header['runs']} (median) | command: `{header['command']}`\n")
+    print("| contender | decode processes | images/s | % of raw limit | trainer CPU s / 1000 img |"
+          + (" images/s each run |" if several else ""))
+    print("|---|---:|---:|---:|---:|" + ("---|" if several else ""))
     for name, r in results.items():
         pct = 100.0 * r.images_per_s / raw.images_per_s if raw.images_per_s else 0.0
         cpu = f"({fmt(r.per_1000(r.all_cpu_s))})" if name == RAW else fmt(r.per_1000(r.trainer_cpu_s))
-        print(f"| {LABELS[name]} | {r.processes} | {r.images_per_s:.1f} | {pct:.1f}% | {cpu} |")
+        each = f" {_each(x.images_per_s for x in all_runs[name])} |" if several else ""
+        print(f"| {LABELS[name]} | {r.processes} | {r.images_per_s:.1f} | {pct:.1f}% | {cpu} |{each}")
     svc = results[SERVICE]
     print(f"\n(raw limit: CPU of its decode processes, for reference.) CPU s / 1000 img, all processes: "
           + ", ".join(f"{LABELS[n]} {fmt(r.per_1000(r.all_cpu_s))}" for n, r in results.items())
@@ -586,16 +608,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--demo-size", type=int, default=2000, help="images in the demo set (without --data)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--runs", type=int, default=1, help="run every contender this many times; rows are medians")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="simulated training step: sleep this long after every batch (DataLoader and service)")
     p.add_argument("--plot", metavar="PNG", help="the figure of the table (default: next to --json, else "
                                                  "results/bench_throughput.png); sweeps add -workers / -prefetch")
     p.add_argument("--sweep-workers", metavar="N,N,...", type=_int_list,
                    help="also run every contender at each of these decode process counts (a table and a figure)")
     p.add_argument("--sweep-prefetch", metavar="N,N,...", type=_int_list,
                    help="also run the service at each of these client prefetch depths: img/s and client stall")
+    p.add_argument("--sweep-step", metavar="MS,MS,...", type=_ms_list,
+                   help="run the prefetch sweep at each of these training steps (default: --step-ms); a line each")
     args = p.parse_args(argv)
-    for name in ("workers", "batch_size", "epochs", "image_size", "demo_size"):
+    for name in ("workers", "batch_size", "epochs", "image_size", "demo_size", "runs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.step_ms < 0:
+        p.error("--step-ms must be >= 0")
 
     command = shlex.join([os.path.basename(sys.executable)] + sys.argv) if argv is None else shlex.join(argv)
     try:
@@ -604,30 +633,42 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(str(exc))
     try:
         nbytes = warm_page_cache(source)
-        settings = Settings(source.spec(), len(source), args.workers, args.batch_size, args.image_size, args.epochs)
+        settings = Settings(source.spec(), len(source), args.workers, args.batch_size, args.image_size, args.epochs,
+                            step_s=args.step_ms / 1000)
         header = {"machine": machine(), "dataset": description, "images": len(source),
                   "mean_image_kb": nbytes / max(len(source), 1) / 1024, "batch_size": args.batch_size,
                   "image_size": args.image_size, "epochs": args.epochs, "workers": args.workers,
-                  "expected_samples": settings.expected_samples, "command": command}
+                  "expected_samples": settings.expected_samples, "runs": args.runs, "step_ms": args.step_ms,
+                  "command": command}
         log(f"benchmark: {len(source)} images ({header['mean_image_kb']:.0f} KB each on average), "
-            f"{args.workers} decode processes, batch {args.batch_size}, {args.epochs} timed epochs")
-        results = run_contenders(settings, dataset_args)
-        workers_sweep = {w: run_contenders(Settings(settings.source, settings.length, w, args.batch_size,
-                                                    args.image_size, args.epochs), dataset_args)
+            f"{args.workers} decode processes, batch {args.batch_size}, {args.epochs} timed epochs, "
+            f"{args.runs} run(s), training step {args.step_ms:g} ms per batch")
+        workers_sweep = {w: run_contenders(replace(settings, workers=w), dataset_args, args.runs)
                          for w in args.sweep_workers or ()}
-        prefetch_sweep = {}
-        for n in args.sweep_prefetch or ():
-            log(f"running {LABELS[SERVICE]} with prefetch {n} ...")
-            prefetch_sweep[n] = bench_service(settings, dataset_args, prefetch=n)
+        # the main table is the sweep's row for --workers when there is one: the same measurement
+        all_runs = workers_sweep.get(args.workers) or run_contenders(settings, dataset_args, args.runs)
+        prefetch_sweep: dict = {}  # {step ms: {prefetch: [Result per run]}}
+        for step_ms in (args.sweep_step or [args.step_ms]) if args.sweep_prefetch else ():
+            prefetch_sweep[step_ms] = {}
+            for n in args.sweep_prefetch:
+                prefetch_sweep[step_ms][n] = []
+                for r in range(args.runs):
+                    log(f"running {LABELS[SERVICE]} with prefetch {n}, step {step_ms:g} ms (run {r + 1}/{args.runs}) ...")
+                    prefetch_sweep[step_ms][n].append(
+                        bench_service(replace(settings, step_s=step_ms / 1000), dataset_args, prefetch=n))
     except KeyboardInterrupt:
         log("interrupted")
         return 130
     finally:
         source.close()
-    checks = report(results, header)
+    results = {n: median_run(rs) for n, rs in all_runs.items()}
+    checks = report(results, header, all_runs)
     out = to_json(results, header, checks)
+    if args.runs > 1:
+        out["runs_images_per_s"] = {n: [r.images_per_s for r in rs] for n, rs in all_runs.items()}
+    step = f", training step {args.step_ms:g} ms per batch" if args.step_ms else ""
     note = (f"{header['machine']}; {header['dataset']}; batch {args.batch_size}, {args.image_size} px, "
-            f"{args.epochs} timed epochs; {command}")
+            f"{args.epochs} timed epochs{step}; median of {args.runs} run(s); {command}")
     plots.bars(plots.png_path(args.plot, args.json, __file__), f"images/s with {args.workers} decode processes",
                {LABELS[n]: r.images_per_s for n, r in results.items() if n != RAW}, "images/s", note,
                reference=("raw decode limit", results[RAW].images_per_s))
@@ -635,30 +676,50 @@ def main(argv: Optional[List[str]] = None) -> int:
         out["sweep_workers"] = report_workers(workers_sweep)
         plots.lines(plots.png_path(args.plot, args.json, __file__, "-workers"), "images/s by decode processes",
                     "decode processes", "images/s",
-                    {LABELS[n]: (list(workers_sweep), [r[n].images_per_s for r in workers_sweep.values()])
+                    {LABELS[n]: (list(workers_sweep), [median_run(r[n]).images_per_s for r in workers_sweep.values()])
                      for n in LABELS}, note)
     if prefetch_sweep:
-        out["sweep_prefetch"] = report_prefetch(prefetch_sweep)
+        out["sweep_prefetch"] = report_prefetch(prefetch_sweep, args.batch_size)
         plots.lines(plots.png_path(args.plot, args.json, __file__, "-prefetch"),
-                    f"client stall by prefetch depth ({args.workers} decode processes)", "prefetch (batches)",
-                    "client stall, % of wall time",
-                    {LABELS[SERVICE]: (list(prefetch_sweep), [_stall_pct(r) for r in prefetch_sweep.values()])}, note)
+                    f"client stall by prefetch depth, service + RemoteLoader ({args.workers} decode processes)",
+                    "prefetch (batches)", "client stall, % of wall time",
+                    {_step_label(ms, args.batch_size): (list(by_n), [_median(_stall_pct(r) for r in rs)
+                                                                     for rs in by_n.values()])
+                     for ms, by_n in prefetch_sweep.items()}, note)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return 0
 
 
-def run_contenders(settings: Settings, dataset_args: List[str]) -> dict:
-    results = {}
-    for name, run in ((RAW, lambda: bench_raw(settings)), (DATALOADER, lambda: bench_dataloader(settings)),
-                      (SERVICE, lambda: bench_service(settings, dataset_args))):
-        log(f"running {LABELS[name]} with {settings.workers} decode processes ...")
-        r = results[name] = run()
-        if r.samples != settings.expected_samples:
-            log(f"warning: {LABELS[name]} delivered {r.samples} samples, expected {settings.expected_samples}")
-        log(f"  {r.images_per_s:.1f} img/s ({r.samples} images in {r.seconds:.2f}s)")
+def run_contenders(settings: Settings, dataset_args: List[str], runs: int = 1) -> dict:
+    """Every contender ``runs`` times, interleaved (a slow spell on a shared machine hits all of
+    them): {name: [Result per run]}."""
+    results: dict = {name: [] for name in LABELS}
+    for i in range(runs):
+        for name, run in ((RAW, lambda: bench_raw(settings)), (DATALOADER, lambda: bench_dataloader(settings)),
+                          (SERVICE, lambda: bench_service(settings, dataset_args))):
+            log(f"running {LABELS[name]} with {settings.workers} decode processes (run {i + 1}/{runs}) ...")
+            r = run()
+            results[name].append(r)
+            if r.samples != settings.expected_samples:
+                log(f"warning: {LABELS[name]} delivered {r.samples} samples, expected {settings.expected_samples}")
+            log(f"  {r.images_per_s:.1f} img/s ({r.samples} images in {r.seconds:.2f}s)")
     return results
+
+
+def _median(values) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def median_run(runs: List[Result]) -> Result:
+    """The run with the median images/s (the upper median for an even count)."""
+    return sorted(runs, key=lambda r: r.images_per_s)[len(runs) // 2]
+
+
+def _each(values) -> str:
+    return " / ".join(f"{v:.0f}" for v in values)
 
 
 def _stall_pct(r: Result) -> float:
@@ -666,36 +727,61 @@ def _stall_pct(r: Result) -> float:
 
 
 def report_workers(sweep: dict) -> list:
-    """Print the scaling table; return its rows."""
-    print("\n| decode processes | " + " | ".join(f"{LABELS[n]} img/s" for n in LABELS) + " |")
+    """Print the scaling table (medians, and each run's images/s when there are several); return its rows."""
+    several = any(len(rs) > 1 for results in sweep.values() for rs in results.values())
+    print("\n| decode processes | " + " | ".join(f"{LABELS[n]} img/s" + (" (runs)" if several else "") for n in LABELS)
+          + " |")
     print("|---:|" + "---:|" * len(LABELS))
     rows = []
     for w, results in sweep.items():
-        print(f"| {w} | " + " | ".join(f"{results[n].images_per_s:.1f}" for n in LABELS) + " |")
-        rows.append({"workers": w, **{n: results[n].images_per_s for n in LABELS}})
+        med = {n: median_run(results[n]).images_per_s for n in LABELS}
+        cells = [f"{med[n]:.1f}" + (f" ({_each(r.images_per_s for r in results[n])})" if several else "")
+                 for n in LABELS]
+        print(f"| {w} | " + " | ".join(cells) + " |")
+        rows.append({"workers": w, **med})
     return rows
 
 
-def report_prefetch(sweep: dict) -> list:
-    """Print the prefetch table; return its rows."""
-    print("\n| prefetch (batches) | service + RemoteLoader img/s | client stall s | stall % of wall time |")
-    print("|---:|---:|---:|---:|")
+def _step_label(step_ms: float, batch_size: int) -> str:
+    if not step_ms:
+        return "no training step"
+    return f"step {step_ms:g} ms / batch (at most {1000 * batch_size / step_ms:,.0f} img/s)"
+
+
+def report_prefetch(sweep: dict, batch_size: int) -> list:
+    """Print the prefetch table, {step ms: {prefetch: [Result per run]}} (medians over the runs,
+    each run's stall % listed); return its rows."""
+    print("\n| training step (ms per batch) | prefetch (batches) | service + RemoteLoader img/s | client stall s | "
+          "stall % of wall time | stall % each run |")
+    print("|---:|---:|---:|---:|---:|---|")
     rows = []
-    for n, r in sweep.items():
-        print(f"| {n} | {r.images_per_s:.1f} | {r.extra['client_stall_s']:.2f} | {_stall_pct(r):.1f}% |")
-        rows.append({"prefetch": n, "images_per_s": r.images_per_s, "client_stall_s": r.extra["client_stall_s"],
-                     "stall_pct": _stall_pct(r)})
+    for step_ms, by_n in sweep.items():
+        for n, rs in by_n.items():
+            ips, stall_s = _median(r.images_per_s for r in rs), _median(r.extra["client_stall_s"] for r in rs)
+            pct = _median(_stall_pct(r) for r in rs)
+            print(f"| {step_ms:g} | {n} | {ips:.1f} | {stall_s:.2f} | {pct:.1f}% | "
+                  + " / ".join(f"{_stall_pct(r):.1f}" for r in rs) + " |")
+            rows.append({"step_ms": step_ms, "prefetch": n, "images_per_s": ips, "client_stall_s": stall_s,
+                         "stall_pct": pct, "runs_stall_pct": [_stall_pct(r) for r in rs]})
     return rows
+
+
+def _number_list(text: str, cast, minimum, what: str) -> list:
+    try:
+        values = [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what} >= {minimum}, got {text!r}")
+    return values
 
 
 def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected numbers >= 1, got {text!r}")
-    return values
+    return _number_list(text, int, 1, "numbers")
+
+
+def _ms_list(text: str) -> List[float]:
+    return _number_list(text, float, 0, "milliseconds")
 
 
 if __name__ == "__main__":

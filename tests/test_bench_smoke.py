@@ -75,6 +75,30 @@ def test_benchmark_runs_and_reports_three_contenders(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the table's figure, next to it
 
 
+
+@pytest.mark.slow
+def test_benchmark_runs_repeats_and_training_step(tmp_path):
+    """--runs 2: every contender and every prefetch depth twice, each run reported; --step-ms:
+    the loop sleeps after each batch, so a run lasts at least batches x step."""
+    out = tmp_path / "bench.json"
+    demo_size, batch_size, step_ms = 32, 16, 40
+    stdout = _run(SCRIPT, ["--demo-size", str(demo_size), "--epochs", "1", "--batch-size", str(batch_size),
+                           "--workers", "1", "--runs", "2", "--step-ms", str(step_ms), "--sweep-prefetch", "1",
+                           "--json", str(out)])
+
+    result = json.loads(out.read_text())
+    assert result["runs"] == 2 and result["step_ms"] == step_ms
+    assert {n: len(v) for n, v in result["runs_images_per_s"].items()} == \
+        {"raw_limit": 2, "torch_dataloader": 2, "service_client": 2}
+    for name in ("torch_dataloader", "service_client"):  # 2 batches, a 40 ms step after each
+        c = result["contenders"][name]
+        assert c["samples"] == demo_size and c["seconds"] >= 2 * step_ms / 1000, (name, c)
+        assert c["images_per_s"] in result["runs_images_per_s"][name]  # the median run's own figure
+    (row,) = result["sweep_prefetch"]
+    assert row["prefetch"] == 1 and len(row["runs_stall_pct"]) == 2
+    assert "training step: 40 ms per batch | runs: 2 (median)" in stdout
+
+
 TRANSPORT_SCRIPT = os.path.join(ROOT, "bench", "bench_transport.py")
 
 
