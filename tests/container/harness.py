@@ -503,3 +503,14 @@ class Compose:
                 raise HarnessError(f"{service}: not {what} after {timeout:g}s; state "
                                    f"{json.dumps(info['State'])[:600]}\n--- logs ---\n{self.logs(service, '60')}")
             time.sleep(1)
+
+    def trainer_finished(self, images: int, timeout: float = 300) -> str:
+        """Wait for the demo trainer to exit; assert exit code 0 and ``done: N images`` in its log.
+        Returns the log."""
+        info = self.wait_state("trainer", lambda st: st["Status"] == "exited", timeout, "finished")
+        logs = self.logs("trainer")
+        code = info["State"]["ExitCode"]
+        if code != 0 or f"done: {images} images" not in logs:
+            raise HarnessError(f"trainer: exit code {code}, expected 0 and 'done: {images} images'\n{logs[-3000:]}")
+        return logs
+

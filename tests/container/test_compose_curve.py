@@ -54,10 +54,7 @@ def test_keys_service_made_the_keys(curve_stack):
 
 def test_trainer_streams_with_keys(curve_stack):
     compose = curve_stack["compose"]
-    info = compose.wait_state("trainer", lambda st: st["Status"] == "exited", 300, "finished")
-    logs = compose.logs("trainer")
-    assert info["State"]["ExitCode"] == 0, f"trainer exit code {info['State']['ExitCode']}\n{logs}"
-    assert f"done: {DEMO_SIZE} images" in logs, logs
+    compose.trainer_finished(DEMO_SIZE)
     loader_logs = compose.logs("loader")
     assert "data port: CURVE on" in loader_logs, loader_logs[-2000:]
 
