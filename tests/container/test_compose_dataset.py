@@ -67,10 +67,7 @@ def user_stack(engine, images, tmp_path_factory):
         yield {"compose": compose, "dataset": dataset, "endpoint": f"tcp://127.0.0.1:{data_port}",
                "url": f"http://127.0.0.1:{http_port}"}
     finally:
-        print("\n--- compose logs (dataset stack) ---\n" + compose.logs(tail="40"))
-        compose("down", "-v", "--timeout", "30", timeout=120, check=False)
-        left = engine.cli("ps", "-a", "-q", timeout=30).stdout.split()
-        assert not left, f"containers left behind: {left}"
+        compose.teardown("dataset stack", tail="40")
 
 
 def test_compose_run_trainer_streams_the_users_dataset_and_returns(user_stack):
