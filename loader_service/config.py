@@ -43,7 +43,7 @@ class ServiceConfig:
         "dataset: an ImageFolder or packed folder, WebDataset .tar shard(s) (a file, a folder, or a pattern like "
         "shards-{000..009}.tar), or an .h5 file; repeat the flag for several (in LOADER_DATA: separated by "
         f"{os.pathsep!r})", metavar="PATH")] = ()
-    demo: Annotated[bool, opt("serve the embedded demo dataset")] = False
+    demo: Annotated[bool, opt("serve the embedded demo dataset when no --data is given")] = False
     demo_size: Annotated[int, opt("images in the demo dataset")] = DEFAULT_COUNT
     workers: Annotated[int, opt(
         "decode worker processes (-1: the CPUs this process may use, affinity and cgroup quota included)")] = -1

@@ -23,11 +23,16 @@ log = logging.getLogger("loader_service")
 
 
 def open_datasets(config: ServiceConfig) -> Dict[str, Source]:
-    """Open every configured dataset; names must be unique."""
+    """Open every configured dataset; names must be unique. The demo is served only when no
+    dataset is given: it never stands beside (or before) a user's, so a client that names no
+    dataset gets the first ``data`` path, never the demo."""
     sources: Dict[str, Source] = {}
     try:
-        if config.demo:
+        if config.demo and not config.data:
             sources["demo"] = ensure_demo(config.demo_size)
+        elif config.demo:
+            log.info("demo dataset not served: datasets are given (--data / LOADER_DATA), and the demo is "
+                     "served only when none is")
         for path in config.data:
             src = open_path(path, max_sample_bytes=config.max_sample_bytes)  # packed, webdataset, hdf5 or imagefolder (sources/detect.py)
             if src.name in sources:

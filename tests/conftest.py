@@ -15,6 +15,7 @@ import pytest
 # before anything imports the demo module: tests never touch the user's cache
 _CACHE = tempfile.mkdtemp(prefix="loader-test-cache-")
 os.environ["LOADER_CACHE_DIR"] = _CACHE
+os.environ.pop("LOADER_DEMO_BUILTIN", None)  # nor a pre-generated set (the service image's)
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 from loader_service import shm  # noqa: E402

@@ -389,7 +389,13 @@ def test_compose_service_settings():
     assert published == {str(config.data_port), str(config.http_port)}
     mounts = [interpolate(v).split(":") for v in svc["volumes"]]
     assert ["dataset", "/data", "ro"] in mounts and any(m[1] == env["LOADER_CACHE_DIR"] for m in mounts)
-    assert interpolate(svc["environment"]["LOADER_DATA"], {"DATASET_DIR": "/srv/x"}) == "/data"
+    # a user's folder is mounted at its own path, so the service names it as `serve --data` does
+    assert interpolate(svc["environment"]["LOADER_DATA"], {"DATASET_DIR": "/srv/x"}) == "/srv/x"
+    assert ["/srv/x", "/srv/x", "ro"] in [interpolate(v, {"DATASET_DIR": "/srv/x"}).split(":") for v in svc["volumes"]]
+    # LOADER_DEMO stays on by default: the service serves the demo only when no dataset is given
+    with_data = ServiceConfig.from_env(environ={k: interpolate(v, {"DATASET_DIR": "/srv/x"})
+                                                for k, v in svc["environment"].items()})
+    assert with_data.data == ("/srv/x",) and with_data.demo
     assert "profiles" not in svc
 
 
@@ -578,13 +584,35 @@ def test_requirements_split_keeps_torch_out_of_the_service():
     assert any(r.lower().startswith("fastapi") for r in service) and any(r.startswith("pyzmq") for r in service)
 
 
-@pytest.mark.parametrize("script", [".ci/container-prereqs.sh", "deploy/docker/build-base.sh",
+@pytest.mark.parametrize("script", [".ci/container-prereqs.sh", "deploy/install-prerequisites.sh",
+                                    "deploy/docker/build-base.sh",
                                     "deploy/docker/fetch-wheels.sh", "deploy/docker/pip-install.sh"])
 def test_shell_scripts_parse(script):
     path = ROOT / script
     assert os.access(path, os.X_OK), f"{script} is not executable"
     p = subprocess.run(["sh", "-n", str(path)], capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.parametrize("compose, engine_up, rc, says", [
+    ("2.40.3", True, 0, "next: from the repository root, docker compose run --rm trainer"),
+    ("1.29.2", True, 1, "missing: compose-v2"),
+    ("v2.20.2", True, 1, "missing: compose-v2"),  # older than the overrides need
+    ("2.40.3", False, 1, "missing: engine-running"),
+])
+def test_prerequisites_check_names_what_is_missing_and_the_next_step(tmp_path, compose, engine_up, rc, says):
+    """deploy/install-prerequisites.sh --check against a stand-in docker CLI: ready means an engine
+    it can reach and Compose v2 >= 2.24; either way it ends with the next command."""
+    stub = tmp_path / "docker"
+    stub.write_text("#!/bin/sh\n"
+                    f'[ "$1" = compose ] && {{ echo {compose}; exit 0; }}\n'
+                    f'[ "$1" = version ] && {{ {"echo Docker Engine 28.2.2; exit 0" if engine_up else "exit 1"}; }}\n'
+                    "exit 2\n")
+    stub.chmod(0o755)
+    p = subprocess.run(["sh", str(ROOT / "deploy/install-prerequisites.sh"), "--check"], capture_output=True,
+                       text=True, timeout=30, env=dict(os.environ, DOCKER=str(stub)))
+    assert p.returncode == rc, p.stdout + p.stderr
+    assert says in p.stdout and "next: " in p.stdout, p.stdout
 
 
 # ============================================================================ monitoring

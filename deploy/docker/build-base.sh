@@ -31,7 +31,7 @@ key=$(printf '%s|%s|%s|%s' "$SUITE" "$PACKAGES" "$RECIPE_VERSION" "$(uname -m)" 
 tarball=${BASE_ROOTFS_TAR:-$CACHE/rootfs-$SUITE-$key.tar.gz}
 
 if [ ! -s "$tarball" ]; then
-    command -v debootstrap >/dev/null 2>&1 || { echo "build-base: debootstrap is not installed (apt-get install debootstrap, or run .ci/container-prereqs.sh)" >&2; exit 3; }
+    command -v debootstrap >/dev/null 2>&1 || { echo "build-base: debootstrap is not installed (apt-get install debootstrap, or run deploy/install-prerequisites.sh --airgap)" >&2; exit 3; }
     [ "$(id -u)" -eq 0 ] || { echo "build-base: debootstrap needs root" >&2; exit 3; }
     mkdir -p "$CACHE"
     work=$(mktemp -d "$CACHE/debootstrap.XXXXXX")

@@ -1,7 +1,9 @@
 """The embedded demo dataset: deterministic, photographic-looking 500x375 JPEGs with labels.
 
 Generated on first use (both cores, a few seconds per thousand images) into a packed dataset
-under the cache directory, then memory-mapped like any packed dataset. The same
+under the cache directory, then memory-mapped like any packed dataset. A read-only folder of
+sets generated beforehand (``LOADER_DEMO_BUILTIN``; the service image makes the default set
+there at build time) is looked in first, so a container is ready without generating anything. The same
 (count, seed, version) always yields the same bytes, so benchmarks and tests are repeatable.
 Each of the 10 classes has its own palette, lighting and shape vocabulary, and every image has
 smooth gradients, edges, texture and grain, so JPEG sizes and decode cost resemble photos
@@ -33,15 +35,28 @@ def cache_dir() -> str:
     return base
 
 
-def demo_path(count: int = DEFAULT_COUNT, seed: int = 0) -> str:
-    return os.path.join(cache_dir(), f"demo-v{VERSION}-n{count}-s{seed}")
+BUILTIN_ENV = "LOADER_DEMO_BUILTIN"
 
 
-def ensure_demo(count: int = DEFAULT_COUNT, seed: int = 0, processes: int = 0, quiet: bool = False) -> PackedSource:
-    """Open the demo dataset, generating it first if it is not in the cache."""
+def demo_path(count: int = DEFAULT_COUNT, seed: int = 0, base: str = "") -> str:
+    return os.path.join(base or cache_dir(), f"demo-v{VERSION}-n{count}-s{seed}")
+
+
+def builtin_demo(count: int = DEFAULT_COUNT, seed: int = 0) -> str:
+    """The pre-generated set under ``LOADER_DEMO_BUILTIN`` for (count, seed), or "" if none."""
+    base = os.environ.get(BUILTIN_ENV, "")
+    path = demo_path(count, seed, base) if base else ""
+    return path if path and os.path.exists(os.path.join(path, "meta.json")) else ""
+
+
+def ensure_demo(count: int = DEFAULT_COUNT, seed: int = 0, processes: int = 0, quiet: bool = False,
+                base: str = "") -> PackedSource:
+    """Open the demo dataset: the pre-generated one if there is one, else from the cache (``base``
+    instead of the cache: generate there), generating it first if it is not there."""
     if count < 1:
         raise ValueError(f"demo dataset size must be >= 1, got {count}")
-    path = demo_path(count, seed)
+    path = "" if base else builtin_demo(count, seed)
+    path = path or demo_path(count, seed, base)
     if not os.path.exists(os.path.join(path, "meta.json")):
         from tqdm import tqdm
 

@@ -39,7 +39,7 @@ def engine():
     missing = harness.missing_prerequisites()
     if missing:
         _cannot_run("container prerequisites missing: " + ", ".join(missing)
-                    + " (install them with: sudo .ci/container-prereqs.sh)")
+                    + " (install them with: deploy/install-prerequisites.sh --container-test)")
     eng = harness.Engine()
     try:
         try:

@@ -503,3 +503,21 @@ class Compose:
                 raise HarnessError(f"{service}: not {what} after {timeout:g}s; state "
                                    f"{json.dumps(info['State'])[:600]}\n--- logs ---\n{self.logs(service, '60')}")
             time.sleep(1)
+
+    def teardown(self, label: str, tail: str = "60") -> None:
+        """End of a stack: print its logs, `down -v`, and assert the engine has no container left."""
+        print(f"\n--- compose logs ({label}) ---\n" + self.logs(tail=tail))
+        self("down", "-v", "--timeout", "30", timeout=120, check=False)
+        left = self.engine.cli("ps", "-a", "-q", timeout=30).stdout.split()
+        assert not left, f"containers left behind: {left}"
+
+    def trainer_finished(self, images: int, timeout: float = 300) -> str:
+        """Wait for the demo trainer to exit; assert exit code 0 and ``done: N images`` in its log.
+        Returns the log."""
+        info = self.wait_state("trainer", lambda st: st["Status"] == "exited", timeout, "finished")
+        logs = self.logs("trainer")
+        code = info["State"]["ExitCode"]
+        if code != 0 or f"done: {images} images" not in logs:
+            raise HarnessError(f"trainer: exit code {code}, expected 0 and 'done: {images} images'\n{logs[-3000:]}")
+        return logs
+

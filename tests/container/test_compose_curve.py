@@ -41,10 +41,7 @@ def curve_stack(engine, images):
         compose("up", "-d", "--no-build", "--pull", "never", timeout=400, what="docker compose up -d (curve)")
         yield {"compose": compose, "endpoint": f"tcp://127.0.0.1:{data_port}", "url": f"http://127.0.0.1:{http_port}"}
     finally:
-        print("\n--- compose logs (curve stack) ---\n" + compose.logs(tail="60"))
-        compose("down", "-v", "--timeout", "30", timeout=120, check=False)
-        left = engine.cli("ps", "-a", "-q", timeout=30).stdout.split()
-        assert not left, f"containers left behind: {left}"
+        compose.teardown("curve stack")
 
 
 def test_keys_service_made_the_keys(curve_stack):
@@ -54,10 +51,7 @@ def test_keys_service_made_the_keys(curve_stack):
 
 def test_trainer_streams_with_keys(curve_stack):
     compose = curve_stack["compose"]
-    info = compose.wait_state("trainer", lambda st: st["Status"] == "exited", 300, "finished")
-    logs = compose.logs("trainer")
-    assert info["State"]["ExitCode"] == 0, f"trainer exit code {info['State']['ExitCode']}\n{logs}"
-    assert f"done: {DEMO_SIZE} images" in logs, logs
+    compose.trainer_finished(DEMO_SIZE)
     loader_logs = compose.logs("loader")
     assert "data port: CURVE on" in loader_logs, loader_logs[-2000:]
 
