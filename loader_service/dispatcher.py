@@ -199,6 +199,7 @@ class Dispatcher:
         self._task_ids = itertools.count()
         self._running_loop = False
         self._closed = False
+        self._close_lock = threading.Lock()
         self._stop_by: Optional[float] = None  # a draining stop: end the loop by then
         self.failure = ""  # why the loop died ("" while it is fine)
         self.ready = threading.Event()  # set once a worker has said Ready
@@ -1040,7 +1041,18 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        """Stop workers, drop clients, release every segment and socket. Idempotent."""
+        """Stop workers, drop clients, release every segment and socket. Idempotent; a call made
+        while another thread is closing returns once that close is done (Service.stop calls it
+        after a bounded join, while the loop's own exit may still be closing)."""
+        if not self._close_lock.acquire(timeout=3 * self.config.stop_timeout_s + 10):
+            log.error("another thread has been closing the dispatcher for too long; not waiting for it")
+            return
+        try:
+            self._close()
+        finally:
+            self._close_lock.release()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
