@@ -411,7 +411,9 @@ class RemoteLoader:
                 while r.monitor.poll(0):
                     lost = r.on_monitor() or lost  # reconnected: a restarted service forgot the stream
                 left = deadline - time.monotonic()
-                if lost or r.down_since is not None or left <= 0:
+                # a spare opened at the end of the last epoch may still be in its handshake: wait
+                # for it; one that was connected and dropped lost its stream
+                if lost or (r.down_since is not None and r.was_connected) or left <= 0:
                     log.info("epoch lookahead lost or not answered by %s; starting epoch %d plainly", r.endpoint, epoch)
                     return self._close_spare()
                 poller = zmq.Poller()
