@@ -154,6 +154,18 @@ def test_a_pipeline_that_raises_follows_on_error_with_its_name_and_traceback(mak
     assert len(reasons) == 1 and "boom on 5" in reasons[0]
 
 
+def test_ranks_of_one_job_must_name_the_same_pipeline(make_service):
+    svc = make_service(pipeline=DOUBLES)
+    kw = dict(batch_size=8, world_size=2, job="j", epoch_lookahead=False)
+    with RemoteLoader(svc.endpoint, rank=0, pipeline="two", pipeline_args={"size": 16}, **kw) as r0:
+        it = iter(r0)
+        next(it)  # rank 0 is connected with its plan
+        with RemoteLoader(svc.endpoint, rank=1, pipeline="two", pipeline_args={"size": 24}, **kw) as r1:
+            with pytest.raises(LoaderError, match=r"pipeline_args: \{'size': 24\} here, \{'size': 16\} there"):
+                next(iter(r1))
+        del it
+
+
 def test_normalize_per_output_on_the_cpu_path(make_service):
     svc = make_service(pipeline=DOUBLES)
     with RemoteLoader(svc.endpoint, batch_size=8, pipeline="two", pipeline_args={"size": 16},
