@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from .errors import LoaderError
 
@@ -30,7 +30,7 @@ class LoaderConfig:
     job: str = ""
     scale: Tuple[float, float] = (0.08, 1.0)
     ratio: Tuple[float, float] = (3 / 4, 4 / 3)
-    normalize: bool = False
+    normalize: Union[bool, Tuple[str, ...]] = False  # True: every RGB output; or the output names to normalize
     mean: Tuple[float, ...] = IMAGENET_MEAN  # on the 0..255 scale
     std: Tuple[float, ...] = IMAGENET_STD
     dtype: str = "float32"  # of normalized images: float32 | float16 | bfloat16
@@ -40,6 +40,8 @@ class LoaderConfig:
     heartbeat_s: float = 2.0  # ZMTP heartbeat towards the service; a silent one counts as down after 3x
     epoch_lookahead: bool = True  # start epoch e+1 on the service once all of epoch e is asked for
     curve_keys: Optional[str] = None  # a keys dir (client.key_secret + server.key) for CURVE; None: env LOADER_CURVE_KEYS
+    pipeline: Optional[str] = None  # a pipeline the service offers; None: the built-in train/eval recipe
+    pipeline_args: Optional[Dict[str, Any]] = None  # plain (msgpack) values, checked by the pipeline
 
     @property
     def max_frame_bytes(self) -> int:
@@ -63,6 +65,13 @@ class LoaderConfig:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name.split('/')[0], None)!r}")
+        if self.pipeline_args is not None and not self.pipeline:
+            raise ValueError("pipeline_args given without pipeline")
+        if self.pipeline_args is not None and not isinstance(self.pipeline_args, dict):
+            raise ValueError(f"pipeline_args must be a dict, got {type(self.pipeline_args).__name__}")
+        if not isinstance(self.normalize, bool):
+            names = (self.normalize,) if isinstance(self.normalize, str) else tuple(self.normalize)
+            object.__setattr__(self, "normalize", names)
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.curve_keys is None:
             from .curve import default_keys_dir

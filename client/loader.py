@@ -16,6 +16,7 @@ service restart the loader starts its stream again from it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -84,7 +85,9 @@ class RemoteLoader:
         # any one replica may be asked for all of them if it is the one that delivers soonest
         self._window = self.config.prefetch * len(endpoints)
         self._curve = client_keys(self.config.curve_keys)  # None: plain ZMTP
-        self._sink = make_sink(self.config, self._window)
+        # a named pipeline's outputs (and so the sink and the frame cap) come with the dataset's description
+        self._frame_cap = self.config.max_frame_bytes
+        self._sink = None if self.config.pipeline else make_sink(self.config, self._window)
         self._ctx: Optional[zmq.Context] = None
         self._replicas: List[Replica] = []
         self._spare: List[Replica] = []  # a second connection per replica, for epoch lookahead
@@ -197,7 +200,8 @@ class RemoteLoader:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        self._sink.close()
+        if self._sink is not None:
+            self._sink.close()
 
     def __enter__(self) -> "RemoteLoader":
         return self
@@ -377,7 +381,8 @@ class RemoteLoader:
             stream=self._stream, batch_size=c.batch_size, image_size=c.image_size, seed=c.seed, epoch=epoch,
             rank=c.rank, world_size=c.world_size, shuffle=c.shuffle, drop_last=c.drop_last, train=c.train,
             prefetch=c.prefetch, dataset=c.dataset, scale=list(c.scale), ratio=list(c.ratio), job=c.job,
-            batches=list(batches), lookahead=lookahead, on_demand=True, client=self._client_id))
+            batches=list(batches), lookahead=lookahead, on_demand=True, client=self._client_id,
+            pipeline=c.pipeline or "", pipeline_args=c.pipeline_args or {}))
 
     def _restart(self, r: Replica, flow: EpochFlow) -> None:
         """A new stream on ``r`` for the batches it was asked for and has not delivered."""
@@ -457,8 +462,8 @@ class RemoteLoader:
         if cut and all(r.dead or r in cut for r in reps):
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
                 f"the connection to {', '.join(r.endpoint for r in cut)} was cut for breaking the protocol and is "
-                f"not retried: a peer that sends a frame over this loader's cap of {self.config.max_frame_bytes} "
-                "bytes (batch_size x image_size^2 x 3 + 1 MiB), or that is not a ZeroMQ peer, is refused; is this "
+                f"not retried: a peer that sends a frame over this loader's cap of {self._frame_cap} "
+                "bytes (this job's largest data frame + 1 MiB), or that is not a ZeroMQ peer, is refused; is this "
                 "endpoint a loader service?"))
 
     def _fail_over_dead(self, reps: List[Replica], flow: EpochFlow, now: float) -> None:
@@ -528,7 +533,8 @@ class RemoteLoader:
     def _describe(self) -> None:
         """Learn the dataset's length from whichever replica answers first."""
         reps = self._connect()
-        describe = P.Describe(dataset=self.config.dataset)
+        c = self.config
+        describe = P.Describe(dataset=c.dataset, pipeline=c.pipeline or "", pipeline_args=c.pipeline_args or {})
         for r in reps:
             r.send(describe)
         poller = zmq.Poller()
@@ -548,8 +554,25 @@ class RemoteLoader:
                 if r.sock in events:
                     msg, _ = self._recv(r)
                     if isinstance(msg, P.DatasetInfo):
+                        if c.pipeline and self._sink is None:
+                            self._use_outputs(r.endpoint, msg.outputs)
                         self._dataset_length = msg.length
                         return
+
+    def _use_outputs(self, endpoint: str, outputs: list) -> None:
+        """Size the sink and the frame cap for a named pipeline's declared outputs."""
+        c = self.config
+        if not outputs:
+            raise LoaderError(P.ErrorCode.BAD_JOB, f"the service at {endpoint} did not describe pipeline "
+                              f"{c.pipeline!r}: it predates named pipelines; upgrade it")
+        layout = [(str(name), tuple(int(d) for d in shape)) for name, shape in outputs]
+        self._sink = make_sink(c, self._window, layout)
+        cap = c.batch_size * max(math.prod(s) for _, s in layout) + (1 << 20)
+        if cap > self._frame_cap:  # the connections were opened with a smaller cap: open them again
+            self._frame_cap = cap
+            for r in self._replicas:
+                r.close()
+            self._replicas = self._open_connections()
 
     def _connect(self) -> List[Replica]:
         if not self._replicas:
@@ -567,7 +590,7 @@ class RemoteLoader:
         # stream being replaced and a few control messages: more can only come from a rogue peer,
         # and libzmq then stops reading (backpressure, nothing dropped).
         queued = 2 * self._window + 16
-        return [Replica(self._ctx, e, c.heartbeat_s, i, self._curve, c.max_frame_bytes, queued)
+        return [Replica(self._ctx, e, c.heartbeat_s, i, self._curve, self._frame_cap, queued)
                 for i, e in enumerate(self.endpoints)]
 
 

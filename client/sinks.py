@@ -44,6 +44,7 @@ trainer holds, in plan order, so the copy of batch k+1 overlaps step k.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Deque, Dict, List, Optional, Tuple
@@ -60,17 +61,72 @@ from .errors import LoaderError
 from .transform import Normalize
 
 
-def make_sink(config: LoaderConfig, held: int):
+Outputs = List[Tuple[str, Tuple[int, ...]]]  # (name, per-sample shape) of each frame, in order
+
+
+def legacy_outputs(config: LoaderConfig) -> Outputs:
+    """The one image output of a job that names no pipeline."""
+    return [("image", (config.image_size, config.image_size, 3))]
+
+
+def make_sink(config: LoaderConfig, held: int, outputs: Optional[Outputs] = None):
     """The sink for ``config.device`` (already ``"cpu"`` or an explicit ``"cuda:N"``: see
     :func:`client.config.resolve_device`); ``held``: the most received batches the loader holds
-    before pushing them (its flow-control window)."""
-    return CudaSink(config, held) if config.device.startswith("cuda") else HostSink(config, held)
+    before pushing them (its flow-control window); ``outputs``: what each batch carries (by
+    default the built-in recipe's one image)."""
+    outputs = outputs or legacy_outputs(config)
+    return CudaSink(config, held, outputs) if config.device.startswith("cuda") else HostSink(config, held, outputs)
 
 
-def _recv_frames(sock: zmq.Socket, msg: P.Batch, images: torch.Tensor, labels: torch.Tensor) -> None:
-    """Receive a Batch's two data frames into ``images`` and ``labels`` (exact sizes)."""
+def _normalizers(config: LoaderConfig, outputs: Outputs) -> Dict[str, "_PerOutput"]:
+    """Output name -> its normalize, for the outputs ``config.normalize`` selects: True: every
+    RGB output (last dimension 3); a list of names: those."""
+    if config.normalize is False:
+        return {}
+    rgb = [name for name, shape in outputs if len(shape) >= 3 and shape[-1] == 3]
+    chosen = rgb if config.normalize is True else list(config.normalize)
+    bad = [n for n in chosen if n not in rgb]
+    if bad:
+        raise LoaderError(P.ErrorCode.BAD_JOB, f"normalize names {bad}, which are not RGB outputs (... x H x W x 3) "
+                          f"of this pipeline; its outputs are {dict(outputs)}")
+    norm = Normalize(config.mean, config.std, config.dtype)
+    return {n: _PerOutput(norm) for n in chosen}
+
+
+class _PerOutput:
+    """Normalize for (N, ..., H, W, 3): leading dimensions folded into the batch one and back."""
+
+    def __init__(self, norm: Normalize):
+        self.norm = norm
+
+    def __call__(self, raw: torch.Tensor) -> torch.Tensor:
+        if raw.dim() == 4:
+            return self.norm(raw)
+        lead, (h, w, c) = raw.shape[:-3], raw.shape[-3:]
+        y = self.norm(raw.reshape(-1, h, w, c))
+        return y.view(*lead, c, h, w)
+
+
+def _check_outputs(msg: P.Batch, outputs: Outputs) -> List[Tuple[str, Tuple[int, ...]]]:
+    """The batch's (name, frame shape) list, if it is what the loader expects."""
+    got = msg.output_shapes()
+    if [(n, tuple(s[1:])) for n, s in got] != [(n, tuple(s)) for n, s in outputs]:
+        raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"batch outputs {[(n, list(s[1:])) for n, s in got]} differ from "
+                          f"the pipeline's declaration {[(n, list(s)) for n, s in outputs]}")
+    return got
+
+
+def _build(msg: P.Batch, names: List[str], raw: List[torch.Tensor], labels: torch.Tensor,
+           normalize: Dict[str, "_PerOutput"]) -> Batch:
+    outs = {n: (normalize[n](r) if n in normalize else r) for n, r in zip(names, raw)}
+    return Batch(outs[names[0]], labels, list(msg.indices), msg.epoch, msg.index, raw[0], msg.padding, _skipped(msg),
+                 outs, dict(zip(names, raw)))
+
+
+def _recv_frames(sock: zmq.Socket, msg: P.Batch, outputs: List[torch.Tensor], labels: torch.Tensor) -> None:
+    """Receive a Batch's data frames into ``outputs`` and ``labels`` (exact sizes)."""
     sizes = []
-    for buf in (images, labels):
+    for buf in (*outputs, labels):
         if not sock.getsockopt(zmq.RCVMORE):
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, "Batch message is missing data frames")
         if buf.numel() == 0:
@@ -107,24 +163,26 @@ def _skipped(msg: P.Batch) -> List[Tuple[int, str]]:
 class HostSink:
     """CPU: every batch's tensors are its own (the images wrap its zmq message); nothing is pinned."""
 
-    def __init__(self, config: LoaderConfig, held: int = 0):
+    def __init__(self, config: LoaderConfig, held: int = 0, outputs: Optional[Outputs] = None):
         self.config = config
-        self.normalize = Normalize(config.mean, config.std, config.dtype) if config.normalize else None
+        self.outputs = outputs or legacy_outputs(config)
+        self.normalize = _normalizers(config, self.outputs)
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch):
-        image_frame, label_frame = _recv_data_frames(sock, msg)
-        if msg.image_bytes:
-            images = torch.frombuffer(image_frame.buffer, dtype=torch.uint8).view(msg.shape)
-        else:
-            images = torch.empty(msg.shape, dtype=torch.uint8)  # frombuffer refuses an empty buffer
+        *frames, label_frame = _recv_data_frames(sock, msg)
+        raw = []
+        for frame, (_, shape) in zip(frames, _check_outputs(msg, self.outputs)):
+            if frame.buffer.nbytes:
+                raw.append(torch.frombuffer(frame.buffer, dtype=torch.uint8).view(shape))
+            else:
+                raw.append(torch.empty(shape, dtype=torch.uint8))  # frombuffer refuses an empty buffer
         labels = torch.from_numpy(np.frombuffer(label_frame.bytes, dtype=np.int64).copy())  # small; aligned copy
-        return images, labels
+        return raw, labels
 
     def push(self, msg: P.Batch, payload) -> Batch:
         raw, labels = payload
-        images = self.normalize(raw) if self.normalize is not None else raw
-        return Batch(images, labels, list(msg.indices), msg.epoch, msg.index, raw, msg.padding, _skipped(msg))
+        return _build(msg, [n for n, _ in self.outputs], raw, labels, self.normalize)
 
     def discard(self, payload) -> None:
         pass  # the tensors own their memory
@@ -140,9 +198,9 @@ class HostSink:
 
 
 class _Slot:
-    def __init__(self, nbytes: int, nlabels: int):
+    def __init__(self, nbytes: List[int], nlabels: int):
         # pinned while the loader's device is current (portable to every device under UVA)
-        self.images = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        self.outputs = [torch.empty(n, dtype=torch.uint8).pin_memory() for n in nbytes]
         self.labels = torch.empty(nlabels, dtype=torch.int64).pin_memory()
         self.copied: Optional[torch.cuda.Event] = None  # recorded after the H2D copy that read it
 
@@ -150,35 +208,38 @@ class _Slot:
 class CudaSink:
     """CUDA: pinned ring -> side-stream H2D copy -> normalize on the GPU -> hand-over."""
 
-    def __init__(self, config: LoaderConfig, held: int):
+    def __init__(self, config: LoaderConfig, held: int, outputs: Optional[Outputs] = None):
         self.config = config
         self.device = torch.device(config.device)
         if self.device.index is None:
             raise ValueError(f"CudaSink needs an explicit device index, got {config.device!r}")
-        self.normalize = Normalize(config.mean, config.std, config.dtype) if config.normalize else None
-        self._slot_bytes = config.batch_size * config.image_size * config.image_size * 3
+        self.outputs = outputs or legacy_outputs(config)
+        self.normalize = _normalizers(config, self.outputs)
+        self._output_bytes = [config.batch_size * math.prod(shape) for _, shape in self.outputs]
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(device=self.device)
             # one slot per batch the loader may hold before pushing it, plus one to receive into
-            self._slots = [_Slot(self._slot_bytes, config.batch_size) for _ in range(held + 1)]
+            self._slots = [_Slot(self._output_bytes, config.batch_size) for _ in range(held + 1)]
         self._free: Deque[_Slot] = deque(self._slots)  # oldest copy first: most likely finished
         self._done: Dict[int, torch.cuda.Event] = {}  # batch index -> its copy + normalize finished
         self._handed: Optional[Tuple[int, torch.cuda.Event]] = None  # the last batch handed over (echo)
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch):
-        if msg.image_bytes > self._slot_bytes or len(msg.indices) > self.config.batch_size:
-            raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"batch of shape {msg.shape} exceeds the loader's slots")
+        shapes = _check_outputs(msg, self.outputs)
+        if len(msg.indices) > self.config.batch_size:
+            raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"batch of {len(msg.indices)} samples exceeds the loader's "
+                              f"slots ({self.config.batch_size})")
         slot = self._take_slot()
         n = len(msg.indices)
-        images = slot.images[: msg.image_bytes].view(msg.shape)
+        host = [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(slot.outputs, shapes)]
         labels = slot.labels[:n]
         try:
-            _recv_frames(sock, msg, images, labels)
+            _recv_frames(sock, msg, host, labels)
         except BaseException:
             self._free.append(slot)
             raise
-        return slot, images, labels
+        return slot, host, labels
 
     def _take_slot(self) -> _Slot:
         if not self._free:
@@ -191,20 +252,20 @@ class CudaSink:
         return slot
 
     def push(self, msg: P.Batch, payload) -> Batch:
-        slot, host_images, host_labels = payload
+        slot, host_outputs, host_labels = payload
         t0 = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            raw = host_images.to(self.device, non_blocking=True)
+            raw = [h.to(self.device, non_blocking=True) for h in host_outputs]
             labels = host_labels.to(self.device, non_blocking=True)
             slot.copied = torch.cuda.Event()
             slot.copied.record(self.stream)
-            images = self.normalize(raw) if self.normalize is not None else raw
+            batch = _build(msg, [n for n, _ in self.outputs], raw, labels, self.normalize)
             done = torch.cuda.Event()
             done.record(self.stream)
         self._free.append(slot)  # reusable once ``copied`` has fired (the slot wait checks)
         self.h2d_s += time.perf_counter() - t0
         self._done[msg.index] = done
-        return Batch(images, labels, list(msg.indices), msg.epoch, msg.index, raw, msg.padding, _skipped(msg))
+        return batch
 
     def discard(self, payload) -> None:
         self._free.append(payload[0])
@@ -219,7 +280,7 @@ class CudaSink:
         self._handed = (batch.index, done)
         current = torch.cuda.current_stream(self.device)
         self._order_after_copy(current, done)
-        self._keep_alive({id(x): x for x in (batch.images, batch.raw, batch.labels)}.values(), current)
+        self._keep_alive(batch.tensors(), current)
         return batch
 
     # The three guarantees, one small method each (tests/cuda replaces each with a no-op in

@@ -89,12 +89,22 @@ class ServiceConfig:
     api_token: Annotated[str, opt("guards mutating REST calls (empty: see --api-token-file; else one is generated "
                                   "and logged); environment or config file only", cli=False, secret=True)] = ""
     api_token_file: Annotated[str, opt("a file holding the API token", metavar="PATH")] = ""
+    pipeline: Annotated[Tuple[str, ...], opt(
+        "offer a preprocessing pipeline that clients choose by NAME: MODULE:CALLABLE is its factory, imported at "
+        "start (the service refuses to start if it does not import); repeat the flag for several (in "
+        "LOADER_PIPELINE: separated by commas); built in: train, eval", metavar="NAME=MODULE:CALLABLE")] = ()
 
     @field_validator("data", mode="before")
     @classmethod
     def _split_paths(cls, v):
         # LOADER_DATA=/a:/b, as PATH is written; a list or tuple (config file, flags) passes as is
         return tuple(p for p in v.split(os.pathsep) if p) if isinstance(v, str) else v
+
+    @field_validator("pipeline", mode="before")
+    @classmethod
+    def _split_pipelines(cls, v):
+        # LOADER_PIPELINE=a=m:f,b=m:g (a ':' is part of each entry, so not PATH-style)
+        return tuple(p.strip() for p in v.split(",") if p.strip()) if isinstance(v, str) else v
 
     def __post_init__(self) -> None:
         if self.workers == -1:
@@ -132,6 +142,10 @@ class ServiceConfig:
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
         DecodeOptions(self.max_image_pixels)  # raises if the limit is out of range
+        for entry in self.pipeline:
+            name, sep, target = entry.partition("=")
+            if not sep or not name.strip() or ":" not in target:
+                raise ValueError(f"pipeline {entry!r}: expected NAME=MODULE:CALLABLE")
         if self.status_log_s < 0:
             raise ValueError(f"status_log_s must be >= 0 (0 turns the log line off), got {self.status_log_s}")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import os
 import queue
 import signal
@@ -49,6 +50,7 @@ from .curve import HANDSHAKE_FAILED, secure_router
 from .deadlines import TaskDeadlines
 from .jobs import conflicts, describe_conflicts, plan_params
 from .jpeg import decode_path
+from .pipelines import JobPipeline, PipelineError, Registry, job_pipeline
 from .plan import PlanSpec, RankPlan, make_plan
 from .pool import WorkerPool
 from .scheduler import Scheduler
@@ -82,6 +84,7 @@ class Stream:
     slot_bytes: int
     state: StreamState
     lookahead: bool  # low priority until the client promotes it
+    pipe: JobPipeline
     wait_s: float = 0.0  # the client's stall figures during this stream (sum of its deltas)
     h2d_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
@@ -129,6 +132,7 @@ class _Opening:
     final: bool
     nslots: int
     slot_bytes: int
+    pipe: JobPipeline
 
 
 @dataclass
@@ -148,6 +152,7 @@ class Dispatcher:
         if not sources:
             raise ValueError("the service needs at least one dataset")
         self.config, self.sources = config, sources
+        self.pipelines = Registry(config.pipeline)  # first: a pipeline that does not import stops the start here
         self.default_dataset = next(iter(sources))
         self.instance = uuid.uuid4().hex[:12]
         self.limits = StreamLimits(on_error=config.on_error, max_skipped=config.max_skipped)
@@ -421,8 +426,16 @@ class Dispatcher:
 
     def _describe(self, ident: bytes, msg: P.Describe) -> None:
         source = self._source(ident, msg.dataset, stream=-1)
-        if source is not None:
-            self._send(ident, P.DatasetInfo(dataset=source.name, length=len(source), num_classes=source.num_classes))
+        if source is None:
+            return
+        outputs = []
+        if msg.pipeline:
+            try:
+                outputs = job_pipeline(self.pipelines, msg.pipeline, msg.pipeline_args).outputs()
+            except PipelineError as exc:
+                return self._send(ident, P.Error(code=P.ErrorCode.BAD_JOB, message=str(exc)))
+        self._send(ident, P.DatasetInfo(dataset=source.name, length=len(source), num_classes=source.num_classes,
+                                        outputs=outputs))
 
     def _source(self, ident: bytes, name: Optional[str], stream: int) -> Optional[Source]:
         source = self.sources.get(name or self.default_dataset)
@@ -471,8 +484,13 @@ class Dispatcher:
             order = list(hello.batches) if hello.batches else list(range(hello.start_batch, nb))
             granted, final = hello.prefetch, True
             nslots = max(1, min(hello.prefetch, len(order)))
-        slot_bytes = hello.batch_size * hello.image_size * hello.image_size * 3
-        opening = _Opening(session, hello, source, plan, order, granted, final, nslots, slot_bytes)
+        try:
+            pipe = job_pipeline(self.pipelines, hello.pipeline, hello.pipeline_args, hello.image_size, hello.train,
+                                hello.scale, hello.ratio)
+        except PipelineError as exc:
+            return self._refuse(ident, hello, P.ErrorCode.BAD_JOB, str(exc))
+        slot_bytes = hello.batch_size * pipe.pipeline.sample_bytes
+        opening = _Opening(session, hello, source, plan, order, granted, final, nslots, slot_bytes, pipe)
         if not self._open_stream(opening):
             self.waiting[ident] = opening
             log.info("client %s stream %d waits for %.1f MiB of slots that ending streams still hold",
@@ -501,7 +519,7 @@ class Dispatcher:
                                                                    o.slot_bytes, o.source, o.plan)
         state = StreamState(order, nslots, granted, plan.batch, source.describe, self.limits, final=final)
         stream = Stream(client=ident, hello=hello, source=source, plan=plan, segment=segment,
-                        slot_bytes=slot_bytes, state=state, lookahead=hello.lookahead)
+                        slot_bytes=slot_bytes, state=state, lookahead=hello.lookahead, pipe=o.pipe)
         session.stream = stream
         self.counters.streams += 1
         self._send(ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=nb,
@@ -788,6 +806,7 @@ class Dispatcher:
             self._slots_freed()
 
     def _send_batch(self, s: Stream, e: SendBatch) -> None:
+        layout = s.pipe.pipeline.layout(s.hello.batch_size)
         indices = s.plan.batch(e.batch)
         padding = s.plan.batch_padding(e.batch)
         skipped = []
@@ -797,25 +816,40 @@ class Dispatcher:
                 keep[pos] = False
                 skipped.append([idx, reason])
                 self.recent_skips.append(SkippedSample(dataset=s.source.name, index=int(idx), reason=str(reason)))
-            if e.compact:  # one-sample tasks wrote at their positions: close the gaps
-                row = s.hello.image_size ** 2 * 3
-                view = s.segment.array(np.uint8, (len(indices), row), e.slot * s.slot_bytes)
-                view[: int(keep.sum())] = view[keep]  # boolean indexing copies first: safe to overlap
-                del view
+            if e.compact:  # one-sample tasks wrote at their positions: close the gaps, in every output
+                for _, shape, off in layout:
+                    view = s.segment.array(np.uint8, (len(indices), math.prod(shape)), e.slot * s.slot_bytes + off)
+                    view[: int(keep.sum())] = view[keep]  # boolean indexing copies first: safe to overlap
+                    del view
             indices, padding = indices[keep], padding[keep]
             self.counters.skipped += len(skipped)
-        n, size = len(indices), s.hello.image_size
-        nbytes = n * size * size * 3
+        n = len(indices)
+        if s.pipe.named:
+            shape, outputs = [n], s.pipe.outputs()
+        else:
+            shape, outputs = [n, *layout[0][1]], []
         header = P.encode_header(P.Batch(stream=s.id, epoch=s.hello.epoch, index=e.batch, indices=indices.tolist(),
-                                         shape=[n, size, size, 3], padding=int(padding.sum()), skipped=skipped))
+                                         shape=shape, padding=int(padding.sum()), skipped=skipped, outputs=outputs))
         labels = np.ascontiguousarray(s.source.labels[indices], dtype=np.int64).tobytes()
         slot, state = e.slot, s.state
-        frame, zero_copy = self.arena.frame(s.segment, slot * s.slot_bytes, nbytes,
-                                            lambda: self.post(lambda: self._send_complete(s, slot)))
-        self.front.send_multipart([s.client, header, frame, labels], copy=False)
-        if not zero_copy:
+        pending = [0]  # zero-copy frames of this batch libzmq still reads: the slot is free at 0
+
+        def sent() -> None:  # a post: runs on this thread, after this method has counted every frame
+            pending[0] -= 1
+            if not pending[0]:
+                self._send_complete(s, slot)
+
+        frames, nbytes = [], 0
+        for _, shape_k, off in layout:
+            size_k = n * math.prod(shape_k)
+            frame, zero_copy = self.arena.frame(s.segment, slot * s.slot_bytes + off, size_k, lambda: self.post(sent))
+            frames.append(frame)
+            pending[0] += zero_copy
+            nbytes += size_k
+        self.front.send_multipart([s.client, header, *frames, labels], copy=False)
+        if not pending[0]:
             state.send_complete(slot)
-        del frame
+        del frames, frame
         session = self.sessions.get(s.client)
         if session is not None:
             session.batches += 1
@@ -852,16 +886,16 @@ class Dispatcher:
         self._run_task(s, t, worker)
 
     def _run_task(self, s: Stream, t: RunTask, worker) -> None:
-        row = s.hello.image_size ** 2 * 3
         batch = s.plan.batch(t.batch)
         if t.pos >= 0:
-            indices, offset = [int(batch[t.pos])], t.slot * s.slot_bytes + t.pos * row
+            indices, position = [int(batch[t.pos])], t.pos
         else:
-            indices, offset = batch.tolist(), t.slot * s.slot_bytes
-        h = s.hello
-        task = P.Task(task=t.task, dataset=s.source.name, shm=s.segment.name, offset=offset, indices=indices,
-                      seed=h.seed, epoch=h.epoch, train=h.train, image_size=h.image_size, scale=list(h.scale),
-                      ratio=list(h.ratio), on_error=self.config.on_error)
+            indices, position = batch.tolist(), 0
+        h, p = s.hello, s.pipe
+        task = P.Task(task=t.task, dataset=s.source.name, shm=s.segment.name, offset=t.slot * s.slot_bytes,
+                      indices=indices, seed=h.seed, epoch=h.epoch, train=h.train, image_size=h.image_size,
+                      scale=list(h.scale), ratio=list(h.ratio), on_error=self.config.on_error, pipeline=p.name,
+                      target=p.target, pipeline_args=p.args, capacity=h.batch_size, position=position)
         now = time.monotonic()
         deadline = now + self.deadlines.deadline_s(len(indices))
         self.running[t.task] = _Running(s, worker.id, len(indices), now, deadline)

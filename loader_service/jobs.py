@@ -16,7 +16,7 @@ from typing import Dict, List, Tuple
 
 # what the epoch plan and the samples' bytes depend on; a rank may differ only in rank and epoch
 PLAN_FIELDS = ("dataset", "world_size", "seed", "batch_size", "shuffle", "drop_last", "image_size", "train",
-               "scale", "ratio")
+               "scale", "ratio", "pipeline", "pipeline_args")
 
 
 def plan_params(hello, dataset: str) -> Dict[str, object]:

@@ -78,6 +78,9 @@ class Message:
     def check(self) -> None:
         """Range checks beyond types; raise ProtocolError."""
 
+    def data_frames(self) -> int:
+        return self.DATA_FRAMES
+
 
 # --------------------------------------------------------------------------- client -> service
 @dataclass(frozen=True)
@@ -117,9 +120,12 @@ class Hello(Message):
     lookahead: bool = False  # the next epoch, started early: served only when nothing else waits
     on_demand: bool = False
     client: str = ""  # the loader instance (all its connections): one (job, rank) belongs to one client
+    pipeline: str = ""  # a pipeline the service offers ("": the built-in train/eval recipe from the fields above)
+    pipeline_args: dict = field(default_factory=dict)  # plain values, checked by the pipeline
 
     def check(self) -> None:
         _range(self, "stream", 0)
+        _check_pipeline(self)
         _check_batches(self.batches)
         _range(self, "batch_size", 1, 1 << 16)
         _range(self, "image_size", 8, 4096)
@@ -202,6 +208,11 @@ class Describe(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.DESCRIBE
     dataset: Optional[str] = None
+    pipeline: str = ""  # also describe this pipeline's outputs for pipeline_args (DatasetInfo.outputs)
+    pipeline_args: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        _check_pipeline(self)
 
 
 # --------------------------------------------------------------------------- service -> client
@@ -219,7 +230,11 @@ class Accept(Message):
 
 @dataclass(frozen=True)
 class Batch(Message):
-    """One batch: frame 1 holds uint8 images (n, h, w, 3), frame 2 int64 labels (n,)."""
+    """One batch: frame 1 holds uint8 images (n, h, w, 3), frame 2 int64 labels (n,).
+
+    With ``outputs`` (a named pipeline): ``[[name, per-sample shape], ...]``, ``shape`` is
+    ``[n]``, and there is one uint8 frame per output, in that order, then the labels.
+    """
 
     TYPE: ClassVar[MsgType] = MsgType.BATCH
     DATA_FRAMES: ClassVar[int] = 2
@@ -231,11 +246,16 @@ class Batch(Message):
     padding: int = 0  # trailing samples that repeat one to even out ranks (see plan.py)
     skipped: list = field(default_factory=list)  # [[dataset index, reason], ...]
     dtype: str = "uint8"
+    outputs: list = field(default_factory=list)  # [[name, per-sample shape], ...]; empty: one image frame
 
     def check(self) -> None:
         if self.dtype != "uint8":
             raise ProtocolError(f"unsupported dtype {self.dtype!r}")
-        if len(self.shape) != 4 or not all(_is_int(x) and x >= 0 for x in self.shape):
+        if self.outputs:
+            _check_outputs(self.outputs)
+            if len(self.shape) != 1 or not _is_int(self.shape[0]) or self.shape[0] < 0:
+                raise ProtocolError(f"shape must be [n] when outputs are named, got {self.shape!r}")
+        elif len(self.shape) != 4 or not all(_is_int(x) and x >= 0 for x in self.shape):
             raise ProtocolError(f"shape must be 4 non-negative ints, got {self.shape!r}")
         if not all(_is_int(x) and x >= 0 for x in self.indices):
             raise ProtocolError("indices must be non-negative ints")
@@ -243,10 +263,19 @@ class Batch(Message):
             raise ProtocolError(f"shape[0]={self.shape[0]} but {len(self.indices)} indices")
         _range(self, "padding", 0, len(self.indices))
 
+    def data_frames(self) -> int:
+        return len(self.outputs) + 1 if self.outputs else 2
+
+    def output_shapes(self) -> list:
+        """[(name, full shape of its frame), ...]; the unnamed single output is ``image``."""
+        if not self.outputs:
+            return [("image", tuple(self.shape))]
+        return [(name, (self.shape[0], *shape)) for name, shape in self.outputs]
+
     @property
     def image_bytes(self) -> int:
-        n, h, w, c = self.shape
-        return n * h * w * c
+        """All output frames together."""
+        return sum(math.prod(s) for _, s in self.output_shapes())
 
 
 @dataclass(frozen=True)
@@ -279,6 +308,10 @@ class DatasetInfo(Message):
     dataset: str
     length: int
     num_classes: int
+    outputs: list = field(default_factory=list)  # the asked pipeline's [[name, per-sample shape], ...]
+
+    def check(self) -> None:
+        _check_outputs(self.outputs)
 
 
 @dataclass(frozen=True)
@@ -327,6 +360,11 @@ class Task(Message):
     scale: list
     ratio: list
     on_error: str = "raise"
+    pipeline: str = ""  # its name, for errors
+    target: str = ""  # MODULE:CALLABLE of its factory
+    pipeline_args: dict = field(default_factory=dict)
+    capacity: int = 0  # samples per output block of the slot at ``offset``
+    position: int = 0  # where in each block the first of ``indices`` goes
 
 
 @dataclass(frozen=True)
@@ -354,17 +392,34 @@ MESSAGES: dict = {cls.TYPE: cls for cls in Message.__subclasses__()}
 # --------------------------------------------------------------------------- encode / decode
 def encode(msg: Message, *data: Buffer) -> list:
     """Frames for ``msg``: the msgpack header, then ``data`` unchanged (never copied here)."""
-    if len(data) != msg.DATA_FRAMES:
-        raise ValueError(f"{type(msg).__name__} takes {msg.DATA_FRAMES} data frames, got {len(data)}")
+    if len(data) != msg.data_frames():
+        raise ValueError(f"{type(msg).__name__} takes {msg.data_frames()} data frames, got {len(data)}")
     return [encode_header(msg), *data]
 
 
 def encode_header(msg: Message) -> bytes:
-    """Frame 0 of ``msg`` alone (for senders that build data frames themselves)."""
+    """Frame 0 of ``msg`` alone (for senders that build data frames themselves). Fields left at
+    their default are not written (the receiver fills them in), so a message that uses no newer
+    field still decodes on a peer that predates it."""
     header = {"v": PROTOCOL_VERSION, "t": int(msg.TYPE)}
+    defaults = _DEFAULTS.get(type(msg))
+    if defaults is None:
+        defaults = _DEFAULTS[type(msg)] = _defaults(type(msg))
     for f in fields(msg):
-        header[f.name] = getattr(msg, f.name)
+        value = getattr(msg, f.name)
+        if f.name not in defaults or value != defaults[f.name]:
+            header[f.name] = value
     return msgpack.packb(header, use_bin_type=True)
+
+
+def _defaults(cls: type) -> dict:
+    out = {}
+    for f in fields(cls):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
 
 
 def decode(frames: Sequence[Any], expect: Optional[tuple] = None) -> tuple:
@@ -411,10 +466,10 @@ def decode_header(frame: Any, expect: Optional[tuple] = None) -> Message:
 
 def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
     """Check the number and byte sizes of ``msg``'s data frames."""
-    if len(sizes) != msg.DATA_FRAMES:
-        raise ProtocolError(f"{type(msg).__name__} takes {msg.DATA_FRAMES} data frames, got {len(sizes)}")
+    if len(sizes) != msg.data_frames():
+        raise ProtocolError(f"{type(msg).__name__} takes {msg.data_frames()} data frames, got {len(sizes)}")
     if isinstance(msg, Batch):
-        want = [msg.image_bytes, 8 * len(msg.indices)]
+        want = [math.prod(s) for _, s in msg.output_shapes()] + [8 * len(msg.indices)]
         if list(sizes) != want:
             raise ProtocolError(f"Batch frames are {list(sizes)} bytes, header says {want}")
 
@@ -455,6 +510,8 @@ def _coerce(cls: type, name: str, hint: Any, value: Any) -> Any:
         ok = isinstance(value, str)
     elif hint is list:
         ok = isinstance(value, list)
+    elif hint is dict:
+        ok = isinstance(value, dict)
     else:  # pragma: no cover - a field type this module does not know is a programming error
         raise TypeError(f"unsupported field type {hint!r} for {where}")
     if not ok:
@@ -483,6 +540,25 @@ def _check_stall(msg: Message) -> None:
             raise ProtocolError(f"{type(msg).__name__}.{name} is a delta and must be >= 0", ErrorCode.BAD_MESSAGE)
 
 
+def _check_pipeline(msg: Message) -> None:
+    if len(msg.pipeline) > 64:
+        raise ProtocolError(f"{type(msg).__name__}.pipeline: a name of at most 64 characters", ErrorCode.BAD_JOB)
+    if msg.pipeline_args and not msg.pipeline:
+        raise ProtocolError("pipeline_args given without a pipeline name", ErrorCode.BAD_JOB)
+    if not all(isinstance(k, str) for k in msg.pipeline_args):
+        raise ProtocolError("pipeline_args keys must be strings", ErrorCode.BAD_JOB)
+
+
+def _check_outputs(outputs: list) -> None:
+    for entry in outputs:
+        if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
+                or not isinstance(entry[1], list) or not entry[1]
+                or not all(_is_int(d) and 1 <= d <= 1 << 16 for d in entry[1])):
+            raise ProtocolError(f"outputs must be [[name, [positive ints]], ...], got {entry!r}")
+    if len({e[0] for e in outputs}) != len(outputs):
+        raise ProtocolError("outputs names an output twice")
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -500,3 +576,4 @@ def _nbytes(frame: Any) -> int:
 
 
 _HINTS: dict = {}
+_DEFAULTS: dict = {}

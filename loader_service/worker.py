@@ -12,7 +12,7 @@ import signal
 import time
 import traceback
 from collections import OrderedDict
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import zmq
 
@@ -20,7 +20,8 @@ from . import protocol as P
 from .jpeg import DEFAULT_OPTIONS, DecodeOptions
 from .shm import SHM_DIR, Segment
 from .sources import Source, SourceSpec, open_source
-from .transforms import TransformSpec, process_sample, sample_rng
+from .pipelines import Cache, Item, run_one
+from .transforms import sample_rng
 
 SEGMENT_CACHE = 4  # mappings a worker keeps open at most
 
@@ -39,6 +40,7 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     segments: "OrderedDict[str, Segment]" = OrderedDict()
     sources: Dict[str, Source] = {}
+    pipelines = Cache()
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"w{worker_id}".encode())
@@ -68,7 +70,7 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
             msg, _ = P.decode(sock.recv_multipart(), expect=(P.Task, P.Stop))
             if isinstance(msg, P.Stop):
                 return
-            done = task_fn(msg, worker_id, sources, segments, decode, progress)
+            done = task_fn(msg, worker_id, sources, segments, decode, progress, pipelines)
             sock.send_multipart(P.encode(done))
     finally:
         for seg in segments.values():
@@ -80,17 +82,20 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
 
 
 def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments,
-             decode: DecodeOptions = DEFAULT_OPTIONS, progress=None) -> P.Done:
-    """Decode ``task`` into its slot. ``progress`` (if given) is kept at [position, start time]
-    of the sample being read or decoded, and [-1, ...] once the task is done."""
+             decode: DecodeOptions = DEFAULT_OPTIONS, progress=None, pipelines: Optional[Cache] = None) -> P.Done:
+    """Run ``task``'s pipeline over its samples, writing each output into its block of the slot.
+    ``progress`` (if given) is kept at [position, start time] of the sample being read or
+    processed, and [-1, ...] once the task is done."""
     if progress is None:
         progress = [-1.0, 0.0]
     t_read = t_decode = 0.0
     try:
         source = sources[task.dataset]
         seg = _segment(segments, task.shm)
-        spec = TransformSpec(task.image_size, task.train, tuple(task.scale), tuple(task.ratio))
-        out = seg.array("uint8", (len(task.indices), task.image_size, task.image_size, 3), task.offset)
+        pipe = (pipelines or Cache()).get(task.pipeline, task.target, task.pipeline_args)
+        n = len(task.indices)
+        blocks = {name: seg.array("uint8", (task.capacity, *shape), task.offset + off)[task.position: task.position + n]
+                  for name, shape, off in pipe.layout(task.capacity)}
     except Exception as exc:
         return P.Done(task=task.task, worker=worker_id, ok=False, error=f"task setup failed: {exc}",
                       traceback=traceback.format_exc())
@@ -103,7 +108,9 @@ def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments,
         try:
             data = source.read(idx)
             t1 = time.perf_counter()
-            process_sample(data, spec, sample_rng(task.seed, task.epoch, idx), out[k], decode)
+            item = Item(data, int(source.labels[idx]), idx, sample_rng(task.seed, task.epoch, idx), source.describe,
+                        decode)
+            run_one(task.pipeline, pipe, item, {name: block[k] for name, block in blocks.items()})
             t_read += t1 - t0
             t_decode += time.perf_counter() - t1
             k += 1
@@ -113,9 +120,9 @@ def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments,
                 skipped.append([pos, idx, f"{_describe(source, idx)}: {reason}"])
                 continue
             return P.Done(task=task.task, worker=worker_id, ok=False,
-                          error=f"sample {idx} ({_describe(source, idx)}) failed: {reason}",
+                          error=f"sample {idx} ({_describe(source, idx)}) failed in pipeline {task.pipeline!r}: {reason}",
                           traceback=traceback.format_exc())
-    del out
+    del blocks
     progress[0] = -1
     return P.Done(task=task.task, worker=worker_id, ok=True, read_s=t_read, decode_s=t_decode, skipped=skipped)
 
@@ -127,7 +134,7 @@ def _describe(source: Source, idx: int) -> str:
         return f"sample {idx} (no name: {type(exc).__name__}: {exc})"
 
 
-def blank_task(task: P.Task, worker_id: int, sources, segments, decode=None, progress=None) -> P.Done:
+def blank_task(task: P.Task, worker_id: int, sources, segments, decode=None, progress=None, pipelines=None) -> P.Done:
     """The transport benchmark's task: done at once, nothing read or decoded (see above)."""
     return P.Done(task=task.task, worker=worker_id, ok=True)
 

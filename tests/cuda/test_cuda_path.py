@@ -198,3 +198,19 @@ def test_breaking_out_and_closing_never_hangs(service):
             next(it)
             next(it)
     assert time.monotonic() - t0 < 60
+
+
+# ------------------------------------------------------------------------------ several outputs
+def test_every_output_of_a_pipeline_is_copied_and_normalized_as_on_the_cpu(make_service):
+    """Each output gets its own pinned slot and copy; normalize applies to the outputs named."""
+    svc = make_service(pipeline=("two=tests.pipeline_doubles:two_views",))
+    kw = dict(batch_size=16, seed=3, pipeline="two", pipeline_args={"size": 32}, normalize=["big"])
+    with RemoteLoader(svc.endpoint, **kw) as cpu:
+        want = [{k: v.clone() for k, v in {**b.outputs, "labels": b.labels}.items()} for b in cpu]
+    with RemoteLoader(svc.endpoint, **kw, device="cuda", prefetch=8) as gpu:
+        got = [{k: v.cpu() for k, v in {**b.outputs, "labels": b.labels}.items()} for b in gpu]
+    assert len(got) == len(want) == BATCHES
+    for g, w in zip(got, want):
+        assert g["big"].dtype == torch.float32 and g["small"].dtype == torch.uint8
+        assert torch.allclose(g["big"], w["big"], atol=1e-4)
+        assert all(torch.equal(g[k], w[k]) for k in ("small", "stamp", "labels"))
