@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """User pipelines: the service + RemoteLoader against a torch DataLoader doing the same work.
 
-    python bench/bench_pipelines.py [--workers N] [--batch-size 32] [--demo-size 512] [--epochs 1]
-                                    [--repeats 3] [--json PATH]
+    python bench/bench_pipelines.py [--workers N] [--batch-size 32] [--demo-size 512 | --data DIR]
+                                    [--epochs 1] [--repeats 3] [--json PATH]
+
+``--data DIR``: a dataset folder (e.g. the real-photo sets of bench/photos.py) instead of the
+embedded demo set.
 
 Two pipelines from examples/pipelines/: ``multicrop`` (2 x 224 global + 6 x 96 local views,
 each with colour jitter / grayscale / blur / solarize) and ``colorjitter`` (RandomResizedCrop
@@ -122,8 +125,8 @@ PIL_FNS = {"multicrop": pil_multicrop, "colorjitter": pil_colorjitter}
 class PipelineDataset(Dataset):
     """``__getitem__``: one sample through the pipeline (``kind="ops"``) or its PIL twin."""
 
-    def __init__(self, n: int, name: str, kind: str):
-        self.n, self.name, self.kind = n, name, kind
+    def __init__(self, n: int, name: str, kind: str, data: str = ""):
+        self.n, self.name, self.kind, self.data = n, name, kind, data
         self.source = None
         self.pipe = None
 
@@ -132,9 +135,7 @@ class PipelineDataset(Dataset):
 
     def __getitem__(self, i: int):
         if self.source is None:  # opened in the worker process, like the service's workers do
-            from loader_service.sources.demo import ensure_demo
-
-            self.source = ensure_demo(self.n, quiet=True)
+            self.source = _open(self.data, self.n)
             self.pipe = Registry([f"{self.name}={PIPELINES[self.name]}"]).build(self.name, {})
         data = self.source.read(i)
         rng = sample_rng(0, 0, i)
@@ -146,6 +147,17 @@ class PipelineDataset(Dataset):
             out = {k: np.empty(s, np.uint8) for k, s in self.pipe.outputs.items()}
             run_one(self.name, self.pipe, Item(data, int(self.source.labels[i]), i, rng), out)
         return {k: torch.from_numpy(v) for k, v in out.items()}, int(self.source.labels[i])
+
+
+def _open(data: str, n: int):
+    """The benchmark's dataset: the folder ``data``, else the demo set of ``n`` images."""
+    if data:
+        from loader_service.sources.detect import open_path
+
+        return open_path(data)
+    from loader_service.sources.demo import ensure_demo
+
+    return ensure_demo(n, quiet=True)
 
 
 def time_epochs(make_iter: Callable[[int], object], epochs: int) -> float:
@@ -160,12 +172,9 @@ def time_epochs(make_iter: Callable[[int], object], epochs: int) -> float:
 
 
 def bench_dataloader(name: str, kind: str, args) -> float:
-    loader = DataLoader(PipelineDataset(args.demo_size, name, kind), batch_size=args.batch_size, shuffle=True,
-                        num_workers=args.workers, persistent_workers=True, prefetch_factor=4)
-    try:
-        return time_epochs(lambda e: loader, args.epochs)
-    finally:
-        del loader
+    loader = DataLoader(PipelineDataset(args.demo_size, name, kind, args.data), batch_size=args.batch_size,
+                        shuffle=True, num_workers=args.workers, persistent_workers=True, prefetch_factor=4)
+    return time_epochs(lambda e: loader, args.epochs)
 
 
 def bench_service(name: str, args) -> float:
@@ -173,7 +182,8 @@ def bench_service(name: str, args) -> float:
     from loader_service.config import ServiceConfig
     from loader_service.service import Service
 
-    svc = Service(ServiceConfig(demo=True, demo_size=args.demo_size, workers=args.workers, data_port=0,
+    where = dict(data=(args.data,)) if args.data else dict(demo=True, demo_size=args.demo_size)
+    svc = Service(ServiceConfig(**where, workers=args.workers, data_port=0,
                                 http_port=0, log_level="warning", status_log_s=0,
                                 pipeline=(f"{name}={PIPELINES[name]}",))).start()
     try:
@@ -253,6 +263,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--demo-size", type=int, default=512)
+    p.add_argument("--data", default="", metavar="DIR", help="a dataset folder instead of the demo set")
     p.add_argument("--epochs", type=int, default=1, help="timed epochs after one warm-up epoch")
     p.add_argument("--repeats", type=int, default=3, help="runs per contender; the median is reported")
     p.add_argument("--pipelines", default="multicrop,colorjitter")
@@ -260,9 +271,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from loader_service.sources.demo import ensure_demo
-
-    ensure_demo(args.demo_size, quiet=True).close()  # generated once, before any worker opens it
+    src = _open(args.data, args.demo_size)  # the demo set is generated once, before any worker opens it
+    args.demo_size = len(src)  # the DataLoader's length: the folder's size with --data
+    src.close()
+    load = os.getloadavg()[0]
     results = {}
     for name in args.pipelines.split(","):
         row = {}
@@ -273,7 +285,8 @@ def main(argv=None) -> int:
             row[label] = {"median": statistics.median(runs), "runs": runs}
             print(f"# {name} / {label}: {[round(r, 1) for r in runs]} img/s", file=sys.stderr, flush=True)
         results[name] = row
-    print(f"\nworkers {args.workers}, batch {args.batch_size}, {args.demo_size} demo images, "
+    print(f"\n# load average at start {load:.2f}; workers {args.workers}, batch {args.batch_size}, "
+          f"{args.demo_size} images of {args.data or 'the demo set'}, "
           f"{args.epochs} timed epoch(s) after a warm-up, median of {args.repeats}\n")
     print("| pipeline | service + RemoteLoader | DataLoader, same ops | DataLoader, PIL (torchvision-style) |")
     print("|---|---|---|---|")
