@@ -1,4 +1,4 @@
-"""Smoke tests of the throughput and transport benchmarks: each runs end to end with tiny
+"""Smoke tests of the throughput, transport and pipelines benchmarks: each runs end to end with tiny
 settings, reports every row with the right counts, and leaves no process behind. No speed is
 asserted (the machine running the tests may be busy)."""
 
@@ -126,3 +126,17 @@ def test_transport_benchmark_reports_every_row(tmp_path):
     assert "| raw pyzmq ROUTER -> DEALER, recv(copy=False) |" in stdout
     assert "| service (decode off) + RemoteLoader |" in stdout
     assert ("PASS " in stdout) != ("MISS " in stdout)
+
+
+@pytest.mark.slow
+def test_pipelines_benchmark_reports_each_contender_and_op(tmp_path):
+    out = tmp_path / "pipelines.json"
+    stdout = _run(os.path.join(ROOT, "bench", "bench_pipelines.py"),
+                  ["--workers", "1", "--demo-size", "16", "--batch-size", "4", "--repeats", "1", "--op-repeats", "2",
+                   "--pipelines", "colorjitter", "--json", str(out)])
+    report = json.loads(out.read_text())
+    row = report["pipelines"]["colorjitter"]
+    assert sorted(row) == ["DataLoader, PIL (torchvision-style)", "DataLoader, same ops", "service + RemoteLoader"]
+    assert all(len(r["runs"]) == 1 and r["median"] > 0 for r in row.values())
+    assert {"color_jitter(0.4,0.4,0.4,0.1)", "equalize"} <= {r["op"] for r in report["ops"]}
+    assert "| colorjitter | " in stdout and "16 images of the demo set" in stdout
