@@ -111,6 +111,7 @@ def main() -> int:
                         "step": step}, tmp)
             os.replace(tmp, args.checkpoint)  # a kill mid-save leaves the previous checkpoint
 
+    finished = False  # every rank got here: safe to wait for the others before leaving
     try:
         for epoch in range(start_epoch, args.epochs):
             loader.set_epoch(epoch)  # <- as with DistributedSampler.set_epoch
@@ -129,6 +130,7 @@ def main() -> int:
                 if step == args.stop_after:
                     if rank == 0:
                         print(f"stopping after step {step} (--stop-after)", flush=True)
+                    finished = True
                     return 0
             if args.checkpoint:
                 save()
@@ -137,9 +139,14 @@ def main() -> int:
                 print(f"epoch {epoch}: {steps} steps, {samples * world / max(dt, 1e-9):.0f} img/s over "
                       f"{world} rank(s), last loss {loss.item():.3f}, data stall "
                       f"{loader.stats()['wait_s']:.1f}s", flush=True)
+        finished = True
     finally:
         loader.close()
         if distributed:
+            if finished:
+                # leave together: a rank destroying its gloo group while a peer still tears its
+                # own down can abort in gloo ("terminate called without an active exception")
+                dist.barrier()
             dist.destroy_process_group()
     return 0
 
