@@ -37,7 +37,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import msgpack
 import numpy as np
@@ -565,21 +565,21 @@ class Dispatcher:
                                       message="this service has no stream for the client; start it again"))
             return
         s = session.stream
-        if s is None and ident in self.waiting and self.waiting[ident].hello.stream == msg.stream:
-            o = self.waiting[ident]
+        o = self.waiting.get(ident) if s is None else None  # a stream still waiting for its slots
+        if (o is None or o.hello.stream != msg.stream) and (s is None or s.id != msg.stream):
+            return  # for a stream that already ended or was replaced
+        # the stall figures are deltas since the connection's previous message: add, keep no baseline
+        self.counters.client_wait_s += msg.wait_s
+        self.counters.client_h2d_s += msg.h2d_s
+        if s is None:
             self._waiting_credit(o, msg)
             if getattr(msg, "probe", False):
                 self._send(ident, self._progress(msg.stream, None, len(o.order), no_slots=True))
             return
-        if s is None or s.id != msg.stream:
-            return  # for a stream that already ended or was replaced
         if getattr(msg, "probe", False):
             self._send(ident, self._progress(s.id, s, s.state.not_started, no_slots=s in self.starved))
         if (isinstance(msg, P.Credit) and msg.n) or (isinstance(msg, P.Request) and msg.batches):
             s.asked_at = time.monotonic()
-        # the stall figures are deltas since the connection's previous message: add, keep no baseline
-        self.counters.client_wait_s += msg.wait_s
-        self.counters.client_h2d_s += msg.h2d_s
         s.wait_s += msg.wait_s
         s.h2d_s += msg.h2d_s
         if msg.promote:
@@ -588,8 +588,7 @@ class Dispatcher:
             if s.hello.on_demand:
                 return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Credit on an on_demand stream; send Request"))
             s.state.grant(msg.n)
-            if s.segment is None and not s.state.settled:
-                self._take_slots_again(s)
+            self._take_slots_again(s)
             return
         if not s.hello.on_demand:
             return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Request on a stream that is not on_demand"))
@@ -604,8 +603,7 @@ class Dispatcher:
         except ValueError as exc:  # a batch asked for twice
             return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
         self._apply(s, effects)
-        if s.segment is None and not s.state.settled and not s.state.done:
-            self._take_slots_again(s)
+        self._take_slots_again(s)
 
     def _progress(self, stream_id: int, s: Optional[Stream], not_started: int, no_slots: bool) -> P.Progress:
         """What the service does for stream ``s`` now (None: not yet opened), for a client that
@@ -656,11 +654,16 @@ class Dispatcher:
                     raise  # lending would not make room: lend nothing
                 self._lend(quiet[0])
 
+    def _quiet(self) -> Iterator[Stream]:
+        """Live streams that hold slots and use none of them, with nothing asked and not started."""
+        for x in self.sessions:
+            if x.stream is not None and x.stream.segment is not None and x.stream.state.settled:
+                yield x.stream
+
     def _lendable(self, now: float, exclude: Optional[Stream] = None) -> List[Stream]:
         """Streams whose slots may be lent now, longest quiet first."""
-        return sorted((x.stream for x in self.sessions if x.stream is not None and x.stream is not exclude
-                       and x.stream.segment is not None and x.stream.state.settled
-                       and now - x.stream.asked_at >= self.config.reclaim_idle_s), key=lambda s: s.asked_at)
+        return sorted((q for q in self._quiet() if q is not exclude and now - q.asked_at >= self.config.reclaim_idle_s),
+                      key=lambda q: q.asked_at)
 
     def _lend(self, s: Stream) -> None:
         self.arena.release(s.segment, None)
@@ -672,8 +675,7 @@ class Dispatcher:
         """Whether ``nbytes`` fit once the streams ending now and the quiet ones (when their quiet
         time is up) give their slots back: then a new stream waits rather than being refused."""
         ending = sum(s.segment.size for s in self.retiring if s.segment is not None)
-        quiet = sum(x.stream.segment.size for x in self.sessions if x.stream is not None
-                    and x.stream.segment is not None and x.stream.state.settled)
+        quiet = sum(q.segment.size for q in self._quiet())
         return self.arena.in_use() - self.arena.reserved() - ending - quiet + nbytes <= self.arena.max_bytes
 
     def _next_lend_at(self, now: float) -> Optional[float]:
@@ -681,8 +683,7 @@ class Dispatcher:
         (Streams lendable already were tried when that wait began or memory last came back.)"""
         if not self.waiting and not self.starved:
             return None
-        times = [x.stream.asked_at + self.config.reclaim_idle_s for x in self.sessions
-                 if x.stream is not None and x.stream.segment is not None and x.stream.state.settled]
+        times = (q.asked_at + self.config.reclaim_idle_s for q in self._quiet())
         return min((t for t in times if t > now), default=None)
 
     def _lend_if_due(self) -> None:
@@ -696,7 +697,9 @@ class Dispatcher:
             self._slots_freed()
 
     def _take_slots_again(self, s: Stream) -> None:
-        """``s`` lent its slots and is asked for work: slots again, or wait for them."""
+        """If ``s`` lent its slots and has work now: slots again, or wait for them."""
+        if s.segment is not None or s.state.done or s.state.settled:
+            return
         try:
             s.segment = self._acquire(s.client, s.nbytes, f"prefetch {s.state.num_slots} x "
                                       f"{s.slot_bytes / 2**20:.1f} MiB", exclude=s)
@@ -722,8 +725,6 @@ class Dispatcher:
 
     def _waiting_credit(self, o: "_Opening", msg) -> None:
         """A Credit or Request for a stream still waiting for its slots: it counts when it opens."""
-        self.counters.client_wait_s += msg.wait_s
-        self.counters.client_h2d_s += msg.h2d_s
         if isinstance(msg, P.Credit) and not o.hello.on_demand:
             o.granted += msg.n
         elif isinstance(msg, P.Request) and o.hello.on_demand:
