@@ -39,7 +39,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("LOADER_CONTAINER_CACHE")
@@ -115,6 +115,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stack_env(images: Dict[str, str], token: str, **settings: str) -> Tuple[Dict[str, str], int, int]:
+    """The environment of a compose stack on two distinct free loopback ports with the test
+    images, a 1 GiB /dev/shm and ``settings`` on top: (env, data port, REST port)."""
+    data_port, http_port = free_port(), free_port()
+    while http_port == data_port:
+        http_port = free_port()
+    env = {"DATA_PORT": str(data_port), "HTTP_PORT": str(http_port), "HOSTNET_BIND": "127.0.0.1",
+           "LOADER_API_TOKEN": token, "LOADER_SHM_SIZE": "1g", "LOADER_MAX_SHM_MB": "768",
+           "LOADER_IMAGE": images["service"], "TRAINER_IMAGE": images["trainer"], **settings}
+    return env, data_port, http_port
 
 
 # ------------------------------------------------------------------------------ the engine

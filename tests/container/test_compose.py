@@ -53,17 +53,10 @@ def http(method: str, url: str, body=None, token: str = None, timeout: float = 1
 @pytest.fixture(scope="module")
 def stack(engine, images):
     """`docker compose up -d` (service + trainer) on free loopback ports; down at the end."""
-    data_port, http_port = harness.free_port(), harness.free_port()
-    while http_port == data_port:
-        http_port = harness.free_port()
     token = secrets.token_urlsafe(16)
-    env = {
-        "DATA_PORT": str(data_port), "HTTP_PORT": str(http_port), "HOSTNET_BIND": "127.0.0.1",
-        "LOADER_DEMO_SIZE": str(DEMO_SIZE), "LOADER_WORKERS": str(WORKERS), "LOADER_API_TOKEN": token,
-        "LOADER_SHM_SIZE": "1g", "LOADER_MAX_SHM_MB": "768",
-        "TRAINER_EPOCHS": "1", "TRAINER_BATCH_SIZE": "64",
-        "LOADER_IMAGE": images["service"], "TRAINER_IMAGE": images["trainer"],
-    }
+    env, data_port, http_port = harness.stack_env(images, token, LOADER_DEMO_SIZE=str(DEMO_SIZE),
+                                                  LOADER_WORKERS=str(WORKERS), TRAINER_EPOCHS="1",
+                                                  TRAINER_BATCH_SIZE="64")
     compose = harness.Compose(engine, f"loadertest{os.getpid()}", env)
     s = {"compose": compose, "token": token, "data_port": data_port, "url": f"http://127.0.0.1:{http_port}",
          "endpoint": f"tcp://127.0.0.1:{data_port}", "down": False}

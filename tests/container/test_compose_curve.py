@@ -27,15 +27,8 @@ FILES = ("docker-compose.yml", "docker-compose.airgap.yml", "docker-compose.host
 
 @pytest.fixture(scope="module")
 def curve_stack(engine, images):
-    data_port, http_port = harness.free_port(), harness.free_port()
-    while http_port == data_port:
-        http_port = harness.free_port()
-    env = {
-        "DATA_PORT": str(data_port), "HTTP_PORT": str(http_port), "HOSTNET_BIND": "127.0.0.1",
-        "LOADER_DEMO_SIZE": str(DEMO_SIZE), "LOADER_WORKERS": "2", "LOADER_API_TOKEN": "curve-test",
-        "LOADER_SHM_SIZE": "1g", "LOADER_MAX_SHM_MB": "768", "TRAINER_EPOCHS": "1", "TRAINER_BATCH_SIZE": "32",
-        "LOADER_IMAGE": images["service"], "TRAINER_IMAGE": images["trainer"],
-    }
+    env, data_port, http_port = harness.stack_env(images, "curve-test", LOADER_DEMO_SIZE=str(DEMO_SIZE),
+                                                  LOADER_WORKERS="2", TRAINER_EPOCHS="1", TRAINER_BATCH_SIZE="32")
     compose = harness.Compose(engine, f"loadercurve{os.getpid()}", env, files=FILES)
     try:
         compose("up", "-d", "--no-build", "--pull", "never", timeout=400, what="docker compose up -d (curve)")

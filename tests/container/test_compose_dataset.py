@@ -53,15 +53,9 @@ def user_stack(engine, images, tmp_path_factory):
     base = tmp_path_factory.mktemp("dataset")
     os.chmod(base, 0o755)
     dataset = write_dataset(str(base / NAME))
-    data_port, http_port = harness.free_port(), harness.free_port()
-    while http_port == data_port:
-        http_port = harness.free_port()
-    env = {  # no LOADER_DEMO: its default (1) must not shadow the user's dataset
-        "DATASET_DIR": dataset, "DATA_PORT": str(data_port), "HTTP_PORT": str(http_port),
-        "HOSTNET_BIND": "127.0.0.1", "LOADER_WORKERS": "2", "LOADER_API_TOKEN": "dataset-test",
-        "LOADER_SHM_SIZE": "1g", "LOADER_MAX_SHM_MB": "768", "TRAINER_EPOCHS": "1", "TRAINER_BATCH_SIZE": "4",
-        "LOADER_IMAGE": images["service"], "TRAINER_IMAGE": images["trainer"],
-    }
+    # no LOADER_DEMO: its default (1) must not shadow the user's dataset
+    env, data_port, http_port = harness.stack_env(images, "dataset-test", DATASET_DIR=dataset, LOADER_WORKERS="2",
+                                                  TRAINER_EPOCHS="1", TRAINER_BATCH_SIZE="4")
     compose = harness.Compose(engine, f"loaderdataset{os.getpid()}", env)
     try:
         yield {"compose": compose, "dataset": dataset, "endpoint": f"tcp://127.0.0.1:{data_port}",

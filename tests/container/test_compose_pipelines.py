@@ -25,16 +25,10 @@ FILES = ("docker-compose.yml", "docker-compose.airgap.yml", "docker-compose.host
 
 @pytest.fixture(scope="module")
 def pipeline_stack(engine, images):
-    data_port, http_port = harness.free_port(), harness.free_port()
-    while http_port == data_port:
-        http_port = harness.free_port()
-    env = {
-        "PIPELINES_DIR": str(harness.ROOT / "examples"),  # holds the package `pipelines`
-        "LOADER_PIPELINE": "multicrop=pipelines.multicrop:multicrop,colorjitter=pipelines.colorjitter:colorjitter",
-        "DATA_PORT": str(data_port), "HTTP_PORT": str(http_port), "HOSTNET_BIND": "127.0.0.1",
-        "LOADER_WORKERS": "2", "LOADER_API_TOKEN": "pipelines-test", "LOADER_SHM_SIZE": "1g",
-        "LOADER_MAX_SHM_MB": "768", "LOADER_IMAGE": images["service"], "TRAINER_IMAGE": images["trainer"],
-    }
+    env, data_port, _ = harness.stack_env(
+        images, "pipelines-test", LOADER_WORKERS="2",
+        PIPELINES_DIR=str(harness.ROOT / "examples"),  # holds the package `pipelines`
+        LOADER_PIPELINE="multicrop=pipelines.multicrop:multicrop,colorjitter=pipelines.colorjitter:colorjitter")
     compose = harness.Compose(engine, f"loaderpipelines{os.getpid()}", env, files=FILES)
     try:
         compose("up", "-d", "--no-build", "--pull", "never", "loader", timeout=400,
