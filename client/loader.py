@@ -458,7 +458,7 @@ class RemoteLoader:
     def _check_cut(self, reps: List[Replica], now: float) -> None:
         """Raise at once when every connection was cut for breaking the protocol (a rogue peer,
         an endpoint that is not a loader service): waiting out the timeout would change nothing."""
-        cut = [r for r in reps if r.cut_at() is not None and now >= r.cut_at()]
+        cut = [r for r in reps if r.is_cut(now)]
         if cut and all(r.dead or r in cut for r in reps):
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
                 f"the connection to {', '.join(r.endpoint for r in cut)} was cut for breaking the protocol and is "
@@ -471,8 +471,8 @@ class RemoteLoader:
         if len(reps) < 2:
             return  # nobody else to ask: wait for it, up to `timeout`
         for r in reps:
-            cut = r.cut_at() is not None and now >= r.cut_at()
-            if r.dead or r.down_since is None or (now - r.down_since < self.config.replica_timeout and not cut):
+            if r.dead or r.down_since is None or (now - r.down_since < self.config.replica_timeout
+                                                  and not r.is_cut(now)):
                 continue
             live = [x for x in reps if not x.dead and x is not r and x.down_since is None]
             if not live:

@@ -108,6 +108,10 @@ class Replica:
         breaking the protocol. None while connected or retrying."""
         return self.down_since + CUT_GRACE_S if self.down_since is not None and not self.retried else None
 
+    def is_cut(self, now: float) -> bool:
+        at = self.cut_at()
+        return at is not None and now >= at
+
     def send(self, msg: P.Message) -> None:
         """Queue ``msg`` (never blocks). A connection libzmq cut for good has nowhere to queue it:
         the message is dropped, and the loader's cut check gives that replica up."""
