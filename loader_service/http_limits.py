@@ -105,6 +105,7 @@ class Counters:
 def guarded_protocol(max_connections: int, receipt_s: float, counters: Counters) -> type:
     """An h11 protocol class for ``uvicorn.Config(http=...)`` with the connection cap and the
     receipt deadline of this module's docstring."""
+    lingering = 0  # refused connections waiting out REFUSED_GRACE_S: at most max_connections
 
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -115,15 +116,30 @@ def guarded_protocol(max_connections: int, receipt_s: float, counters: Counters)
                 log.warning("REST: refusing connections over the cap of %d (max_http_connections)", max_connections)
                 # Answer, half-close, and close for good a moment later: closing a socket whose
                 # request bytes are still unread sends RST, and the client's kernel may then drop
-                # the 503 before the client reads it. The grace is short and refused connections
-                # are discarded as they read, so a flood holds few descriptors.
+                # the 503 before the client reads it. At most max_connections wait out the grace:
+                # past that a flood's connections are closed at once, so the REST port never holds
+                # more than twice its cap of descriptors (the data plane needs the rest).
                 transport.write(TOO_MANY)
+                if lingering >= max_connections:
+                    transport.close()
+                    return
                 if transport.can_write_eof():
                     transport.write_eof()
-                self._receipt = asyncio.get_event_loop().call_later(REFUSED_GRACE_S, transport.close)
+                self._linger(1)
+                self._receipt = asyncio.get_event_loop().call_later(REFUSED_GRACE_S, self._close_refused, transport)
                 return
             super().connection_made(transport)
             self._arm()
+
+        @staticmethod
+        def _linger(n: int) -> None:
+            nonlocal lingering
+            lingering += n
+
+        def _close_refused(self, transport) -> None:
+            self._receipt = None
+            self._linger(-1)
+            transport.close()
 
         def _arm(self) -> None:
             self._disarm()
@@ -155,6 +171,8 @@ def guarded_protocol(max_connections: int, receipt_s: float, counters: Counters)
                 self._arm()  # the next request on this keep-alive connection gets a fresh deadline
 
         def connection_lost(self, exc) -> None:
+            if self.conn is None and self._receipt is not None:
+                self._linger(-1)  # a refused connection the client closed during the grace
             self._disarm()
             if self.conn is not None:
                 super().connection_lost(exc)
