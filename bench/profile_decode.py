@@ -44,11 +44,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--photos", default=os.path.expanduser("~/.cache/remote-loader/photos"))
     p.add_argument("--n", type=int, default=200)
+    p.add_argument("--groups", default="imagenet,camera",
+                   help="comma-separated sets under --photos (imagenet-rst, camera-rst: prepared with prepare-jpegs)")
     args = p.parse_args(argv)
     spec = T.TransformSpec(224)
     out = np.empty((224, 224, 3), np.uint8)
     print(f"decode path: {J.decode_path()}")
-    for group in ("imagenet", "camera"):
+    for group in args.groups.split(","):
         files = sorted(glob.glob(os.path.join(args.photos, group, "*", "*.jpg")))[: args.n]
         datas = [open(f, "rb").read() for f in files]
         rng = lambda i: T.sample_rng(0, 0, i)  # noqa: E731
@@ -56,13 +58,13 @@ def main(argv=None) -> int:
         # the stages of process_sample, with its own crop boxes
         boxes = []
         for i, d in enumerate(datas):
-            h, w, cmyk = J.header(d)
+            h, w, cmyk, restarts = J.header(d)
             r = rng(i)
             top, left, ch, cw = T.random_resized_crop_params(h, w, spec.scale, spec.ratio, r)
             dd = J.pick_scale(h, w, math.ceil(h * 224 / ch), math.ceil(w * 224 / cw))
             sh, sw = -(-h // dd), -(-w // dd)
             y, x = T._box(top, left, ch, cw, sh / h, sw / w, (sh, sw))
-            boxes.append((h, w, cmyk, dd, (y.start, y.stop, x.start, x.stop)))
+            boxes.append((h, w, cmyk, dd, (y.start, y.stop, x.start, x.stop), J.DEFAULT_OPTIONS, restarts))
         crops = [J.decode_crop(d, *boxes[i]) for i, d in enumerate(datas)]
         rows = {
             "naive function (full decode, slice, resize, flip)": best_us(lambda i, d: B.naive_sample(d, spec, rng(i), out), datas),

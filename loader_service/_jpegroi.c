@@ -6,6 +6,12 @@
  * one the rest is read so that a truncated file is an error). Scale 1/1, 1/2, 1/4 or 1/8 in
  * the DCT domain, the only factors that are faster than a full decode in libjpeg-turbo.
  *
+ * Restart markers: when a baseline file has restart intervals that start on MCU-row boundaries
+ * (every camera or encoder that writes them per row, or `loader-service prepare-jpegs`), the
+ * rows above the crop are not even entropy-decoded: the decoder reads a copy of the header with
+ * a smaller height followed by the scan data from the restart marker just above the crop. The
+ * decoded blocks are the same (DC prediction restarts at every marker), so are the pixels.
+ *
  * Strict like simplejpeg's strict=True: every libjpeg warning ("premature end of data
  * segment", "corrupt JPEG data") is an error, never grey or garbage pixels. The decode runs
  * without the GIL and touches no Python object; errors come back as the library's message.
@@ -17,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <jpeglib.h>
+#include <jerror.h>
 
 #define FLAG_FASTDCT 1
 #define FLAG_FASTUPSAMPLE 2
@@ -78,6 +85,142 @@ static void cmyk_to_rgb(const unsigned char *src, unsigned char *dst, JDIMENSION
     }
 }
 
+
+/* A source that serves a patched copy of the header, then the original scan data from a
+ * restart marker on (no copy of the scan data). */
+struct split_src {
+    struct jpeg_source_mgr pub;
+    const JOCTET *rest;
+    size_t rest_len;
+};
+
+static void split_init(j_decompress_ptr c) { (void)c; }
+static void split_term(j_decompress_ptr c) { (void)c; }
+
+static boolean split_fill(j_decompress_ptr c)
+{
+    static const JOCTET eoi[2] = {0xFF, JPEG_EOI};
+    struct split_src *s = (struct split_src *)c->src;
+    if (s->rest_len > 0) {
+        s->pub.next_input_byte = s->rest;
+        s->pub.bytes_in_buffer = s->rest_len;
+        s->rest_len = 0;
+        return TRUE;
+    }
+    WARNMS(c, JWRN_JPEG_EOF); /* an error here (strict), as for jpeg_mem_src */
+    s->pub.next_input_byte = eoi;
+    s->pub.bytes_in_buffer = 2;
+    return TRUE;
+}
+
+static void split_skip(j_decompress_ptr c, long n)
+{
+    struct split_src *s = (struct split_src *)c->src;
+    while (n > (long)s->pub.bytes_in_buffer) {
+        n -= (long)s->pub.bytes_in_buffer;
+        split_fill(c);
+    }
+    s->pub.next_input_byte += n;
+    s->pub.bytes_in_buffer -= (size_t)n;
+}
+
+/* Offset of the SOF marker (its 0xFF) in the header, or 0 when the markers do not walk cleanly
+ * up to SOS within `end` bytes. */
+static size_t find_sof(const unsigned char *p, size_t end)
+{
+    size_t i = 2, sof = 0;
+    while (i + 4 <= end) {
+        if (p[i] != 0xFF)
+            return 0;
+        if (p[i + 1] == 0xFF) { /* fill byte */
+            i++;
+            continue;
+        }
+        unsigned m = p[i + 1];
+        if (m == 0x01 || (m >= 0xD0 && m <= 0xD8)) { /* standalone markers */
+            i += 2;
+            continue;
+        }
+        size_t len = ((size_t)p[i + 2] << 8) | p[i + 3];
+        if (len < 2)
+            return 0;
+        if (m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC)
+            sof = i;
+        if (m == 0xDA)
+            return sof;
+        i += 2 + len;
+    }
+    return 0;
+}
+
+/* Offset of the first scan byte after the n-th restart marker of the scan starting at `start`,
+ * or 0 if there are fewer, or a marker is out of sequence or is not a restart marker. */
+static size_t after_restart(const unsigned char *p, size_t start, size_t size, size_t n)
+{
+    size_t i = start, seen = 0;
+    while (seen < n) {
+        const unsigned char *f = memchr(p + i, 0xFF, size - i);
+        if (f == NULL)
+            return 0;
+        i = (size_t)(f - p);
+        if (i + 1 >= size)
+            return 0;
+        unsigned m = p[i + 1];
+        if (m == 0x00 || m == 0xFF) { /* stuffed 0xFF in the data, or a fill byte */
+            i += 1 + (m == 0x00);
+            continue;
+        }
+        if (m < 0xD0 || m > 0xD7 || m - 0xD0 != seen % 8)
+            return 0;
+        seen++;
+        i += 2;
+    }
+    return i;
+}
+
+static size_t gcd(size_t a, size_t b)
+{
+    while (b) {
+        size_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+/* The image row (a multiple of the MCU height) at which the scan can be entered through a
+ * restart marker, at or above `row`, and the offset where its data starts; 0 when there is
+ * none worth taking. Only restart intervals numbered 0 mod 8 are entry points: the decoder
+ * expects RST0 after the first interval it reads. */
+static JDIMENSION restart_entry(struct jpeg_decompress_struct *c, const unsigned char *p, size_t size,
+                                size_t scan_start, JDIMENSION row, size_t *offset)
+{
+    if (c->progressive_mode || c->arith_code || c->restart_interval == 0 || c->comps_in_scan != c->num_components)
+        return 0;
+    size_t mcu_w, mcu_h;
+    if (c->num_components == 1) { /* a non-interleaved scan: one block per MCU */
+        if (c->comp_info[0].h_samp_factor != c->max_h_samp_factor || c->comp_info[0].v_samp_factor != c->max_v_samp_factor)
+            return 0;
+        mcu_w = mcu_h = DCTSIZE;
+    } else {
+        mcu_w = (size_t)c->max_h_samp_factor * DCTSIZE;
+        mcu_h = (size_t)c->max_v_samp_factor * DCTSIZE;
+    }
+    size_t per_row = (c->image_width + mcu_w - 1) / mcu_w, ri = c->restart_interval;
+    size_t target = row / mcu_h; /* MCU row holding `row` */
+    /* interval k starts a row when k * ri is a multiple of per_row, and is an entry when k is
+     * also a multiple of 8 */
+    size_t b = per_row / gcd(ri, per_row), every = 8 / gcd(8, b) * b;
+    size_t k = target * per_row / ri / every * every;
+    if (k == 0)
+        return 0;
+    size_t at = after_restart(p, scan_start, size, k);
+    if (at == 0)
+        return 0;
+    *offset = at;
+    return (JDIMENSION)(k * ri / per_row * mcu_h);
+}
+
 struct job {
     const unsigned char *data;
     size_t size;
@@ -87,11 +230,46 @@ struct job {
     char msg[JMSG_LENGTH_MAX + 64];
 };
 
+/* Enter the scan at the restart marker nearest above image row `row` when the file allows it:
+ * cinfo then reads a header whose height is the rows left, followed by the scan data from that
+ * marker on. Returns the image rows left out above (0: cinfo is unchanged). */
+static JDIMENSION enter_at_restart(struct jpeg_decompress_struct *cinfo, const struct job *jb, JDIMENSION row,
+                                   struct split_src *split, unsigned char **hdr)
+{
+    size_t scan_start = (size_t)(cinfo->src->next_input_byte - jb->data), entry = 0, sof;
+    JDIMENSION at = restart_entry(cinfo, jb->data, jb->size, scan_start, row, &entry);
+    if (at == 0 || at >= cinfo->image_height || (sof = find_sof(jb->data, scan_start)) == 0 || sof + 7 > scan_start)
+        return 0;
+    *hdr = malloc(scan_start);
+    if (*hdr == NULL)
+        return 0;
+    memcpy(*hdr, jb->data, scan_start);
+    JDIMENSION left = cinfo->image_height - at;
+    (*hdr)[sof + 5] = (unsigned char)(left >> 8);
+    (*hdr)[sof + 6] = (unsigned char)(left & 0xFF);
+    jpeg_abort_decompress(cinfo);
+    memset(split, 0, sizeof *split);
+    split->pub.init_source = split_init;
+    split->pub.fill_input_buffer = split_fill;
+    split->pub.skip_input_data = split_skip;
+    split->pub.resync_to_restart = jpeg_resync_to_restart;
+    split->pub.term_source = split_term;
+    split->pub.next_input_byte = *hdr;
+    split->pub.bytes_in_buffer = scan_start;
+    split->rest = jb->data + entry;
+    split->rest_len = jb->size - entry;
+    cinfo->src = &split->pub;
+    jpeg_read_header(cinfo, TRUE);
+    return at;
+}
+
 static int run_decode(struct job *jb)
 {
     struct jpeg_decompress_struct cinfo;
     struct strict_err err;
+    struct split_src split;
     unsigned char *volatile row = NULL;
+    unsigned char *volatile hdr = NULL;
     int ok = 0;
 
     init_err(&cinfo, &err);
@@ -102,6 +280,14 @@ static int run_decode(struct job *jb)
     }
     jpeg_mem_src(&cinfo, jb->data, (unsigned long)jb->size);
     jpeg_read_header(&cinfo, TRUE);
+    /* rows of the decoded (1/denom) image left out above, by entering at a restart marker */
+    JDIMENSION above = 0;
+    if (jb->y0 > MARGIN) {
+        unsigned char *h = NULL;
+        above = enter_at_restart(&cinfo, jb, (jb->y0 - MARGIN) * (JDIMENSION)jb->denom, &split, &h) / (JDIMENSION)jb->denom;
+        hdr = h;
+    }
+    JDIMENSION y0 = jb->y0 - above;
     int cmyk = is_cmyk(cinfo.jpeg_color_space);
     cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
     cinfo.scale_num = 1;
@@ -109,9 +295,9 @@ static int run_decode(struct job *jb)
     cinfo.dct_method = (jb->flags & FLAG_FASTDCT) ? JDCT_IFAST : JDCT_ISLOW;
     cinfo.do_fancy_upsampling = (jb->flags & FLAG_FASTUPSAMPLE) ? FALSE : TRUE;
     jpeg_start_decompress(&cinfo);
-    if (jb->h == 0 || jb->w == 0 || jb->y0 + jb->h > cinfo.output_height || jb->x0 + jb->w > cinfo.output_width) {
+    if (jb->h == 0 || jb->w == 0 || y0 + jb->h > cinfo.output_height || jb->x0 + jb->w > cinfo.output_width) {
         snprintf(jb->msg, sizeof jb->msg, "crop %ux%u at (%u, %u) is outside the %ux%u image at 1/%d",
-                 jb->w, jb->h, jb->x0, jb->y0, cinfo.output_width, cinfo.output_height, jb->denom);
+                 jb->w, jb->h, jb->x0, jb->y0, cinfo.output_width, cinfo.output_height + above, jb->denom);
         goto done;
     }
     /* Fancy (smooth) chroma upsampling reads the neighbours of each chroma sample, and the decoder
@@ -120,7 +306,7 @@ static int run_decode(struct job *jb)
      * neighbours and equal those of a full decode. */
     JDIMENSION ex0 = jb->x0 > MARGIN ? jb->x0 - MARGIN : 0;
     JDIMENSION ex1 = jb->x0 + jb->w + MARGIN < cinfo.output_width ? jb->x0 + jb->w + MARGIN : cinfo.output_width;
-    JDIMENSION ey0 = jb->y0 > MARGIN ? jb->y0 - MARGIN : 0;
+    JDIMENSION ey0 = y0 > MARGIN ? y0 - MARGIN : 0;
     JDIMENSION xoff = ex0, cw = ex1 - ex0;
     if (xoff > 0 || cw < cinfo.output_width)
         jpeg_crop_scanline(&cinfo, &xoff, &cw); /* widens to iMCU boundaries: xoff <= ex0, xoff + cw >= ex1 */
@@ -138,13 +324,13 @@ static int run_decode(struct job *jb)
     for (JDIMENSION i = 0; i < chunk; i++)
         rows[i] = row + i * pitch;
     if (ey0 > 0 && jpeg_skip_scanlines(&cinfo, ey0) != ey0) {
-        snprintf(jb->msg, sizeof jb->msg, "could not skip to row %u", ey0);
+        snprintf(jb->msg, sizeof jb->msg, "could not skip to row %u", ey0 + above);
         goto done;
     }
-    while (cinfo.output_scanline < jb->y0) { /* the margin above the crop: decoded, not kept */
-        JDIMENSION want = jb->y0 - cinfo.output_scanline < chunk ? jb->y0 - cinfo.output_scanline : chunk;
+    while (cinfo.output_scanline < y0) { /* the margin above the crop: decoded, not kept */
+        JDIMENSION want = y0 - cinfo.output_scanline < chunk ? y0 - cinfo.output_scanline : chunk;
         if (jpeg_read_scanlines(&cinfo, rows, want) == 0) {
-            snprintf(jb->msg, sizeof jb->msg, "decoder returned no scanline at row %u", cinfo.output_scanline);
+            snprintf(jb->msg, sizeof jb->msg, "decoder returned no scanline at row %u", cinfo.output_scanline + above);
             goto done;
         }
     }
@@ -178,6 +364,7 @@ static int run_decode(struct job *jb)
 done:
     free(row);
     jpeg_destroy_decompress(&cinfo);
+    free(hdr);
     return ok;
 }
 
@@ -219,7 +406,8 @@ fail:
     return NULL;
 }
 
-/* header(data) -> (height, width, components, cmyk, progressive); reads the markers only. */
+/* header(data) -> (height, width, components, cmyk, progressive, restart_interval); reads the
+ * markers only. */
 static PyObject *py_header(PyObject *self, PyObject *args)
 {
     Py_buffer data;
@@ -236,8 +424,8 @@ static PyObject *py_header(PyObject *self, PyObject *args)
     }
     jpeg_mem_src(&cinfo, data.buf, (unsigned long)data.len);
     jpeg_read_header(&cinfo, TRUE);
-    res = Py_BuildValue("(IIiii)", cinfo.image_height, cinfo.image_width, cinfo.num_components,
-                        is_cmyk(cinfo.jpeg_color_space), (int)cinfo.progressive_mode);
+    res = Py_BuildValue("(IIiiiI)", cinfo.image_height, cinfo.image_width, cinfo.num_components,
+                        is_cmyk(cinfo.jpeg_color_space), (int)cinfo.progressive_mode, cinfo.restart_interval);
 done:
     jpeg_destroy_decompress(&cinfo);
     PyBuffer_Release(&data);
@@ -249,7 +437,7 @@ static PyMethodDef methods[] = {
      "decode(data, denom, y0, x0, h, w, out, flags): the h x w RGB crop at (y0, x0) of the image "
      "decoded at 1/denom, written into out (h*w*3 bytes). Raises ValueError with the reason."},
     {"header", py_header, METH_VARARGS,
-     "header(data) -> (height, width, components, cmyk, progressive)"},
+     "header(data) -> (height, width, components, cmyk, progressive, restart_interval)"},
     {NULL, NULL, 0, NULL},
 };
 

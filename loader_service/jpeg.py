@@ -4,7 +4,9 @@ Two paths give the crop of the image decoded at scale 1/d (d in 1, 2, 4, 8):
 
 * ``native-roi``: the ``_jpegroi`` extension (built from ``_jpegroi.c`` against the system
   libjpeg-turbo by ``pip install``) decodes only the crop's rows and iMCU columns and stops
-  after the crop's last row (see the C file). Pixels: the same as decoding the whole image at
+  after the crop's last row (see the C file). In a baseline file with restart markers at row
+  boundaries (``loader-service prepare-jpegs`` adds them losslessly) it also skips the entropy
+  decoding of the rows above the crop, entering the scan at the nearest marker above it. Pixels: the same as decoding the whole image at
   1/d and slicing, checked by tests/test_jpeg_kernel.py.
 * ``simplejpeg``: the whole image at 1/d, then the slice. Used when the extension is not built
   (no libjpeg-turbo headers); ``LOADER_REQUIRE_NATIVE_JPEG=1`` makes that an import error.
@@ -64,13 +66,16 @@ def decode_path() -> str:
     return "simplejpeg (full decode at the scale, then crop)" if simplejpeg is not None else "none"
 
 
-def header(data: bytes) -> Tuple[int, int, bool]:
-    """(height, width, cmyk) from the JPEG's markers; ``ValueError`` if they are unreadable."""
+def header(data: bytes) -> Tuple[int, int, bool, bool]:
+    """(height, width, cmyk, restarts) from the JPEG's markers; ``ValueError`` if they are unreadable.
+
+    ``restarts``: a baseline scan with restart markers, which the native kernel may enter below
+    the top (always False without it)."""
     if _jpegroi is not None:
-        h, w, _, cmyk, _ = _jpegroi.header(data)
-        return h, w, bool(cmyk)
+        h, w, _, cmyk, progressive, restart_interval = _jpegroi.header(data)
+        return h, w, bool(cmyk), restart_interval > 0 and not progressive
     h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    return h, w, colorspace.upper() in ("CMYK", "YCCK")
+    return h, w, colorspace.upper() in ("CMYK", "YCCK"), False
 
 
 def check_size(h: int, w: int, options: DecodeOptions) -> None:
@@ -89,15 +94,17 @@ def pick_scale(h: int, w: int, min_h: int, min_w: int) -> int:
 
 
 def decode_crop(data: bytes, h: int, w: int, cmyk: bool, d: int, box: Tuple[int, int, int, int],
-                options: DecodeOptions = DEFAULT_OPTIONS) -> np.ndarray:
-    """The (y0, y1, x0, x1) ``box`` of the JPEG decoded at 1/``d`` (box in that image's pixels), RGB uint8."""
+                options: DecodeOptions = DEFAULT_OPTIONS, restarts: bool = False) -> np.ndarray:
+    """The (y0, y1, x0, x1) ``box`` of the JPEG decoded at 1/``d`` (box in that image's pixels), RGB uint8.
+
+    ``restarts`` (from :func:`header`): the rows above the crop cost nothing on the native path."""
     y0, y1, x0, x1 = box
     sh, sw = -(-h // d), -(-w // d)
     # The system libjpeg-turbo (2.1 on Debian 12) decodes a whole image ~15 % slower than the one
     # simplejpeg bundles (3.x); both give the same pixels (tests/test_jpeg_kernel.py). So a crop
     # that needs nearly every row and most columns goes the simplejpeg way (thresholds measured
     # on the real-photo set, docs/benchmarks.md).
-    big = y1 > ROI_MIN_SAVING * sh and (x1 - x0) > ROI_MIN_SAVING * sw
+    big = y1 - (y0 if restarts else 0) > ROI_MIN_SAVING * sh and (x1 - x0) > ROI_MIN_SAVING * sw
     if _jpegroi is not None and not (big and simplejpeg is not None):
         out = np.empty((y1 - y0, x1 - x0, 3), np.uint8)
         _jpegroi.decode(data, d, y0, x0, y1 - y0, x1 - x0, out, _flags(options))

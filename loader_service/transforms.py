@@ -83,7 +83,7 @@ def process_sample(data: Sample, spec: TransformSpec, rng: np.random.Generator, 
     (used as is). Both take the same path below; only the size lookup and the decode differ.
     """
     size = spec.image_size
-    h, w, cmyk = _header(data, options)
+    h, w, cmyk, restarts = _header(data, options)
     if spec.train:
         top, left, ch, cw = random_resized_crop_params(h, w, spec.scale, spec.ratio, rng)
         flip = spec.flip and rng.random() < 0.5
@@ -99,7 +99,7 @@ def process_sample(data: Sample, spec: TransformSpec, rng: np.random.Generator, 
         sh, sw = -(-h // d), -(-w // d)
         y, x = _box(top, left, ch, cw, sh / h, sw / w, (sh, sw))
         try:
-            crop = jpeg.decode_crop(data, h, w, cmyk, d, (y.start, y.stop, x.start, x.stop), options)
+            crop = jpeg.decode_crop(data, h, w, cmyk, d, (y.start, y.stop, x.start, x.stop), options, restarts)
         except ValueError as exc:  # strict: truncated or corrupt data is an error, not grey pixels
             raise DecodeError(f"corrupt or truncated JPEG ({exc})") from None
     if crop.ndim == 2:  # a grey array: RGB like a grey PNG's decode, before the resize so the math is the same
@@ -119,24 +119,25 @@ def _box(top: int, left: int, ch: int, cw: int, fy: float, fx: float, shape) -> 
     return slice(y0, y1), slice(x0, x1)
 
 
-def _header(data: Sample, options: DecodeOptions) -> Tuple[int, int, bool]:
-    """(height, width, cmyk) from the header alone, checked against the pixel limit."""
+def _header(data: Sample, options: DecodeOptions) -> Tuple[int, int, bool, bool]:
+    """(height, width, cmyk, restarts) from the header alone, checked against the pixel limit
+    (``restarts``: see :func:`jpeg.header`)."""
     if isinstance(data, np.ndarray):
         h, w = check_pixels(data).shape[:2]
-        return h, w, False
+        return h, w, False, False
     if data[:3] == JPEG_MAGIC:
         try:
-            h, w, cmyk = jpeg.header(data)
+            h, w, cmyk, restarts = jpeg.header(data)
         except ValueError as exc:
             raise DecodeError(f"corrupt JPEG header ({exc})") from None
     else:
         h, w = _png_size(data)
-        cmyk = False
+        cmyk = restarts = False
     try:
         jpeg.check_size(h, w, options)
     except ValueError as exc:
         raise DecodeError(str(exc)) from None
-    return h, w, cmyk
+    return h, w, cmyk, restarts
 
 
 def _png_size(data: bytes) -> Tuple[int, int]:
@@ -166,7 +167,7 @@ def decode(data: Sample, options: DecodeOptions = DEFAULT_OPTIONS) -> np.ndarray
     if isinstance(data, np.ndarray):
         img = check_pixels(data)
         return gray_to_rgb(img) if img.ndim == 2 else img
-    h, w, cmyk = _header(data, options)
+    h, w, cmyk, _ = _header(data, options)
     if data[:3] == JPEG_MAGIC:
         try:
             return jpeg.decode_scaled(data, h, w, cmyk, 1, options)

@@ -35,6 +35,27 @@ def _pil(img: np.ndarray, mode: str = "RGB", **kw) -> bytes:
     return buf.getvalue()
 
 
+def _rst_rows(img: np.ndarray, sampling, mcu: int) -> bytes:
+    """A JPEG with a restart marker after every MCU row (OpenCV's interval is counted in MCUs)."""
+    params = [cv2.IMWRITE_JPEG_QUALITY, 90, cv2.IMWRITE_JPEG_RST_INTERVAL, -(-img.shape[1] // mcu)]
+    if sampling is not None:
+        params += [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, sampling]
+        img = img[:, :, ::-1]
+    return cv2.imencode(".jpg", img, params)[1].tobytes()
+
+
+def _restart_markers(data: bytes) -> list:
+    """Offsets of the restart markers in the scan (after the SOS segment)."""
+    sos = data.index(b"\xff\xda")
+    i = sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
+    found = []
+    while (i := data.find(b"\xff", i)) >= 0 and i + 1 < len(data):
+        if 0xD0 <= data[i + 1] <= 0xD7:
+            found.append(i)
+        i += 2 if data[i + 1] != 0xFF else 1
+    return found
+
+
 @pytest.fixture(scope="module")
 def variants(photo) -> dict:
     rgb = simplejpeg.decode_jpeg(photo)
@@ -48,6 +69,10 @@ def variants(photo) -> dict:
         "4:4:4": _pil(rgb, quality=90, subsampling=0),
         "4:2:2": _pil(rgb, quality=90, subsampling=1),
         "restart markers": cv2.imencode(".jpg", rgb[:, :, ::-1], [cv2.IMWRITE_JPEG_RST_INTERVAL, 3])[1].tobytes(),
+        # one interval per MCU row: the kernel enters the scan at the marker above the crop
+        "restart markers per row": _rst_rows(rgb, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420, 16),
+        "4:4:4, restart markers per row": _rst_rows(rgb, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444, 8),
+        "grey, restart markers per row": _rst_rows(cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY), None, 8),
         "1x1": _pil(rgb[:1, :1], quality=90),
     }
     return v
@@ -55,7 +80,7 @@ def variants(photo) -> dict:
 
 def _full(data: bytes, d: int) -> np.ndarray:
     """Reference: the whole image at 1/d from simplejpeg (its own libjpeg-turbo), CMYK as OpenCV."""
-    h, w, cmyk = J.header(data)
+    h, w, cmyk, _ = J.header(data)
     img = simplejpeg.decode_jpeg(data, colorspace="CMYK" if cmyk else "RGB", min_height=-(-h // d),
                                  min_width=-(-w // d))
     assert img.shape[:2] == (-(-h // d), -(-w // d))
@@ -71,7 +96,7 @@ def test_roi_decode_equals_full_decode_then_crop(variants, fast):
     rng = np.random.default_rng(0)
     checked = 0
     for name, data in variants.items():
-        h, w, cmyk = J.header(data)
+        h, w, cmyk, _ = J.header(data)
         for d in (1, 2, 4, 8):
             full = simplejpeg.decode_jpeg(data, colorspace="CMYK" if cmyk else "RGB", fastdct=fast[0],
                                           fastupsample=fast[1], min_height=-(-h // d), min_width=-(-w // d))
@@ -86,6 +111,37 @@ def test_roi_decode_equals_full_decode_then_crop(variants, fast):
                 assert diff == 0, f"{name} at 1/{d}, box {(y0, y1, x0, x1)}: max diff {diff}"
                 checked += 1
     assert checked == len(variants) * 4 * 25
+
+
+@native
+@pytest.mark.parametrize("kind,mcu", [("restart markers per row", 16), ("grey, restart markers per row", 8)])
+def test_a_crop_below_a_restart_marker_is_decoded_without_reading_the_rows_above(variants, kind, mcu):
+    """The scan data of the first 16 MCU rows is made invalid (all-ones bits: no Huffman code), so a
+    whole decode fails; a crop whose context starts below those rows still decodes, to the
+    original's pixels, because the kernel enters the scan at the 16th restart marker."""
+    data = variants[kind]
+    marks = _restart_markers(data)
+    assert len(marks) == -(-600 // mcu) - 1
+    sos = data.index(b"\xff\xda")
+    start = sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
+    spoiled = bytearray(data)
+    for a, b in zip([start] + [m + 2 for m in marks[:15]], marks[:16]):
+        spoiled[a:b] = b"\xfe" * ((b - a) % 2) + b"\xff\x00" * ((b - a) // 2)
+    spoiled = bytes(spoiled)
+    with pytest.raises(ValueError, match="Huffman|Corrupt"):
+        simplejpeg.decode_jpeg(spoiled, strict=True)
+    full = _full(data, 1)
+    entry = 16 * mcu  # image row where the 16th interval starts
+    for d in (1, 2, 4, 8):
+        ref = _full(data, d)
+        for y0 in (entry // d + 16, entry // d + 40):
+            x0, w = ref.shape[1] // 4, ref.shape[1] // 2
+            out = np.empty((ref.shape[0] - y0, w, 3), np.uint8)
+            J._jpegroi.decode(spoiled, d, y0, x0, out.shape[0], w, out, 0)
+            assert np.array_equal(out, ref[y0:, x0:x0 + w]), f"1/{d} from row {y0}"
+        with pytest.raises(ValueError, match="Huffman|Corrupt"):  # a crop that needs the spoiled rows
+            J._jpegroi.decode(spoiled, d, entry // d, 0, 8, 8, np.empty((8, 8, 3), np.uint8), 0)
+    assert full.shape[0] == 600
 
 
 def test_cmyk_gives_opencvs_pixels(variants):
@@ -109,7 +165,7 @@ def test_process_sample_equals_the_scaled_decode_then_crop_and_resize(variants):
     power-of-two scale, slice the crop box, resize; flip."""
     spec = T.TransformSpec(96)
     for name, data in variants.items():
-        h, w, _ = J.header(data)
+        h, w, _, _ = J.header(data)
         for idx in range(20):
             out = np.empty((96, 96, 3), np.uint8)
             T.process_sample(data, spec, T.sample_rng(3, 0, idx), out)
