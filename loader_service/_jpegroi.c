@@ -86,44 +86,6 @@ static void cmyk_to_rgb(const unsigned char *src, unsigned char *dst, JDIMENSION
 }
 
 
-/* A source that serves a patched copy of the header, then the original scan data from a
- * restart marker on (no copy of the scan data). */
-struct split_src {
-    struct jpeg_source_mgr pub;
-    const JOCTET *rest;
-    size_t rest_len;
-};
-
-static void split_init(j_decompress_ptr c) { (void)c; }
-static void split_term(j_decompress_ptr c) { (void)c; }
-
-static boolean split_fill(j_decompress_ptr c)
-{
-    static const JOCTET eoi[2] = {0xFF, JPEG_EOI};
-    struct split_src *s = (struct split_src *)c->src;
-    if (s->rest_len > 0) {
-        s->pub.next_input_byte = s->rest;
-        s->pub.bytes_in_buffer = s->rest_len;
-        s->rest_len = 0;
-        return TRUE;
-    }
-    WARNMS(c, JWRN_JPEG_EOF); /* an error here (strict), as for jpeg_mem_src */
-    s->pub.next_input_byte = eoi;
-    s->pub.bytes_in_buffer = 2;
-    return TRUE;
-}
-
-static void split_skip(j_decompress_ptr c, long n)
-{
-    struct split_src *s = (struct split_src *)c->src;
-    while (n > (long)s->pub.bytes_in_buffer) {
-        n -= (long)s->pub.bytes_in_buffer;
-        split_fill(c);
-    }
-    s->pub.next_input_byte += n;
-    s->pub.bytes_in_buffer -= (size_t)n;
-}
-
 /* Offset of the SOF marker (its 0xFF) in the header, or 0 when the markers do not walk cleanly
  * up to SOS within `end` bytes. */
 static size_t find_sof(const unsigned char *p, size_t end)
@@ -153,72 +115,120 @@ static size_t find_sof(const unsigned char *p, size_t end)
     return 0;
 }
 
-/* Offset of the first scan byte after the n-th restart marker of the scan starting at `start`,
- * or 0 if there are fewer, or a marker is out of sequence or is not a restart marker. */
-static size_t after_restart(const unsigned char *p, size_t start, size_t size, size_t n)
+/* Where the first n restart segments of the scan that starts at `start` begin and end (each ends
+ * at the marker after it). 1 when all n are there with their restart markers in sequence; 0
+ * otherwise (fewer segments, a marker out of sequence, no marker after the n-th). */
+static int find_segments(const unsigned char *p, size_t start, size_t size, size_t n, size_t *begin, size_t *end)
 {
-    size_t i = start, seen = 0;
-    while (seen < n) {
+    size_t i = start, k = 0;
+    begin[0] = start;
+    while (k < n) {
         const unsigned char *f = memchr(p + i, 0xFF, size - i);
-        if (f == NULL)
+        if (f == NULL || (size_t)(f - p) + 1 >= size)
             return 0;
         i = (size_t)(f - p);
-        if (i + 1 >= size)
-            return 0;
         unsigned m = p[i + 1];
-        if (m == 0x00 || m == 0xFF) { /* stuffed 0xFF in the data, or a fill byte */
+        if (m == 0x00 || m == 0xFF) { /* a stuffed 0xFF in the data, or a fill byte */
             i += 1 + (m == 0x00);
             continue;
         }
-        if (m < 0xD0 || m > 0xD7 || m - 0xD0 != seen % 8)
+        end[k] = i;
+        if (m >= 0xD0 && m <= 0xD7) {
+            if (m - 0xD0 != k % 8)
+                return 0;
+        } else if (k + 1 < n) { /* the scan ended (EOI or another marker) before segment n */
             return 0;
-        seen++;
+        }
+        k++;
+        if (k < n)
+            begin[k] = i + 2;
         i += 2;
     }
-    return i;
+    return 1;
 }
 
-static size_t gcd(size_t a, size_t b)
-{
-    while (b) {
-        size_t t = a % b;
-        a = b;
-        b = t;
-    }
-    return a;
-}
-
-/* The image row (a multiple of the MCU height) at which the scan can be entered through a
- * restart marker, at or above `row`, and the offset where its data starts; 0 when there is
- * none worth taking. Only restart intervals numbered 0 mod 8 are entry points: the decoder
- * expects RST0 after the first interval it reads. */
-static JDIMENSION restart_entry(struct jpeg_decompress_struct *c, const unsigned char *p, size_t size,
-                                size_t scan_start, JDIMENSION row, size_t *offset)
+/* A smaller JPEG holding only the restart segments that cover image rows [ry0, ry1) and columns
+ * [rx0, rx1): the header with a new height and width, then those segments' scan data with
+ * renumbered restart markers. Each segment decodes on its own (DC prediction restarts at every
+ * marker), so every block of the smaller image equals the original's. Possible in a baseline
+ * scan whose restart intervals tile the MCU grid: several per MCU row, or whole MCU rows.
+ * Returns the new JPEG (malloc'd; *len its size, *top and *left where it sits in the image) or
+ * NULL when the file does not allow it or nothing would be left out. */
+static unsigned char *restart_tiles(struct jpeg_decompress_struct *c, const unsigned char *p, size_t size,
+                                    JDIMENSION ry0, JDIMENSION ry1, JDIMENSION rx0, JDIMENSION rx1,
+                                    size_t *len, JDIMENSION *top, JDIMENSION *left)
 {
     if (c->progressive_mode || c->arith_code || c->restart_interval == 0 || c->comps_in_scan != c->num_components)
-        return 0;
-    size_t mcu_w, mcu_h;
+        return NULL;
+    size_t mw, mh; /* MCU size in image pixels */
     if (c->num_components == 1) { /* a non-interleaved scan: one block per MCU */
         if (c->comp_info[0].h_samp_factor != c->max_h_samp_factor || c->comp_info[0].v_samp_factor != c->max_v_samp_factor)
-            return 0;
-        mcu_w = mcu_h = DCTSIZE;
+            return NULL;
+        mw = mh = DCTSIZE;
     } else {
-        mcu_w = (size_t)c->max_h_samp_factor * DCTSIZE;
-        mcu_h = (size_t)c->max_v_samp_factor * DCTSIZE;
+        mw = (size_t)c->max_h_samp_factor * DCTSIZE;
+        mh = (size_t)c->max_v_samp_factor * DCTSIZE;
     }
-    size_t per_row = (c->image_width + mcu_w - 1) / mcu_w, ri = c->restart_interval;
-    size_t target = row / mcu_h; /* MCU row holding `row` */
-    /* interval k starts a row when k * ri is a multiple of per_row, and is an entry when k is
-     * also a multiple of 8 */
-    size_t b = per_row / gcd(ri, per_row), every = 8 / gcd(8, b) * b;
-    size_t k = target * per_row / ri / every * every;
-    if (k == 0)
-        return 0;
-    size_t at = after_restart(p, scan_start, size, k);
-    if (at == 0)
-        return 0;
-    *offset = at;
-    return (JDIMENSION)(k * ri / per_row * mcu_h);
+    size_t per_row = (c->image_width + mw - 1) / mw, rows = (c->image_height + mh - 1) / mh;
+    size_t ri = c->restart_interval, cols, tall; /* segments per MCU row; MCU rows per segment row */
+    if (per_row % ri == 0) {
+        cols = per_row / ri;
+        tall = 1;
+    } else if (ri % per_row == 0) {
+        cols = 1;
+        tall = ri / per_row;
+    } else {
+        return NULL;
+    }
+    size_t seg_rows = (rows + tall - 1) / tall, seg_w = cols > 1 ? ri * mw : c->image_width;
+    size_t g0 = ry0 / mh / tall, g1 = ((ry1 + mh - 1) / mh + tall - 1) / tall;
+    size_t c0 = rx0 / seg_w, c1 = (rx1 + seg_w - 1) / seg_w;
+    if (g1 > seg_rows)
+        g1 = seg_rows;
+    if (c1 > cols)
+        c1 = cols;
+    if (g0 >= g1 || c0 >= c1 || (g0 == 0 && c0 == 0 && c1 == cols))
+        return NULL; /* nothing above or beside the region: the plain path stops after it anyway */
+    size_t scan_start = (size_t)(c->src->next_input_byte - p), sof = find_sof(p, scan_start), need = g1 * cols;
+    if (sof == 0 || sof + 9 > scan_start)
+        return NULL;
+    size_t *begin = malloc(2 * need * sizeof *begin), *end = begin + need;
+    unsigned char *out = NULL;
+    if (begin == NULL || !find_segments(p, scan_start, size, need, begin, end))
+        goto done;
+    size_t total = scan_start + 2;
+    for (size_t g = g0; g < g1; g++)
+        for (size_t k = g * cols + c0; k < g * cols + c1; k++)
+            total += end[k] - begin[k] + 2;
+    out = malloc(total);
+    if (out == NULL)
+        goto done;
+    memcpy(out, p, scan_start);
+    size_t h = g1 == seg_rows ? c->image_height - g0 * tall * mh : (g1 - g0) * tall * mh;
+    size_t w = c1 == cols ? c->image_width - c0 * seg_w : (c1 - c0) * seg_w;
+    out[sof + 5] = (unsigned char)(h >> 8);
+    out[sof + 6] = (unsigned char)(h & 0xFF);
+    out[sof + 7] = (unsigned char)(w >> 8);
+    out[sof + 8] = (unsigned char)(w & 0xFF);
+    size_t o = scan_start, n = 0, last = (g1 - g0) * (c1 - c0);
+    for (size_t g = g0; g < g1; g++) {
+        for (size_t k = g * cols + c0; k < g * cols + c1; k++) {
+            memcpy(out + o, p + begin[k], end[k] - begin[k]);
+            o += end[k] - begin[k];
+            if (++n < last) {
+                out[o++] = 0xFF;
+                out[o++] = (unsigned char)(0xD0 + (n - 1) % 8);
+            }
+        }
+    }
+    out[o++] = 0xFF;
+    out[o++] = 0xD9;
+    *len = o;
+    *top = (JDIMENSION)(g0 * tall * mh);
+    *left = (JDIMENSION)(c0 * seg_w);
+done:
+    free(begin);
+    return out;
 }
 
 struct job {
@@ -230,46 +240,12 @@ struct job {
     char msg[JMSG_LENGTH_MAX + 64];
 };
 
-/* Enter the scan at the restart marker nearest above image row `row` when the file allows it:
- * cinfo then reads a header whose height is the rows left, followed by the scan data from that
- * marker on. Returns the image rows left out above (0: cinfo is unchanged). */
-static JDIMENSION enter_at_restart(struct jpeg_decompress_struct *cinfo, const struct job *jb, JDIMENSION row,
-                                   struct split_src *split, unsigned char **hdr)
-{
-    size_t scan_start = (size_t)(cinfo->src->next_input_byte - jb->data), entry = 0, sof;
-    JDIMENSION at = restart_entry(cinfo, jb->data, jb->size, scan_start, row, &entry);
-    if (at == 0 || at >= cinfo->image_height || (sof = find_sof(jb->data, scan_start)) == 0 || sof + 7 > scan_start)
-        return 0;
-    *hdr = malloc(scan_start);
-    if (*hdr == NULL)
-        return 0;
-    memcpy(*hdr, jb->data, scan_start);
-    JDIMENSION left = cinfo->image_height - at;
-    (*hdr)[sof + 5] = (unsigned char)(left >> 8);
-    (*hdr)[sof + 6] = (unsigned char)(left & 0xFF);
-    jpeg_abort_decompress(cinfo);
-    memset(split, 0, sizeof *split);
-    split->pub.init_source = split_init;
-    split->pub.fill_input_buffer = split_fill;
-    split->pub.skip_input_data = split_skip;
-    split->pub.resync_to_restart = jpeg_resync_to_restart;
-    split->pub.term_source = split_term;
-    split->pub.next_input_byte = *hdr;
-    split->pub.bytes_in_buffer = scan_start;
-    split->rest = jb->data + entry;
-    split->rest_len = jb->size - entry;
-    cinfo->src = &split->pub;
-    jpeg_read_header(cinfo, TRUE);
-    return at;
-}
-
 static int run_decode(struct job *jb)
 {
     struct jpeg_decompress_struct cinfo;
     struct strict_err err;
-    struct split_src split;
     unsigned char *volatile row = NULL;
-    unsigned char *volatile hdr = NULL;
+    unsigned char *volatile tiles = NULL;
     int ok = 0;
 
     init_err(&cinfo, &err);
@@ -280,14 +256,26 @@ static int run_decode(struct job *jb)
     }
     jpeg_mem_src(&cinfo, jb->data, (unsigned long)jb->size);
     jpeg_read_header(&cinfo, TRUE);
-    /* rows of the decoded (1/denom) image left out above, by entering at a restart marker */
-    JDIMENSION above = 0;
-    if (jb->y0 > MARGIN) {
-        unsigned char *h = NULL;
-        above = enter_at_restart(&cinfo, jb, (jb->y0 - MARGIN) * (JDIMENSION)jb->denom, &split, &h) / (JDIMENSION)jb->denom;
-        hdr = h;
+    /* Decode only the restart segments around the crop when the file has them (see
+     * restart_tiles); not when the EOI is missing: a truncated file must fail as a whole. */
+    JDIMENSION above = 0, beside = 0, d = (JDIMENSION)jb->denom;
+    if (has_eoi(jb->data, jb->size)) {
+        JDIMENSION ry0 = (jb->y0 > MARGIN ? jb->y0 - MARGIN : 0) * d, rx0 = (jb->x0 > MARGIN ? jb->x0 - MARGIN : 0) * d;
+        JDIMENSION ry1 = (jb->y0 + jb->h + MARGIN) * d, rx1 = (jb->x0 + jb->w + MARGIN) * d;
+        size_t len = 0;
+        JDIMENSION top = 0, left = 0;
+        unsigned char *t = restart_tiles(&cinfo, jb->data, jb->size, ry0, ry1 < cinfo.image_height ? ry1 : cinfo.image_height,
+                                         rx0, rx1 < cinfo.image_width ? rx1 : cinfo.image_width, &len, &top, &left);
+        if (t != NULL) {
+            tiles = t;
+            jpeg_abort_decompress(&cinfo);
+            jpeg_mem_src(&cinfo, t, (unsigned long)len);
+            jpeg_read_header(&cinfo, TRUE);
+            above = top / d;
+            beside = left / d;
+        }
     }
-    JDIMENSION y0 = jb->y0 - above;
+    JDIMENSION y0 = jb->y0 - above, x0 = jb->x0 - beside;
     int cmyk = is_cmyk(cinfo.jpeg_color_space);
     cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
     cinfo.scale_num = 1;
@@ -295,17 +283,17 @@ static int run_decode(struct job *jb)
     cinfo.dct_method = (jb->flags & FLAG_FASTDCT) ? JDCT_IFAST : JDCT_ISLOW;
     cinfo.do_fancy_upsampling = (jb->flags & FLAG_FASTUPSAMPLE) ? FALSE : TRUE;
     jpeg_start_decompress(&cinfo);
-    if (jb->h == 0 || jb->w == 0 || y0 + jb->h > cinfo.output_height || jb->x0 + jb->w > cinfo.output_width) {
+    if (jb->h == 0 || jb->w == 0 || y0 + jb->h > cinfo.output_height || x0 + jb->w > cinfo.output_width) {
         snprintf(jb->msg, sizeof jb->msg, "crop %ux%u at (%u, %u) is outside the %ux%u image at 1/%d",
-                 jb->w, jb->h, jb->x0, jb->y0, cinfo.output_width, cinfo.output_height + above, jb->denom);
+                 jb->w, jb->h, jb->x0, jb->y0, cinfo.output_width + beside, cinfo.output_height + above, jb->denom);
         goto done;
     }
     /* Fancy (smooth) chroma upsampling reads the neighbours of each chroma sample, and the decoder
      * treats the edge of a cropped or skipped region as the image's edge: ask for MARGIN more
      * pixels on every side (where there are any) so the crop's own pixels have their real
      * neighbours and equal those of a full decode. */
-    JDIMENSION ex0 = jb->x0 > MARGIN ? jb->x0 - MARGIN : 0;
-    JDIMENSION ex1 = jb->x0 + jb->w + MARGIN < cinfo.output_width ? jb->x0 + jb->w + MARGIN : cinfo.output_width;
+    JDIMENSION ex0 = x0 > MARGIN ? x0 - MARGIN : 0;
+    JDIMENSION ex1 = x0 + jb->w + MARGIN < cinfo.output_width ? x0 + jb->w + MARGIN : cinfo.output_width;
     JDIMENSION ey0 = y0 > MARGIN ? y0 - MARGIN : 0;
     JDIMENSION xoff = ex0, cw = ex1 - ex0;
     if (xoff > 0 || cw < cinfo.output_width)
@@ -319,7 +307,7 @@ static int run_decode(struct job *jb)
         snprintf(jb->msg, sizeof jb->msg, "out of memory for %u scanlines", chunk);
         goto done;
     }
-    size_t skip = (size_t)(jb->x0 - xoff) * nc, line = (size_t)jb->w * 3;
+    size_t skip = (size_t)(x0 - xoff) * nc, line = (size_t)jb->w * 3;
     JSAMPROW rows[MAX_CHUNK];
     for (JDIMENSION i = 0; i < chunk; i++)
         rows[i] = row + i * pitch;
@@ -364,7 +352,7 @@ static int run_decode(struct job *jb)
 done:
     free(row);
     jpeg_destroy_decompress(&cinfo);
-    free(hdr);
+    free(tiles);
     return ok;
 }
 

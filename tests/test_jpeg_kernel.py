@@ -35,13 +35,14 @@ def _pil(img: np.ndarray, mode: str = "RGB", **kw) -> bytes:
     return buf.getvalue()
 
 
-def _rst_rows(img: np.ndarray, sampling, mcu: int) -> bytes:
-    """A JPEG with a restart marker after every MCU row (OpenCV's interval is counted in MCUs)."""
-    params = [cv2.IMWRITE_JPEG_QUALITY, 90, cv2.IMWRITE_JPEG_RST_INTERVAL, -(-img.shape[1] // mcu)]
+def _rst(img: np.ndarray, sampling, interval: int) -> bytes:
+    """A JPEG with a restart marker after every ``interval`` MCUs."""
+    params = [cv2.IMWRITE_JPEG_QUALITY, 90, cv2.IMWRITE_JPEG_RST_INTERVAL, interval]
     if sampling is not None:
-        params += [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, sampling]
+        factor = {"4:2:0": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420, "4:4:4": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444}
+        params += [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, factor[sampling]]
         img = img[:, :, ::-1]
-    return cv2.imencode(".jpg", img, params)[1].tobytes()
+    return cv2.imencode(".jpg", np.ascontiguousarray(img), params)[1].tobytes()
 
 
 def _restart_markers(data: bytes) -> list:
@@ -69,10 +70,13 @@ def variants(photo) -> dict:
         "4:4:4": _pil(rgb, quality=90, subsampling=0),
         "4:2:2": _pil(rgb, quality=90, subsampling=1),
         "restart markers": cv2.imencode(".jpg", rgb[:, :, ::-1], [cv2.IMWRITE_JPEG_RST_INTERVAL, 3])[1].tobytes(),
-        # one interval per MCU row: the kernel enters the scan at the marker above the crop
-        "restart markers per row": _rst_rows(rgb, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420, 16),
-        "4:4:4, restart markers per row": _rst_rows(rgb, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444, 8),
-        "grey, restart markers per row": _rst_rows(cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY), None, 8),
+        # restart intervals that tile the MCU grid: the kernel decodes only the segments around the crop
+        "restart markers per row": _rst(rgb, "4:2:0", 512 // 16),
+        "restart markers every 2 rows": _rst(rgb, "4:2:0", 2 * 512 // 16),
+        "restart markers every 8 MCUs": _rst(rgb, "4:2:0", 8),
+        "4:4:4, restart markers every 8 MCUs": _rst(rgb, "4:4:4", 8),
+        "grey, restart markers every 16 MCUs": _rst(cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY), None, 16),
+        "odd-sized 451x333, a restart marker after every MCU": _rst(odd, "4:2:0", 1),
         "1x1": _pil(rgb[:1, :1], quality=90),
     }
     return v
@@ -114,34 +118,40 @@ def test_roi_decode_equals_full_decode_then_crop(variants, fast):
 
 
 @native
-@pytest.mark.parametrize("kind,mcu", [("restart markers per row", 16), ("grey, restart markers per row", 8)])
-def test_a_crop_below_a_restart_marker_is_decoded_without_reading_the_rows_above(variants, kind, mcu):
-    """The scan data of the first 16 MCU rows is made invalid (all-ones bits: no Huffman code), so a
-    whole decode fails; a crop whose context starts below those rows still decodes, to the
-    original's pixels, because the kernel enters the scan at the 16th restart marker."""
+@pytest.mark.parametrize("kind,mcu,per_row", [("restart markers per row", 16, 1), ("restart markers every 8 MCUs", 16, 4),
+                                              ("grey, restart markers every 16 MCUs", 8, 4)])
+def test_a_crop_is_decoded_without_reading_the_restart_segments_around_it(variants, kind, mcu, per_row):
+    """The scan data of every segment in the first 16 MCU rows, and of the first segment of every
+    row, is made invalid (all-ones bits: no Huffman code), so a whole decode fails. A crop whose
+    context lies below and right of those still decodes, to the original's pixels: the kernel
+    reads only the segments around the crop."""
     data = variants[kind]
     marks = _restart_markers(data)
-    assert len(marks) == -(-600 // mcu) - 1
     sos = data.index(b"\xff\xda")
-    start = sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
+    begins = [sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")] + [m + 2 for m in marks]
+    ends = marks + [len(data) - 2]
+    assert len(begins) == -(-600 // mcu) * per_row
     spoiled = bytearray(data)
-    for a, b in zip([start] + [m + 2 for m in marks[:15]], marks[:16]):
-        spoiled[a:b] = b"\xfe" * ((b - a) % 2) + b"\xff\x00" * ((b - a) // 2)
+    for k, (a, b) in enumerate(zip(begins, ends)):
+        if k < 16 * per_row or (per_row > 1 and k % per_row == 0):
+            spoiled[a:b] = b"\xfe" * ((b - a) % 2) + b"\xff\x00" * ((b - a) // 2)
     spoiled = bytes(spoiled)
     with pytest.raises(ValueError, match="Huffman|Corrupt"):
         simplejpeg.decode_jpeg(spoiled, strict=True)
-    full = _full(data, 1)
-    entry = 16 * mcu  # image row where the 16th interval starts
+    top, left = 16 * mcu, (512 // per_row if per_row > 1 else 0)  # image pixels spoiled above and left
     for d in (1, 2, 4, 8):
         ref = _full(data, d)
-        for y0 in (entry // d + 16, entry // d + 40):
-            x0, w = ref.shape[1] // 4, ref.shape[1] // 2
-            out = np.empty((ref.shape[0] - y0, w, 3), np.uint8)
+        for y0 in (top // d + 16, top // d + 24):
+            x0 = left // d + 16
+            w = ref.shape[1] - x0 - 20
+            out = np.empty((ref.shape[0] - y0 - 1, w, 3), np.uint8)
             J._jpegroi.decode(spoiled, d, y0, x0, out.shape[0], w, out, 0)
-            assert np.array_equal(out, ref[y0:, x0:x0 + w]), f"1/{d} from row {y0}"
+            assert np.array_equal(out, ref[y0:y0 + out.shape[0], x0:x0 + w]), f"1/{d} from row {y0}"
         with pytest.raises(ValueError, match="Huffman|Corrupt"):  # a crop that needs the spoiled rows
-            J._jpegroi.decode(spoiled, d, entry // d, 0, 8, 8, np.empty((8, 8, 3), np.uint8), 0)
-    assert full.shape[0] == 600
+            J._jpegroi.decode(spoiled, d, top // d, left // d + 16, 8, 8, np.empty((8, 8, 3), np.uint8), 0)
+        if per_row > 1:  # or the spoiled columns
+            with pytest.raises(ValueError, match="Huffman|Corrupt"):
+                J._jpegroi.decode(spoiled, d, top // d + 24, 0, 8, 8, np.empty((8, 8, 3), np.uint8), 0)
 
 
 def test_cmyk_gives_opencvs_pixels(variants):
