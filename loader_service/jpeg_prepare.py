@@ -50,7 +50,7 @@ class Summary:
     converted: int  # JPEGs rewritten with restart markers
     copied: int  # other files, copied unchanged
     skipped: int  # DST already newer than SRC
-    failed: Tuple[Tuple[str, str], ...] = field(default=())  # (relative path, reason); JPEGs copied unchanged
+    failed: Tuple[Tuple[str, str], ...] = field(default=())  # (relative path, reason; what became of the file)
     bytes_in: int = 0
     bytes_out: int = 0
     jpeg_bytes_in: int = 0  # the converted JPEGs alone: the size change of the transcode
@@ -68,7 +68,7 @@ class Summary:
             lines.append(f"converted JPEGs: {self.jpeg_bytes_in / 1e6:.1f} MB -> {self.jpeg_bytes_out / 1e6:.1f} MB "
                          f"({change:+.1f} %)")
         for rel, reason in self.failed:
-            lines.append(f"failed (copied unchanged): {rel}: {reason}")
+            lines.append(f"failed: {rel}: {reason}")
         return "\n".join(lines)
 
 
@@ -101,19 +101,25 @@ def _check_dirs(src: str, dst: str) -> Tuple[str, str]:
     return rsrc, rdst
 
 
-def _walk(src: str) -> List[str]:
-    """Every file under ``src`` (relative paths, sorted), following folder links once each."""
-    out, seen = [], set()
-    for root, dirs, files in os.walk(src, followlinks=True):
+def _walk(src: str) -> Tuple[List[str], List[Tuple[str, str]]]:
+    """Every file under ``src`` (relative paths, sorted), following folder links but not into a
+    folder that contains the link (a cycle); and the folders that could not be listed, with the
+    reason (reported, not silently left out)."""
+    out, errors, chains = [], [], {}
+
+    def unreadable(exc: OSError) -> None:
+        errors.append((os.path.relpath(exc.filename, src), f"{type(exc).__name__}: {exc.strerror}; folder not read"))
+
+    for root, dirs, files in os.walk(src, onerror=unreadable, followlinks=True):
         st = os.stat(root)
-        if (st.st_dev, st.st_ino) in seen:  # a link cycle or a second link to the same folder
+        here, above = (st.st_dev, st.st_ino), chains.get(os.path.dirname(root), frozenset())
+        if here in above:  # a link back to a folder above it
             dirs[:] = []
             continue
-        seen.add((st.st_dev, st.st_ino))
-        dirs.sort()
+        chains[root] = above | {here}
         rel = os.path.relpath(root, src)
         out.extend(os.path.normpath(os.path.join(rel, f)) for f in files)
-    return sorted(out)
+    return sorted(out), errors
 
 
 def _is_jpeg(rel: str) -> bool:
@@ -146,7 +152,7 @@ def _one(src: str, dst: str, rows: int, max_pixels: int, rel: str) -> Tuple[str,
     try:
         st = os.stat(s)
         if not stat.S_ISREG(st.st_mode):
-            return rel, "failed", 0, 0, "not a regular file (not copied)"
+            return rel, "failed", 0, 0, "not a regular file; not copied"
         try:
             if os.stat(d).st_mtime_ns >= st.st_mtime_ns:
                 return rel, "skipped", 0, 0, ""
@@ -164,13 +170,13 @@ def _one(src: str, dst: str, rows: int, max_pixels: int, rel: str) -> Tuple[str,
                 # stamped older than the source: a rerun tries (and reports) it again rather than
                 # skipping it as up to date (2 s: FAT's timestamp resolution)
                 os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns - 2_000_000_000))
-                return rel, "failed", len(data), n, str(exc)
+                return rel, "failed", len(data), n, f"{exc}; copied unchanged"
             return rel, "converted", len(data), _write_atomic(d, mode, lambda f: f.write(out)), ""
         with open(s, "rb") as fin:
             n = _write_atomic(d, mode, lambda f: _copy(fin, f))
         return rel, "copied", n, n, ""
     except OSError as exc:
-        return rel, "failed", 0, 0, f"{type(exc).__name__}: {exc}"
+        return rel, "failed", 0, 0, f"{type(exc).__name__}: {exc}; not copied"
 
 
 def _copy(fin, fout) -> None:
@@ -209,10 +215,9 @@ def prepare_tree(src: str, dst: str, workers: Optional[int] = None, rows: int = 
         raise ValueError(f"workers must be >= 1, got {workers}")
     src, dst = _check_dirs(src, dst)
     report = print_progress() if progress is True else (progress or None)
-    files = _walk(src)
+    files, failed = _walk(src)
     os.makedirs(dst, exist_ok=True)
     counts = {"converted": 0, "copied": 0, "skipped": 0}
-    failed: List[Tuple[str, str]] = []
     b_in = b_out = j_in = j_out = 0
     workers = max(1, min(workers or os.cpu_count() or 1, len(files) or 1))
     # spawn, not fork: the caller may have threads (a service, a test runner)

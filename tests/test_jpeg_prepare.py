@@ -212,7 +212,7 @@ def test_prepare_tree_converts_jpegs_copies_the_rest_and_reports_the_failed(tree
     files = _files(tree)
     jpegs = [f for f in files if f.lower().endswith((".jpg", ".jpeg"))]
     assert _files(dst) == files  # the same relative paths, no temporary file left
-    assert summary.failed == (("photos/bad.jpg", "Premature end of JPEG file"),)
+    assert summary.failed == (("photos/bad.jpg", "Premature end of JPEG file; copied unchanged"),)
     assert (summary.converted, summary.copied, summary.skipped) == (len(jpegs) - 1, len(files) - len(jpegs), 0)
     assert calls[-1][:2] == (len(files), len(files)) and len(calls) == len(files)
     assert (summary.bytes_in, summary.bytes_out) == calls[-1][2:]
@@ -227,7 +227,8 @@ def test_prepare_tree_converts_jpegs_copies_the_rest_and_reports_the_failed(tree
         else:
             assert a == b, f  # PNGs, the text file, the failed JPEG: unchanged copies
         assert os.stat(os.path.join(dst, f)).st_mode == os.stat(os.path.join(tree, f)).st_mode, f
-    assert "1 failed" in summary.format() and "photos/bad.jpg: Premature end of JPEG file" in summary.format()
+    assert "1 failed" in summary.format()
+    assert "failed: photos/bad.jpg: Premature end of JPEG file; copied unchanged" in summary.format()
 
 
 def test_prepare_tree_reruns_skip_what_is_up_to_date(tree, tmp_path):
@@ -260,7 +261,7 @@ def test_prepare_tree_refuses_a_destination_inside_the_source(tree, tmp_path):
 def test_cli_exit_codes(tree, tmp_path, capsys):
     assert cli_main(["prepare-jpegs", tree, str(tmp_path / "dst"), "--workers", "2", "--quiet"]) == 1
     out = capsys.readouterr().out
-    assert "1 failed" in out and "failed (copied unchanged): photos/bad.jpg: Premature end of JPEG file" in out
+    assert "1 failed" in out and "failed: photos/bad.jpg: Premature end of JPEG file; copied unchanged" in out
     os.unlink(os.path.join(tree, "photos", "bad.jpg"))
     assert cli_main(["prepare-jpegs", tree, str(tmp_path / "clean"), "--workers", "2", "--rows", "2"]) == 0
     captured = capsys.readouterr()
@@ -269,3 +270,33 @@ def test_cli_exit_codes(tree, tmp_path, capsys):
     assert _restart_info(data)[1] == 2 * _restart_info(data)[2]
     assert cli_main(["prepare-jpegs", tree, os.path.join(tree, "x")]) == 2
     assert "is inside the source" in capsys.readouterr().err
+
+
+def test_links_fifos_and_unreadable_folders(tmp_path, photo):
+    """Folder links are followed (not into a cycle), a file link's target is copied; what cannot
+    be read is reported, never silently left out."""
+    src, other = tmp_path / "src", tmp_path / "elsewhere"
+    _write(str(other / "a.jpg"), photo)
+    _write(str(src / "cls" / "b.jpg"), photo)
+    os.symlink(str(other), str(src / "linked"))  # a class folder that is a link
+    os.symlink(str(other), str(src / "linked-too"))  # and another link to the same folder
+    os.symlink(str(src), str(src / "cls" / "loop"))  # a cycle
+    os.symlink(str(other / "a.jpg"), str(src / "cls" / "file-link.jpg"))
+    os.symlink(str(tmp_path / "gone.jpg"), str(src / "cls" / "dangling.jpg"))
+    os.mkfifo(str(src / "cls" / "fifo.jpg"))
+    locked = src / "locked"
+    _write(str(locked / "c.jpg"), photo)
+    os.chmod(str(locked), 0)
+    try:
+        summary = JP.prepare_tree(str(src), str(tmp_path / "dst"), workers=1, progress=False)
+    finally:
+        os.chmod(str(locked), 0o755)
+    failed = dict(summary.failed)
+    assert failed.pop("cls/dangling.jpg").startswith("FileNotFoundError: ") and failed.pop("cls/fifo.jpg") == \
+        "not a regular file; not copied"
+    if os.geteuid() != 0:  # root reads a mode-0 folder anyway
+        assert failed.pop("locked") == "PermissionError: Permission denied; folder not read"
+    assert failed == {}
+    done = set(_files(str(tmp_path / "dst")))
+    assert {"cls/b.jpg", "cls/file-link.jpg", "linked/a.jpg", "linked-too/a.jpg"} <= done and not any("loop/" in f for f in done)
+    assert summary.converted == len(done)
