@@ -1,10 +1,11 @@
 /* Lossless JPEG preparation: restart markers at MCU-row boundaries, the way jpegtran does it.
  *
  * add_restart_markers() reads the DCT coefficients (no decode to pixels), writes them back as a
- * sequential Huffman JPEG with a restart marker every `rows` MCU rows and optimized Huffman
- * tables, and copies every APPn and COM marker: the same coefficients, so the same decoded
- * pixels. The decode kernel (_jpegroi.c) can then start at the restart interval just above a
- * crop instead of Huffman-decoding every row above it. A progressive file comes out sequential
+ * sequential Huffman JPEG with a restart marker every `rows` MCU rows (or, with `mcus`, every few
+ * MCUs, a divisor of the MCU row so the intervals tile it) and optimized Huffman tables, and
+ * copies every APPn and COM marker: the same coefficients, so the same decoded pixels. The
+ * decode kernel (_jpegroi.c) can then start at the restart interval just above a crop (and, with
+ * tiles, just left of it) instead of Huffman-decoding every row above it. A progressive file comes out sequential
  * (the same coefficients); an arithmetic-coded one comes out Huffman-coded.
  *
  * Strict (_jpegstrict.h): every libjpeg warning (truncated or corrupt data) is an error, never
@@ -102,7 +103,7 @@ static int is_adobe_app14(jpeg_saved_marker_ptr m)
 struct job {
     const unsigned char *data;
     size_t size;
-    int rows;
+    int rows, mcus;
     unsigned long long max_pixels;
     unsigned char *out; /* malloc'd; the caller frees it */
     size_t out_len;
@@ -140,17 +141,28 @@ static int run_prepare(struct job *jb)
                  src.image_width, src.image_height, p, lim);
         goto done;
     }
-    unsigned long long interval = (unsigned long long)jb->rows * mcus_per_row(&src);
-    if (interval > MAX_RESTART_INTERVAL) {
+    unsigned int per_row = mcus_per_row(&src), tile = 0;
+    if (jb->mcus > 0) {
+        /* the largest divisor of the row's MCU count in [mcus/2, mcus], so that the intervals tile
+         * every MCU row; whole rows when there is none (a prime count: one marker per MCU would
+         * cost ~2.5 bytes each) */
+        for (unsigned int k = (unsigned int)jb->mcus; k >= 1 && 2 * k >= (unsigned int)jb->mcus && tile == 0; k--)
+            if (per_row % k == 0)
+                tile = k;
+        if (tile == 0)
+            tile = per_row;
+    }
+    unsigned long long interval = (unsigned long long)jb->rows * per_row;
+    if (tile == 0 && interval > MAX_RESTART_INTERVAL) {
         snprintf(jb->msg, sizeof jb->msg, "%d MCU rows of %u MCUs exceed the largest restart interval (%u MCUs)",
-                 jb->rows, mcus_per_row(&src), MAX_RESTART_INTERVAL);
+                 jb->rows, per_row, MAX_RESTART_INTERVAL);
         goto done;
     }
     jvirt_barray_ptr *coefs = jpeg_read_coefficients(&src); /* reads the whole file */
     jpeg_copy_critical_parameters(&src, &dst); /* sequential Huffman unless told otherwise */
     dst.optimize_coding = TRUE;
-    dst.restart_interval = 0;
-    dst.restart_in_rows = jb->rows;
+    dst.restart_interval = tile; /* 0: by rows */
+    dst.restart_in_rows = tile ? 0 : jb->rows;
     dest.pub.init_destination = dest_init;
     dest.pub.empty_output_buffer = dest_empty;
     dest.pub.term_destination = dest_term;
@@ -178,14 +190,20 @@ done:
 
 static PyObject *py_add_restart_markers(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"data", "rows", "max_pixels", NULL};
+    static char *kwlist[] = {"data", "rows", "max_pixels", "mcus", NULL};
     Py_buffer data;
     struct job jb;
     long long max_pixels = (long long)DEFAULT_MAX_PIXELS;
     memset(&jb, 0, sizeof jb);
     jb.rows = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|iL", kwlist, &data, &jb.rows, &max_pixels))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|iLi", kwlist, &data, &jb.rows, &max_pixels, &jb.mcus))
         return NULL;
+    if (jb.mcus < 0 || jb.mcus > (int)MAX_RESTART_INTERVAL || (jb.mcus > 0 && jb.rows != 1)) {
+        PyErr_Format(PyExc_ValueError, "mcus must be 0 (whole rows) or 1..%u, with rows=1; got mcus=%d, rows=%d",
+                     MAX_RESTART_INTERVAL, jb.mcus, jb.rows);
+        PyBuffer_Release(&data);
+        return NULL;
+    }
     if (jb.rows < 1 || jb.rows > (int)MAX_RESTART_INTERVAL) {
         PyErr_Format(PyExc_ValueError, "rows must be 1..%u, got %d", MAX_RESTART_INTERVAL, jb.rows);
         PyBuffer_Release(&data);
@@ -215,8 +233,9 @@ static PyObject *py_add_restart_markers(PyObject *self, PyObject *args, PyObject
 
 static PyMethodDef methods[] = {
     {"add_restart_markers", (PyCFunction)(void (*)(void))py_add_restart_markers, METH_VARARGS | METH_KEYWORDS,
-     "add_restart_markers(data, rows=1, max_pixels=178956970) -> bytes: the JPEG losslessly rewritten as "
-     "sequential Huffman with a restart marker every `rows` MCU rows, optimized Huffman tables and every "
+     "add_restart_markers(data, rows=1, max_pixels=178956970, mcus=0) -> bytes: the JPEG losslessly rewritten as "
+     "sequential Huffman with a restart marker every `rows` MCU rows (mcus > 0: every d MCUs, d the largest "
+     "divisor of the MCU row's count in [mcus/2, mcus], else whole rows), optimized Huffman tables and every "
      "APPn/COM marker kept. Raises ValueError with the reason (corrupt, truncated, above max_pixels)."},
     {NULL, NULL, 0, NULL},
 };

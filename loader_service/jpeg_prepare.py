@@ -4,9 +4,10 @@
 layout to DST, rewriting each ``.jpg``/``.jpeg`` with the ``_jpegprep`` extension (built from
 ``_jpegprep.c`` against the system libjpeg-turbo, like the decode kernel): the same DCT
 coefficients, so the same decoded pixels, written as sequential Huffman with a restart marker
-every ``rows`` MCU rows, optimized Huffman tables and every APPn/COM marker (EXIF, ICC) kept.
-The decode kernel can then start a crop at the restart interval just above it instead of
-Huffman-decoding every row above it: the saving grows with the photo's height (camera photos).
+every ``rows`` MCU rows (or every few ``mcus``, tiling each row), optimized Huffman tables and
+every APPn/COM marker (EXIF, ICC) kept. The decode kernel can then start a crop at the restart
+interval just above it (with tiles, also skip the columns beside it) instead of Huffman-decoding
+every row above it: the saving grows with the photo's size (camera photos).
 
 Every other file is copied unchanged, so an ImageFolder or segmentation layout stays usable. A
 JPEG that cannot be transcoded (corrupt, truncated, not really a JPEG, above the pixel limit) is
@@ -76,10 +77,12 @@ def available() -> bool:
     return _jpegprep is not None
 
 
-def add_restart_markers(data: bytes, rows: int = 1, max_pixels: int = DEFAULT_MAX_PIXELS) -> bytes:
-    """``data`` losslessly rewritten with a restart marker every ``rows`` MCU rows (see the module
-    docstring); ``ValueError`` with libjpeg's reason when it cannot be."""
-    return _native().add_restart_markers(data, rows, max_pixels)
+def add_restart_markers(data: bytes, rows: int = 1, max_pixels: int = DEFAULT_MAX_PIXELS, mcus: int = 0) -> bytes:
+    """``data`` losslessly rewritten with a restart marker every ``rows`` MCU rows, or with
+    ``mcus`` > 0 every d MCUs, d the largest divisor of the MCU row's count in [mcus/2, mcus]
+    (whole rows when there is none), so that the intervals tile every row; see the module
+    docstring. ``ValueError`` with libjpeg's reason when it cannot be."""
+    return _native().add_restart_markers(data, rows, max_pixels, mcus)
 
 
 def _native():
@@ -145,7 +148,7 @@ def _write_atomic(path: str, mode: int, write: Callable) -> int:
     return n
 
 
-def _one(src: str, dst: str, rows: int, max_pixels: int, rel: str) -> Tuple[str, str, int, int, str]:
+def _one(src: str, dst: str, rows: int, mcus: int, max_pixels: int, rel: str) -> Tuple[str, str, int, int, str]:
     """Prepare one file; runs in a pool process. Returns (rel, kind, bytes in, bytes out, reason)
     with kind one of converted, copied, skipped, failed."""
     s, d = os.path.join(src, rel), os.path.join(dst, rel)
@@ -164,7 +167,7 @@ def _one(src: str, dst: str, rows: int, max_pixels: int, rel: str) -> Tuple[str,
             with open(s, "rb") as f:
                 data = f.read()
             try:
-                out = _jpegprep.add_restart_markers(data, rows, max_pixels)
+                out = _jpegprep.add_restart_markers(data, rows, max_pixels, mcus)
             except ValueError as exc:
                 n = _write_atomic(d, mode, lambda f: f.write(data))
                 # stamped older than the source: a rerun tries (and reports) it again rather than
@@ -202,15 +205,16 @@ def print_progress(stream=None, every_s: float = 1.0) -> Progress:
 
 
 def prepare_tree(src: str, dst: str, workers: Optional[int] = None, rows: int = 1,
-                 progress: Union[bool, Progress, None] = True, max_pixels: int = DEFAULT_MAX_PIXELS) -> Summary:
+                 progress: Union[bool, Progress, None] = True, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 mcus: int = 0) -> Summary:
     """Copy the folder ``src`` to ``dst`` (same relative paths), every JPEG rewritten with restart
-    markers every ``rows`` MCU rows (lossless) and every other file unchanged; see the module
-    docstring. ``workers`` processes (default: the CPU count); ``progress``: True prints to
+    markers every ``rows`` MCU rows or every few ``mcus`` (see :func:`add_restart_markers`;
+    lossless) and every other file unchanged; see the module docstring. ``workers`` processes (default: the CPU count); ``progress``: True prints to
     stderr, a callable gets (done, total, bytes in, bytes out). Raises before doing anything if
     ``dst`` is ``src`` or inside it, or the extension is not built."""
     _native()
-    if rows < 1:
-        raise ValueError(f"rows must be >= 1, got {rows}")
+    if rows < 1 or mcus < 0 or (mcus and rows != 1):
+        raise ValueError(f"give rows >= 1 or mcus >= 1 (with rows 1), got rows={rows}, mcus={mcus}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     src, dst = _check_dirs(src, dst)
@@ -222,7 +226,7 @@ def prepare_tree(src: str, dst: str, workers: Optional[int] = None, rows: int = 
     workers = max(1, min(workers or os.cpu_count() or 1, len(files) or 1))
     # spawn, not fork: the caller may have threads (a service, a test runner)
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        results = pool.map(functools.partial(_one, src, dst, rows, max_pixels), files, chunksize=8)
+        results = pool.map(functools.partial(_one, src, dst, rows, mcus, max_pixels), files, chunksize=8)
         for done, (rel, kind, n_in, n_out, reason) in enumerate(results, 1):
             b_in, b_out = b_in + n_in, b_out + n_out
             if kind == "failed":
@@ -243,14 +247,19 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("src", help="the dataset folder (any layout)")
     p.add_argument("dst", help="the output folder (created; not inside SRC); files already newer there are skipped")
     p.add_argument("--workers", type=int, default=None, metavar="N", help="processes (default: the CPU count)")
-    p.add_argument("--rows", type=int, default=1, metavar="R", help="MCU rows per restart interval (1)")
+    every = p.add_mutually_exclusive_group()
+    every.add_argument("--rows", type=int, default=1, metavar="R", help="MCU rows per restart interval (1)")
+    every.add_argument("--mcus", type=int, default=0, metavar="N", help="instead: a restart marker every N MCUs or a "
+                       "few less (a divisor of the MCU row, so the decode kernel can also skip the columns beside a "
+                       "crop); whole rows when the row has no divisor in [N/2, N]")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def run_prepare(args) -> int:
     """Exit code 0 when every file was prepared, 1 if any failed (the rest are done), 2 if nothing could start."""
     try:
-        summary = prepare_tree(args.src, args.dst, workers=args.workers, rows=args.rows, progress=not args.quiet)
+        summary = prepare_tree(args.src, args.dst, workers=args.workers, rows=args.rows, progress=not args.quiet,
+                               mcus=args.mcus)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"loader-service prepare-jpegs: {exc}", file=sys.stderr)
         return 2

@@ -109,6 +109,27 @@ def test_same_bytes_as_jpegtran(variants):
             assert JP.add_restart_markers(data, rows) == ref, f"{name}, rows={rows}"
 
 
+def test_tiles_of_a_few_mcus_divide_the_mcu_row(variants):
+    """``mcus=N``: an interval that divides the MCU row (so segments tile it), the largest in
+    [N/2, N], else whole rows; pixels unchanged; jpegtran's bytes for that interval."""
+    expect = {("photo", 8): 8, ("photo", 5): 4, ("odd-sized 451x333", 8): 29, ("grey", 8): 8, ("4:4:4", 3): 2,
+              ("1x1", 8): 1}
+    jpegtran = shutil.which("jpegtran") is not None
+    for name, data in variants.items():
+        for mcus in (1, 3, 5, 8):
+            out = JP.add_restart_markers(data, mcus=mcus)
+            sof, dri, per_row = _restart_info(out)
+            assert sof == 0xC0 and per_row % dri == 0 and (mcus <= 2 * dri <= 2 * mcus or dri == per_row), \
+                f"{name}, mcus={mcus}: interval {dri} of a {per_row}-MCU row"
+            assert expect.get((name, mcus), dri) == dri, (name, mcus, dri)
+            for ref, got in zip(_pixels(data), _pixels(out)):
+                assert np.array_equal(ref, got), f"{name}, mcus={mcus}"
+            if jpegtran:
+                ref = subprocess.run(["jpegtran", "-restart", f"{dri}B", "-optimize", "-copy", "all"], input=data,
+                                     capture_output=True, check=True).stdout
+                assert out == ref, f"{name}, mcus={mcus}"
+
+
 def _with_markers(data: bytes, segments: list) -> bytes:
     """``data`` with ``segments`` (marker, payload) inserted right after SOI."""
     extra = b"".join(b"\xff" + bytes([m]) + (len(p) + 2).to_bytes(2, "big") + p for m, p in segments)
@@ -168,6 +189,10 @@ def test_bad_arguments(photo):
         JP.add_restart_markers(photo, 0)
     with pytest.raises(ValueError, match="max_pixels must be >= 1, got 0"):
         JP.add_restart_markers(photo, 1, 0)
+    for rows, mcus in ((2, 8), (1, -1)):
+        with pytest.raises(ValueError, match=f"mcus must be 0 \\(whole rows\\) or 1..65535, with rows=1; "
+                                             f"got mcus={mcus}, rows={rows}"):
+            JP.add_restart_markers(photo, rows, mcus=mcus)
     wide = _bomb_jpeg(photo, 65500, 16)  # libjpeg's widest; 4:2:0: 4094 MCUs per MCU row, 17 rows > 65535
     with pytest.raises(ValueError, match=r"^17 MCU rows of 4094 MCUs exceed the largest restart interval "
                                          r"\(65535 MCUs\)$"):
@@ -268,6 +293,11 @@ def test_cli_exit_codes(tree, tmp_path, capsys):
     assert ", 0 failed;" in captured.out and "prepare-jpegs: " in captured.err  # the summary; progress lines
     data = _read(str(tmp_path / "clean" / "photos" / "v0.jpg"))
     assert _restart_info(data)[1] == 2 * _restart_info(data)[2]
+    assert cli_main(["prepare-jpegs", tree, str(tmp_path / "tiles"), "--mcus", "8", "--quiet"]) == 0
+    assert _restart_info(_read(str(tmp_path / "tiles" / "photos" / "v0.jpg")))[1:] == (8, 32)
+    with pytest.raises(SystemExit):
+        cli_main(["prepare-jpegs", tree, str(tmp_path / "both"), "--mcus", "8", "--rows", "2"])
+    assert "not allowed with argument" in capsys.readouterr().err
     assert cli_main(["prepare-jpegs", tree, os.path.join(tree, "x")]) == 2
     assert "is inside the source" in capsys.readouterr().err
 
