@@ -1,5 +1,6 @@
-"""Builds the optional native JPEG kernel (loader_service/_jpegroi.c) against the system
-libjpeg-turbo; everything else is in pyproject.toml.
+"""Builds the optional native JPEG kernel (loader_service/_jpegroi.c) and the lossless JPEG
+preparation tool (loader_service/_jpegprep.c: `loader-service prepare-jpegs`) against the
+system libjpeg-turbo; everything else is in pyproject.toml.
 
 The build is optional: without libjpeg-turbo's headers (Debian: libjpeg62-turbo-dev) the
 install still succeeds and the service decodes through simplejpeg (no fused crop). Set
@@ -29,11 +30,15 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:
             if REQUIRE:
                 raise
-            print(f"WARNING: {ext.name} was not built ({exc}); decoding falls back to simplejpeg")
+            fallback = ("decoding falls back to simplejpeg" if ext.name.endswith("_jpegroi")
+                        else "`loader-service prepare-jpegs` is unavailable")
+            print(f"WARNING: {ext.name} was not built ({exc}); {fallback}")
 
 
 setup(
-    ext_modules=[Extension("loader_service._jpegroi", ["loader_service/_jpegroi.c"], libraries=["jpeg"],
-                           extra_compile_args=["-O2", "-std=c99"], optional=not REQUIRE)],
+    ext_modules=[Extension(name, [f"loader_service/{name.split('.')[-1]}.c"], libraries=["jpeg"],
+                           extra_compile_args=["-O2", "-std=c99"], depends=["loader_service/_jpegstrict.h"],
+                           optional=not REQUIRE)
+                 for name in ("loader_service._jpegroi", "loader_service._jpegprep")],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -2,6 +2,8 @@
 """Build the real-photo benchmark sets from photographs that a Debian package ships.
 
     python bench/photos.py [--out ~/.cache/remote-loader/photos] [--imagenet 500] [--camera 200]
+    python bench/photos.py --prepared [--workers 2]   # also imagenet-rst/, camera-rst/
+    python bench/photos.py --prepared --mcus 8          # also imagenet-rst-mcus8/, camera-rst-mcus8/
 
 Source: the photographs of Debian's ``mate-backgrounds`` package (``usr/share/backgrounds/mate/
 nature/*.jpg``: 12 camera photos of 1280-2560 px, plants, water, sky, sand, wood) plus the
@@ -21,6 +23,13 @@ the OpenCV build's libjpeg):
   data per pixel is in a phone camera's range rather than an upscale's, JPEG quality 92.
 
 Prints each set's count, mean size and bits per pixel.
+
+``--prepared`` also makes ``imagenet-rst/`` and ``camera-rst/``: the same sets through
+``loader-service prepare-jpegs`` (loader_service.jpeg_prepare.prepare_tree: restart markers at
+every MCU row, lossless), for the decode kernel's restart-marker path; with ``--mcus N``,
+``*-rst-mcusN/`` with a marker every N MCUs or a few less (tiles of each MCU row). Sets already there are
+not built again (they are the same every run), and prepared files newer than their source are
+kept. Prints the time it took and the mean size before and after.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import cv2
 import numpy as np
@@ -106,12 +116,41 @@ def main(argv=None) -> int:
     p.add_argument("--deb", help=f"a downloaded {PACKAGE} .deb (default: apt-get download it)")
     p.add_argument("--imagenet", type=int, default=500, help="ImageNet-like photos")
     p.add_argument("--camera", type=int, default=200, help="camera-size photos")
+    p.add_argument("--prepared", action="store_true", help="also make imagenet-rst/ and camera-rst/ with "
+                   "prepare-jpegs (restart markers at every MCU row); existing sets are not rebuilt")
+    p.add_argument("--workers", type=int, default=2, help="--prepared: processes (2)")
+    p.add_argument("--mcus", type=int, default=0, help="--prepared: restart tiles of N MCUs instead of whole rows")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as work:
-        sources = fetch_sources(os.path.abspath(args.deb) if args.deb else None, work)
-    build(args.out, "imagenet", args.imagenet, lambda s, r, i: imagenet_like(s, r), sources, 90, 1)
-    build(args.out, "camera", args.camera, lambda s, r, i: camera_like(s, r, portrait=i % 3 == 2), sources, 92, 2)
+    sets = {"imagenet": (args.imagenet, lambda s, r, i: imagenet_like(s, r), 90, 1),
+            "camera": (args.camera, lambda s, r, i: camera_like(s, r, portrait=i % 3 == 2), 92, 2)}
+    todo = [n for n in sets if not (args.prepared and os.path.isdir(os.path.join(args.out, n)))]
+    if todo:
+        with tempfile.TemporaryDirectory() as work:
+            sources = fetch_sources(os.path.abspath(args.deb) if args.deb else None, work)
+        for name in todo:
+            n, make, quality, seed = sets[name]
+            build(args.out, name, n, make, sources, quality, seed)
+    if args.prepared:
+        for name in sets:
+            prepare(args.out, name, args.workers, args.mcus)
     return 0
+
+
+def prepare(out: str, name: str, workers: int, mcus: int = 0) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+    from loader_service.jpeg_prepare import prepare_tree
+
+    t = time.perf_counter()
+    prepared = f"{name}-rst-mcus{mcus}" if mcus else f"{name}-rst"
+    s = prepare_tree(os.path.join(out, name), os.path.join(out, prepared), workers=workers, progress=False, mcus=mcus)
+    dt = time.perf_counter() - t
+    if s.failed:
+        raise SystemExit(f"{name}: {len(s.failed)} files failed: {s.failed[:3]}")
+    line = f"{prepared}: {s.converted} JPEGs prepared in {dt:.1f} s with {workers} workers"
+    if s.converted:
+        line += (f", mean {s.jpeg_bytes_in / s.converted / 1024:.1f} KiB -> {s.jpeg_bytes_out / s.converted / 1024:.1f}"
+                 f" KiB ({100 * (s.jpeg_bytes_out / s.jpeg_bytes_in - 1):+.1f} %)")
+    print(line + (f"; {s.skipped} already up to date" if s.skipped else ""))
 
 
 if __name__ == "__main__":

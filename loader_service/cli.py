@@ -53,6 +53,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     add_pack_parser(sub)
 
+    from .jpeg_prepare import add_prepare_parser
+
+    add_prepare_parser(sub)
+
     args = parser.parse_args(argv)
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if args.command == "pack":
@@ -60,6 +64,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .pack import run_pack
 
         return run_pack(args)
+    if args.command == "prepare-jpegs":
+        from .jpeg_prepare import run_prepare
+
+        return run_prepare(args)
     if args.command == "keys":
         from .keys_cli import run_keys
 
