@@ -3,7 +3,7 @@
 
     python bench/photos.py [--out ~/.cache/remote-loader/photos] [--imagenet 500] [--camera 200]
     python bench/photos.py --prepared [--workers 2]   # also imagenet-rst/, camera-rst/
-    python bench/photos.py --prepared --mcus 8          # also imagenet-rst-mcus8/, camera-rst-mcus8/
+    python bench/photos.py --prepared --mcus 0          # also imagenet-rst-rows/, camera-rst-rows/
 
 Source: the photographs of Debian's ``mate-backgrounds`` package (``usr/share/backgrounds/mate/
 nature/*.jpg``: 12 camera photos of 1280-2560 px, plants, water, sky, sand, wood) plus the
@@ -25,9 +25,10 @@ the OpenCV build's libjpeg):
 Prints each set's count, mean size and bits per pixel.
 
 ``--prepared`` also makes ``imagenet-rst/`` and ``camera-rst/``: the same sets through
-``loader-service prepare-jpegs`` (loader_service.jpeg_prepare.prepare_tree: restart markers at
-every MCU row, lossless), for the decode kernel's restart-marker path; with ``--mcus N``,
-``*-rst-mcusN/`` with a marker every N MCUs or a few less (tiles of each MCU row). Sets already there are
+``loader-service prepare-jpegs`` (loader_service.jpeg_prepare.prepare_tree: its default, a
+restart marker every 8 MCUs or a few less, tiling each MCU row; lossless), for the decode
+kernel's restart-segment path; ``--mcus 0``: ``*-rst-rows/`` with a marker at every MCU row,
+``--mcus N``: ``*-rst-mcusN/``. Sets already there are
 not built again (they are the same every run), and prepared files newer than their source are
 kept. Prints the time it took and the mean size before and after.
 """
@@ -117,9 +118,10 @@ def main(argv=None) -> int:
     p.add_argument("--imagenet", type=int, default=500, help="ImageNet-like photos")
     p.add_argument("--camera", type=int, default=200, help="camera-size photos")
     p.add_argument("--prepared", action="store_true", help="also make imagenet-rst/ and camera-rst/ with "
-                   "prepare-jpegs (restart markers at every MCU row); existing sets are not rebuilt")
+                   "prepare-jpegs (restart markers in tiles of <= 8 MCUs, its default); existing sets are not rebuilt")
     p.add_argument("--workers", type=int, default=2, help="--prepared: processes (2)")
-    p.add_argument("--mcus", type=int, default=0, help="--prepared: restart tiles of N MCUs instead of whole rows")
+    p.add_argument("--mcus", type=int, default=8, help="--prepared: restart tiles of N MCUs (8, prepare-jpegs' "
+                   "default: *-rst/), or 0 for whole rows (*-rst-rows/)")
     args = p.parse_args(argv)
     sets = {"imagenet": (args.imagenet, lambda s, r, i: imagenet_like(s, r), 90, 1),
             "camera": (args.camera, lambda s, r, i: camera_like(s, r, portrait=i % 3 == 2), 92, 2)}
@@ -136,12 +138,12 @@ def main(argv=None) -> int:
     return 0
 
 
-def prepare(out: str, name: str, workers: int, mcus: int = 0) -> None:
+def prepare(out: str, name: str, workers: int, mcus: int = 8) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
     from loader_service.jpeg_prepare import prepare_tree
 
     t = time.perf_counter()
-    prepared = f"{name}-rst-mcus{mcus}" if mcus else f"{name}-rst"
+    prepared = {8: f"{name}-rst", 0: f"{name}-rst-rows"}.get(mcus, f"{name}-rst-mcus{mcus}")
     s = prepare_tree(os.path.join(out, name), os.path.join(out, prepared), workers=workers, progress=False, mcus=mcus)
     dt = time.perf_counter() - t
     if s.failed:

@@ -25,42 +25,13 @@
 #include <jpeglib.h>
 #include <jerror.h>
 
+#include "_jpegstrict.h"
+
 #define FLAG_FASTDCT 1
 #define FLAG_FASTUPSAMPLE 2
 #define CHUNK 16
 #define MAX_CHUNK 16
 #define MARGIN 16 /* pixels around the crop decoded for context (two 4:2:0 iMCUs at 1/2) */
-
-struct strict_err {
-    struct jpeg_error_mgr pub;
-    jmp_buf jb;
-    char msg[JMSG_LENGTH_MAX];
-};
-
-static void on_error_exit(j_common_ptr c)
-{
-    struct strict_err *e = (struct strict_err *)c->err;
-    (*c->err->format_message)(c, e->msg);
-    longjmp(e->jb, 1);
-}
-
-static void on_emit_message(j_common_ptr c, int level)
-{
-    if (level < 0) { /* a warning: corrupt or truncated data; refuse rather than return grey */
-        struct strict_err *e = (struct strict_err *)c->err;
-        (*c->err->format_message)(c, e->msg);
-        longjmp(e->jb, 1);
-    }
-    /* trace messages (level >= 0): ignored */
-}
-
-static void init_err(struct jpeg_decompress_struct *cinfo, struct strict_err *err)
-{
-    cinfo->err = jpeg_std_error(&err->pub);
-    err->pub.error_exit = on_error_exit;
-    err->pub.emit_message = on_emit_message;
-    err->msg[0] = 0;
-}
 
 /* Does the file end with an EOI marker (allowing a little padding after it)? */
 static int has_eoi(const unsigned char *p, size_t n)
@@ -248,7 +219,7 @@ static int run_decode(struct job *jb)
     unsigned char *volatile tiles = NULL;
     int ok = 0;
 
-    init_err(&cinfo, &err);
+    cinfo.err = strict_err_init(&err);
     jpeg_create_decompress(&cinfo);
     if (setjmp(err.jb)) {
         snprintf(jb->msg, sizeof jb->msg, "%s", err.msg);
@@ -404,7 +375,7 @@ static PyObject *py_header(PyObject *self, PyObject *args)
     struct jpeg_decompress_struct cinfo;
     struct strict_err err;
     PyObject *res = NULL;
-    init_err(&cinfo, &err);
+    cinfo.err = strict_err_init(&err);
     jpeg_create_decompress(&cinfo);
     if (setjmp(err.jb)) {
         PyErr_SetString(PyExc_ValueError, err.msg);

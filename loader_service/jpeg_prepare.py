@@ -1,13 +1,13 @@
-"""Prepare a JPEG dataset for fast crops: restart markers at every MCU row, losslessly.
+"""Prepare a JPEG dataset for fast crops: restart markers in tiles of a few MCUs, losslessly.
 
 ``loader-service prepare-jpegs SRC DST`` (or :func:`prepare_tree`) copies a dataset folder of any
 layout to DST, rewriting each ``.jpg``/``.jpeg`` with the ``_jpegprep`` extension (built from
 ``_jpegprep.c`` against the system libjpeg-turbo, like the decode kernel): the same DCT
 coefficients, so the same decoded pixels, written as sequential Huffman with a restart marker
-every ``rows`` MCU rows (or every few ``mcus``, tiling each row), optimized Huffman tables and
-every APPn/COM marker (EXIF, ICC) kept. The decode kernel can then start a crop at the restart
-interval just above it (with tiles, also skip the columns beside it) instead of Huffman-decoding
-every row above it: the saving grows with the photo's size (camera photos).
+every few ``mcus`` (8 by default, tiling each MCU row; or, with ``mcus=0``, every ``rows`` MCU
+rows), optimized Huffman tables and every APPn/COM marker (EXIF, ICC) kept. The decode kernel
+then decodes only the restart segments around a crop instead of Huffman-decoding every row
+above it and every column beside it: the saving grows with the photo's size (camera photos).
 
 Every other file is copied unchanged, so an ImageFolder or segmentation layout stays usable. A
 JPEG that cannot be transcoded (corrupt, truncated, not really a JPEG, above the pixel limit) is
@@ -75,6 +75,9 @@ class Summary:
 
 def available() -> bool:
     return _jpegprep is not None
+
+
+DEFAULT_MCUS = 8  # restart tiles of <= 8 MCUs (64-128 px): camera crops 8.9 vs 11.7 ms with whole rows
 
 
 def add_restart_markers(data: bytes, rows: int = 1, max_pixels: int = DEFAULT_MAX_PIXELS, mcus: int = 0) -> bytes:
@@ -206,9 +209,9 @@ def print_progress(stream=None, every_s: float = 1.0) -> Progress:
 
 def prepare_tree(src: str, dst: str, workers: Optional[int] = None, rows: int = 1,
                  progress: Union[bool, Progress, None] = True, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 mcus: int = 0) -> Summary:
+                 mcus: int = DEFAULT_MCUS) -> Summary:
     """Copy the folder ``src`` to ``dst`` (same relative paths), every JPEG rewritten with restart
-    markers every ``rows`` MCU rows or every few ``mcus`` (see :func:`add_restart_markers`;
+    markers every few ``mcus``, or with ``mcus=0`` every ``rows`` MCU rows (see :func:`add_restart_markers`;
     lossless) and every other file unchanged; see the module docstring. ``workers`` processes (default: the CPU count); ``progress``: True prints to
     stderr, a callable gets (done, total, bytes in, bytes out). Raises before doing anything if
     ``dst`` is ``src`` or inside it, or the extension is not built."""
@@ -242,24 +245,25 @@ def prepare_tree(src: str, dst: str, workers: Optional[int] = None, rows: int = 
 
 def add_prepare_parser(sub) -> None:
     p = sub.add_parser("prepare-jpegs", help="copy a dataset folder, rewriting every JPEG losslessly with restart "
-                       "markers at each MCU row (faster crops of large photos); other files copied unchanged",
+                       "markers in tiles of a few MCUs (faster crops of large photos); other files copied unchanged",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("src", help="the dataset folder (any layout)")
     p.add_argument("dst", help="the output folder (created; not inside SRC); files already newer there are skipped")
     p.add_argument("--workers", type=int, default=None, metavar="N", help="processes (default: the CPU count)")
     every = p.add_mutually_exclusive_group()
-    every.add_argument("--rows", type=int, default=1, metavar="R", help="MCU rows per restart interval (1)")
-    every.add_argument("--mcus", type=int, default=0, metavar="N", help="instead: a restart marker every N MCUs or a "
-                       "few less (a divisor of the MCU row, so the decode kernel can also skip the columns beside a "
-                       "crop); whole rows when the row has no divisor in [N/2, N]")
+    every.add_argument("--mcus", type=int, default=None, metavar="N", help=f"a restart marker every N MCUs or a few "
+                       f"less (a divisor of the MCU row, so the decode kernel skips the columns beside a crop as well "
+                       f"as the rows above it; whole rows when the row has no divisor in [N/2, N]); default {DEFAULT_MCUS}")
+    every.add_argument("--rows", type=int, default=None, metavar="R", help="instead: a restart marker every R MCU rows")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def run_prepare(args) -> int:
     """Exit code 0 when every file was prepared, 1 if any failed (the rest are done), 2 if nothing could start."""
     try:
-        summary = prepare_tree(args.src, args.dst, workers=args.workers, rows=args.rows, progress=not args.quiet,
-                               mcus=args.mcus)
+        mcus = args.mcus if args.mcus is not None else (0 if args.rows else DEFAULT_MCUS)
+        summary = prepare_tree(args.src, args.dst, workers=args.workers, rows=args.rows or 1, progress=not args.quiet,
+                               mcus=mcus)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"loader-service prepare-jpegs: {exc}", file=sys.stderr)
         return 2
