@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--epochs", default="imagenet:4,camera:1", help="timed epochs per group")
+    p.add_argument("--epochs", default="imagenet:4,camera:1", help="timed epochs per group (a prepared set, "
+                   "imagenet-rst, takes its original's)")
     p.add_argument("--plot", metavar="PNG", help="figure base name: one PNG per group, suffixed -<group>")
     args = p.parse_args(argv)
     epochs = dict((k, int(v)) for k, v in (e.split(":") for e in args.epochs.split(",")))
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
         count = len(source)
         try:
             nbytes = B.warm_page_cache(source)
-            settings = B.Settings(source.spec(), len(source), args.workers, args.batch_size, 224, epochs.get(group, 1))
+            timed = epochs.get(group, epochs.get(group.split("-")[0], 1))
+            settings = B.Settings(source.spec(), len(source), args.workers, args.batch_size, 224, timed)
             runs = []
             for r in range(args.runs):
                 B.log(f"{group}: run {r + 1}/{args.runs}")

@@ -154,6 +154,32 @@ def test_a_crop_is_decoded_without_reading_the_restart_segments_around_it(varian
                 J._jpegroi.decode(spoiled, d, top // d + 24, 0, 8, 8, np.empty((8, 8, 3), np.uint8), 0)
 
 
+@native
+@pytest.mark.parametrize("spoil", ["a marker out of sequence", "markers missing", "a marker cut short"])
+def test_broken_restart_markers_are_an_error_never_other_pixels(variants, spoil):
+    """The restart-segment path trusts nothing it has not checked: markers out of sequence, a
+    DRI whose markers are missing, or a file cut inside a segment take the plain path, where
+    libjpeg's strict reading refuses the file for any crop that needs the broken part."""
+    data = variants["restart markers every 8 MCUs"]
+    marks = _restart_markers(data)
+    if spoil == "a marker out of sequence":
+        i = marks[len(marks) // 2]
+        bad = data[:i + 1] + bytes([0xD0 + (data[i + 1] - 0xD0 + 3) % 8]) + data[i + 2:]
+    elif spoil == "markers missing":
+        bad = bytearray(data)
+        for i in reversed(marks):
+            del bad[i:i + 2]
+        bad = bytes(bad)
+    else:
+        bad = data[:marks[len(marks) // 2] - 100] + b"\xff\xd9"  # ends with EOI, inside a segment
+    h, w, _, restarts = J.header(bad)
+    assert restarts
+    out = np.empty((40, 60, 3), np.uint8)
+    for d in (1, 2, 4, 8):
+        with pytest.raises(ValueError, match="Corrupt JPEG|Premature end|marker"):
+            J._jpegroi.decode(bad, d, -(-h // d) - 40, -(-w // d) - 60, 40, 60, out, 0)
+
+
 def test_cmyk_gives_opencvs_pixels(variants):
     data = variants["cmyk"]
     ref = cv2.cvtColor(cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
@@ -191,7 +217,7 @@ def test_process_sample_equals_the_scaled_decode_then_crop_and_resize(variants):
 
 
 @pytest.mark.parametrize("cut", [0.3, 0.6, 0.95])
-@pytest.mark.parametrize("kind", ["photo", "progressive", "restart markers"])
+@pytest.mark.parametrize("kind", ["photo", "progressive", "restart markers", "restart markers every 8 MCUs"])
 def test_truncated_jpeg_is_an_error_whatever_the_crop(variants, kind, cut):
     """A JPEG cut short (valid header, no EOI) is refused even when the crop lies in the part
     that is still there: the kernel reads on to the end when the EOI marker is missing."""
