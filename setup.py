@@ -37,7 +37,7 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension(name, [f"loader_service/{name.split('.')[-1]}.c"], libraries=["jpeg"],
-                           extra_compile_args=["-O2", "-std=c99"], depends=["loader_service/_jpegstrict.h"],
+                           extra_compile_args=["-O2", "-std=c99"], depends=["loader_service/_jpegshared.h"],
                            optional=not REQUIRE)
                  for name in ("loader_service._jpegroi", "loader_service._jpegprep")],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -1,4 +1,4 @@
-/* Lossless JPEG preparation: restart markers at MCU-row boundaries, the way jpegtran does it.
+/* Lossless JPEG preparation: restart markers that tile the MCU grid, the way jpegtran writes them.
  *
  * add_restart_markers() reads the DCT coefficients (no decode to pixels), writes them back as a
  * sequential Huffman JPEG with a restart marker every `rows` MCU rows (or, with `mcus`, every few
@@ -8,7 +8,7 @@
  * tiles, just left of it) instead of Huffman-decoding every row above it. A progressive file comes out sequential
  * (the same coefficients); an arithmetic-coded one comes out Huffman-coded.
  *
- * Strict (_jpegstrict.h): every libjpeg warning (truncated or corrupt data) is an error, never
+ * Strict (_jpegshared.h): every libjpeg warning (truncated or corrupt data) is an error, never
  * a file with grey rows. The header's size is checked against a pixel limit before the
  * coefficients are read. The work runs without the GIL and touches no Python object; the
  * output buffer is ours (not jpeg_mem_dest's), so an error half-way frees it.
@@ -23,7 +23,7 @@
 #include <jpeglib.h>
 #include <jerror.h>
 
-#include "_jpegstrict.h"
+#include "_jpegshared.h"
 
 #define DEFAULT_MAX_PIXELS 178956970ULL /* as loader_service.jpeg.DEFAULT_MAX_PIXELS */
 #define MAX_RESTART_INTERVAL 65535U    /* the DRI field is 16 bits */
@@ -64,16 +64,6 @@ static void dest_term(j_compress_ptr c)
 {
     struct grow_dest *d = (struct grow_dest *)c->dest;
     d->len = d->cap - d->pub.free_in_buffer;
-}
-
-/* MCUs in one MCU row of a scan with all of the frame's components (what the writer emits):
- * an interleaved scan's MCU spans max_h_samp_factor blocks, a single component's is one block. */
-static unsigned int mcus_per_row(j_decompress_ptr c)
-{
-    if (c->num_components == 1)
-        return c->comp_info[0].width_in_blocks;
-    unsigned int span = (unsigned int)c->max_h_samp_factor * DCTSIZE;
-    return (c->image_width + span - 1) / span;
 }
 
 /* 1234567 -> "1,234,567" (the same spelling as the Python side's messages) */

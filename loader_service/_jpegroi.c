@@ -6,11 +6,11 @@
  * one the rest is read so that a truncated file is an error). Scale 1/1, 1/2, 1/4 or 1/8 in
  * the DCT domain, the only factors that are faster than a full decode in libjpeg-turbo.
  *
- * Restart markers: when a baseline file has restart intervals that start on MCU-row boundaries
- * (every camera or encoder that writes them per row, or `loader-service prepare-jpegs`), the
- * rows above the crop are not even entropy-decoded: the decoder reads a copy of the header with
- * a smaller height followed by the scan data from the restart marker just above the crop. The
- * decoded blocks are the same (DC prediction restarts at every marker), so are the pixels.
+ * Restart markers: when a baseline file's restart intervals tile the MCU grid (several per MCU
+ * row, or whole rows; `loader-service prepare-jpegs` writes them), the rows above the crop and
+ * the columns beside it are not even entropy-decoded: the decoder reads a smaller JPEG made of
+ * the header and just the restart segments around the crop (restart_tiles). The decoded blocks
+ * are the same (DC prediction restarts at every marker), so are the pixels.
  *
  * Strict like simplejpeg's strict=True: every libjpeg warning ("premature end of data
  * segment", "corrupt JPEG data") is an error, never grey or garbage pixels. The decode runs
@@ -23,9 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <jpeglib.h>
-#include <jerror.h>
 
-#include "_jpegstrict.h"
+#include "_jpegshared.h"
 
 #define FLAG_FASTDCT 1
 #define FLAG_FASTUPSAMPLE 2
@@ -55,7 +54,6 @@ static void cmyk_to_rgb(const unsigned char *src, unsigned char *dst, JDIMENSION
         dst[2] = (unsigned char)(k - ((255 - y) * k >> 8));
     }
 }
-
 
 /* Offset of the SOF marker (its 0xFF) in the header, or 0 when the markers do not walk cleanly
  * up to SOS within `end` bytes. */
@@ -131,16 +129,11 @@ static unsigned char *restart_tiles(struct jpeg_decompress_struct *c, const unsi
 {
     if (c->progressive_mode || c->arith_code || c->restart_interval == 0 || c->comps_in_scan != c->num_components)
         return NULL;
-    size_t mw, mh; /* MCU size in image pixels */
-    if (c->num_components == 1) { /* a non-interleaved scan: one block per MCU */
-        if (c->comp_info[0].h_samp_factor != c->max_h_samp_factor || c->comp_info[0].v_samp_factor != c->max_v_samp_factor)
-            return NULL;
-        mw = mh = DCTSIZE;
-    } else {
-        mw = (size_t)c->max_h_samp_factor * DCTSIZE;
-        mh = (size_t)c->max_v_samp_factor * DCTSIZE;
-    }
-    size_t per_row = (c->image_width + mw - 1) / mw, rows = (c->image_height + mh - 1) / mh;
+    if (c->num_components == 1 && (c->comp_info[0].h_samp_factor != c->max_h_samp_factor ||
+                                   c->comp_info[0].v_samp_factor != c->max_v_samp_factor))
+        return NULL; /* its one-block MCU would not be 8x8 image pixels */
+    size_t mw = mcu_width(c), mh = mcu_height(c); /* in image pixels */
+    size_t per_row = mcus_per_row(c), rows = (c->image_height + mh - 1) / mh;
     size_t ri = c->restart_interval, cols, tall; /* segments per MCU row; MCU rows per segment row */
     if (per_row % ri == 0) {
         cols = per_row / ri;
@@ -230,7 +223,8 @@ static int run_decode(struct job *jb)
     /* Decode only the restart segments around the crop when the file has them (see
      * restart_tiles); not when the EOI is missing: a truncated file must fail as a whole. */
     JDIMENSION above = 0, beside = 0, d = (JDIMENSION)jb->denom;
-    if (has_eoi(jb->data, jb->size)) {
+    int eoi = has_eoi(jb->data, jb->size);
+    if (eoi) {
         JDIMENSION ry0 = (jb->y0 > MARGIN ? jb->y0 - MARGIN : 0) * d, rx0 = (jb->x0 > MARGIN ? jb->x0 - MARGIN : 0) * d;
         JDIMENSION ry1 = (jb->y0 + jb->h + MARGIN) * d, rx1 = (jb->x0 + jb->w + MARGIN) * d;
         size_t len = 0;
@@ -308,7 +302,7 @@ static int run_decode(struct job *jb)
                 memcpy(jb->out + r * line, rows[i] + skip, line);
         }
     }
-    if (cinfo.output_scanline < cinfo.output_height && !has_eoi(jb->data, jb->size)) {
+    if (cinfo.output_scanline < cinfo.output_height && !eoi) {
         /* No EOI at the end: probably truncated; decode to the end so the library can tell. Not
          * by skipping to the very end: that returns at once, reading nothing. */
         JDIMENSION left = cinfo.output_height - cinfo.output_scanline;

@@ -4,10 +4,11 @@ Two paths give the crop of the image decoded at scale 1/d (d in 1, 2, 4, 8):
 
 * ``native-roi``: the ``_jpegroi`` extension (built from ``_jpegroi.c`` against the system
   libjpeg-turbo by ``pip install``) decodes only the crop's rows and iMCU columns and stops
-  after the crop's last row (see the C file). In a baseline file with restart markers at row
-  boundaries (``loader-service prepare-jpegs`` adds them losslessly) it also skips the entropy
-  decoding of the rows above the crop, entering the scan at the nearest marker above it. Pixels: the same as decoding the whole image at
-  1/d and slicing, checked by tests/test_jpeg_kernel.py.
+  after the crop's last row (see the C file). In a baseline file whose restart markers tile
+  the MCU grid (``loader-service prepare-jpegs`` adds them losslessly) it decodes only the
+  restart segments around the crop: no entropy decoding of the rows above it or the columns
+  beside it. Pixels: the same as decoding the whole image at 1/d and slicing, checked by
+  tests/test_jpeg_kernel.py.
 * ``simplejpeg``: the whole image at 1/d, then the slice. Used when the extension is not built
   (no libjpeg-turbo headers); ``LOADER_REQUIRE_NATIVE_JPEG=1`` makes that an import error.
 
@@ -69,8 +70,8 @@ def decode_path() -> str:
 def header(data: bytes) -> Tuple[int, int, bool, bool]:
     """(height, width, cmyk, restarts) from the JPEG's markers; ``ValueError`` if they are unreadable.
 
-    ``restarts``: a baseline scan with restart markers, which the native kernel may enter below
-    the top (always False without it)."""
+    ``restarts``: a baseline scan with restart markers, whose segments around a crop the native
+    kernel may decode alone (always False without it)."""
     if _jpegroi is not None:
         h, w, _, cmyk, progressive, restart_interval = _jpegroi.header(data)
         return h, w, bool(cmyk), restart_interval > 0 and not progressive
@@ -97,7 +98,7 @@ def decode_crop(data: bytes, h: int, w: int, cmyk: bool, d: int, box: Tuple[int,
                 options: DecodeOptions = DEFAULT_OPTIONS, restarts: bool = False) -> np.ndarray:
     """The (y0, y1, x0, x1) ``box`` of the JPEG decoded at 1/``d`` (box in that image's pixels), RGB uint8.
 
-    ``restarts`` (from :func:`header`): the rows above the crop cost nothing on the native path."""
+    ``restarts`` (from :func:`header`): the rows above the crop may cost nothing on the native path."""
     y0, y1, x0, x1 = box
     sh, sw = -(-h // d), -(-w // d)
     # The system libjpeg-turbo (2.1 on Debian 12) decodes a whole image ~15 % slower than the one
