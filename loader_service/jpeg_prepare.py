@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -179,18 +180,10 @@ def _one(src: str, dst: str, rows: int, mcus: int, max_pixels: int, rel: str) ->
                 return rel, "failed", len(data), n, f"{exc}; copied unchanged"
             return rel, "converted", len(data), _write_atomic(d, mode, lambda f: f.write(out)), ""
         with open(s, "rb") as fin:
-            n = _write_atomic(d, mode, lambda f: _copy(fin, f))
+            n = _write_atomic(d, mode, lambda f: shutil.copyfileobj(fin, f, COPY_CHUNK))
         return rel, "copied", n, n, ""
     except OSError as exc:
         return rel, "failed", 0, 0, f"{type(exc).__name__}: {exc}; not copied"
-
-
-def _copy(fin, fout) -> None:
-    while True:
-        chunk = fin.read(COPY_CHUNK)
-        if not chunk:
-            return
-        fout.write(chunk)
 
 
 def print_progress(stream=None, every_s: float = 1.0) -> Progress:
