@@ -3,6 +3,7 @@
 
     python bench/bench_curve.py [--data DIR] [--workers N] [--batch-size 64] [--epochs 2] [--rounds 3]
                                 [--io-threads 1,2] [--skip-decode] [--demo-size 2000] [--json PATH]
+                                [--split SERVICE_CPUS:CLIENT_CPUS]
 
 Rows, alternated round by round so that a drifting machine hurts them alike:
 
@@ -16,7 +17,9 @@ Each row is the service in its own process and a RemoteLoader in this one (prefe
 ``LOADER_BENCH_SKIP_DECODE=1`` (workers do not decode; the transport alone, what CURVE costs at
 most). The table shows each row's median over the rounds, its share of the plain row's
 images/s, and the CPU seconds per 1000 images of the client process and of the service's
-processes (where encryption and decryption land). Prints PASS/MISS against "CURVE within 10% of
+processes (where encryption and decryption land). ``--split 0:1`` gives the service (and its
+decode processes) CPU 0 and this process CPU 1, as two machines would: the trainer's cipher
+work and RemoteLoader no longer take time from the service's decoding. Prints PASS/MISS against "CURVE within 10% of
 plain"; the exit status does not depend on it.
 """
 
@@ -49,6 +52,22 @@ from loader_service.sources.demo import ensure_demo  # noqa: E402
 SEED = 0
 
 
+def set_affinity(cpus: Optional[set]) -> None:
+    """Pin every thread of this process to ``cpus``; threads and processes started later inherit it."""
+    if cpus is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def parse_split(text: str):
+    service, _, client = text.partition(":")
+    cpus = [{int(c) for c in part.split(",")} for part in (service, client)]
+    if not all(cpus) or cpus[0] & cpus[1]:
+        raise argparse.ArgumentTypeError("--split needs two disjoint CPU lists, like 0:1 or 0,1:2,3")
+    return cpus
+
+
 def run_row(keys: Optional[str], io_threads: int, args) -> dict:
     data = ["--data", os.path.abspath(args.data)] if args.data else ["--demo", "--demo-size", str(args.demo_size)]
     cmd = [sys.executable, "-m", "loader_service", "serve", *data,
@@ -57,9 +76,12 @@ def run_row(keys: Optional[str], io_threads: int, args) -> dict:
     env = {"LOADER_IO_THREADS": str(io_threads), "LOADER_BENCH_SKIP_DECODE": "1" if args.skip_decode else ""}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # ServiceProcess passes this process's environment on
+    service_cpus, client_cpus = args.split or (None, None)
     try:
+        set_affinity(service_cpus)  # the service and its decode processes inherit it
         svc = ServiceProcess(cmd)
     finally:
+        set_affinity(client_cpus)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -100,6 +122,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--data", metavar="DIR", help="serve this ImageFolder / packed dataset (real photos) instead of the demo set")
     p.add_argument("--demo-size", type=int, default=2000)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--split", type=parse_split, metavar="SERVICE_CPUS:CLIENT_CPUS",
+                   help="pin the service to SERVICE_CPUS and this client process to CLIENT_CPUS (two machines' worth)")
     args = p.parse_args(argv)
     command = shlex.join([os.path.basename(sys.executable)] + (sys.argv if argv is None else ["bench/bench_curve.py", *argv]))
     if args.data:
@@ -129,7 +153,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in results.items()}
     base = med[rows[0][0]]["img_s"]
     print(f"\nmachine: {started} | {what} | batch {args.batch_size} | workers {args.workers} | "
-          f"decode {'off' if args.skip_decode else 'on'} | {args.epochs} timed epochs x {args.rounds} rounds | "
+          f"decode {'off' if args.skip_decode else 'on'} | "
+          f"{'service CPUs %s, client CPUs %s' % tuple(sorted(c) for c in args.split) if args.split else 'CPUs shared'} | {args.epochs} timed epochs x {args.rounds} rounds | "
           f"command: `{command}`\n")
     print("| row | images/s (median) | MB/s | % of plain | each round's % of plain | client CPU s / 1000 img | "
           "service CPU s / 1000 img |")

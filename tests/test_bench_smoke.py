@@ -140,3 +140,34 @@ def test_pipelines_benchmark_reports_each_contender_and_op(tmp_path):
     assert all(len(r["runs"]) == 1 and r["median"] > 0 for r in row.values())
     assert {"color_jitter(0.4,0.4,0.4,0.1)", "equalize"} <= {r["op"] for r in report["ops"]}
     assert "| colorjitter | " in stdout and "16 images of the demo set" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--split needs two CPUs")
+def test_curve_benchmark_split_reports_both_rows_with_every_sample(tmp_path):
+    out = tmp_path / "curve.json"
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    stdout = _run(os.path.join(ROOT, "bench", "bench_curve.py"),
+                  ["--demo-size", "32", "--batch-size", "8", "--epochs", "1", "--rounds", "1", "--workers", "1",
+                   "--io-threads", "1", "--split", f"{cpus[0]}:{cpus[1]}", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert sorted(report["rounds"]) == ["CURVE, io 1", "plain, io 1"]
+    assert all(r["samples"] == 32 for rows in report["rounds"].values() for r in rows)
+    assert f"service CPUs [{cpus[0]}], client CPUs [{cpus[1]}]" in stdout
+    assert ("PASS:" in stdout) != ("MISS:" in stdout)
+
+
+def test_curve_benchmark_refuses_overlapping_cpu_lists():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_curve.py"), "--split", "0:0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--split needs two disjoint CPU lists" in proc.stderr
+
+
+def test_cipher_benchmark_reports_the_floor_and_each_frame_count():
+    stdout = _run(os.path.join(ROOT, "bench", "bench_cipher.py"),
+                  ["--mb", "0.5", "--messages", "4", "--rounds", "1", "--frames", "1,4"])
+    assert "| libsodium crypto_secretbox alone (one core) |" in stdout
+    for frames in (1, 4):
+        assert f"| CURVE's extra, {frames} frame(s) |" in stdout
+        assert f"per 224x224x3 image, {frames} frame(s): sender +" in stdout
