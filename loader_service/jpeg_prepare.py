@@ -11,10 +11,12 @@ above it and every column beside it: the saving grows with the photo's size (cam
 
 Every other file is copied unchanged, so an ImageFolder or segmentation layout stays usable. A
 JPEG that cannot be transcoded (corrupt, truncated, not really a JPEG, above the pixel limit) is
-copied unchanged and reported; it never stops the run. Each output is written to a temporary
-name in its folder (``.NAME.*.part``) and renamed into place; a DST file newer than its source
-is skipped, so an interrupted run can be started again (a failed JPEG's copy is stamped older
-than its source, so a rerun reports it again).
+copied unchanged and reported; it never stops the run; so is a JPEG larger than
+``max_sample_bytes`` (the service's limit for a loose file: it is never read whole). Each output
+is written to a temporary name in its folder (``.NAME.XXXXXXXX.part``) and renamed into place; a
+DST file newer than its source is skipped, so an interrupted run can be started again (a failed
+JPEG's copy is stamped older than its source, so a rerun reports it again), and a rerun deletes
+the temporary files a killed run left next to the files it prepares.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ except ImportError:  # not built (no libjpeg-turbo headers at install time)
     _jpegprep = None
 
 from .jpeg import DEFAULT_MAX_PIXELS
+from .sources.files import DEFAULT_MAX_SAMPLE_BYTES
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
 TMP_SUFFIX = ".part"
+TMP_RANDOM = 8  # the length of tempfile.mkstemp's random part
 COPY_CHUNK = 1 << 20
 
 Progress = Callable[[int, int, int, int], None]  # (files done, files total, bytes in, bytes out)
@@ -57,6 +61,7 @@ class Summary:
     bytes_out: int = 0
     jpeg_bytes_in: int = 0  # the converted JPEGs alone: the size change of the transcode
     jpeg_bytes_out: int = 0
+    stale_removed: int = 0  # temporary files of a killed earlier run, deleted
 
     @property
     def ok(self) -> bool:
@@ -65,6 +70,8 @@ class Summary:
     def format(self) -> str:
         lines = [f"{self.converted} JPEGs converted, {self.copied} other files copied, {self.skipped} up to date, "
                  f"{len(self.failed)} failed; {self.bytes_in / 1e6:.1f} MB in, {self.bytes_out / 1e6:.1f} MB out"]
+        if self.stale_removed:
+            lines.append(f"deleted {self.stale_removed} temporary file(s) left by an interrupted run")
         if self.jpeg_bytes_in:
             change = 100.0 * (self.jpeg_bytes_out - self.jpeg_bytes_in) / self.jpeg_bytes_in
             lines.append(f"converted JPEGs: {self.jpeg_bytes_in / 1e6:.1f} MB -> {self.jpeg_bytes_out / 1e6:.1f} MB "
@@ -152,7 +159,13 @@ def _write_atomic(path: str, mode: int, write: Callable) -> int:
     return n
 
 
-def _one(src: str, dst: str, rows: int, mcus: int, max_pixels: int, rel: str) -> Tuple[str, str, int, int, str]:
+def _copy_unchanged(s: str, d: str, mode: int) -> int:
+    with open(s, "rb") as fin:
+        return _write_atomic(d, mode, lambda f: shutil.copyfileobj(fin, f, COPY_CHUNK))
+
+
+def _one(src: str, dst: str, rows: int, mcus: int, max_pixels: int, max_bytes: int,
+         rel: str) -> Tuple[str, str, int, int, str]:
     """Prepare one file; runs in a pool process. Returns (rel, kind, bytes in, bytes out, reason)
     with kind one of converted, copied, skipped, failed."""
     s, d = os.path.join(src, rel), os.path.join(dst, rel)
@@ -167,23 +180,50 @@ def _one(src: str, dst: str, rows: int, mcus: int, max_pixels: int, rel: str) ->
             pass
         os.makedirs(os.path.dirname(d), exist_ok=True)
         mode = stat.S_IMODE(st.st_mode)
-        if _is_jpeg(rel):
-            with open(s, "rb") as f:
-                data = f.read()
+        if not _is_jpeg(rel):
+            n = _copy_unchanged(s, d, mode)
+            return rel, "copied", n, n, ""
+        with open(s, "rb") as f:
+            data = f.read(max_bytes + 1)  # the size on disk may have changed since stat
+        if len(data) > max_bytes:
+            del data
+            n, reason = _copy_unchanged(s, d, mode), f"larger than {max_bytes} bytes (max_sample_bytes); copied unchanged"
+        else:
             try:
                 out = _jpegprep.add_restart_markers(data, rows, max_pixels, mcus)
+                return rel, "converted", len(data), _write_atomic(d, mode, lambda f: f.write(out)), ""
             except ValueError as exc:
-                n = _write_atomic(d, mode, lambda f: f.write(data))
-                # stamped older than the source: a rerun tries (and reports) it again rather than
-                # skipping it as up to date (2 s: FAT's timestamp resolution)
-                os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns - 2_000_000_000))
-                return rel, "failed", len(data), n, f"{exc}; copied unchanged"
-            return rel, "converted", len(data), _write_atomic(d, mode, lambda f: f.write(out)), ""
-        with open(s, "rb") as fin:
-            n = _write_atomic(d, mode, lambda f: shutil.copyfileobj(fin, f, COPY_CHUNK))
-        return rel, "copied", n, n, ""
+                n, reason = _write_atomic(d, mode, lambda f: f.write(data)), f"{exc}; copied unchanged"
+        # stamped older than the source: a rerun tries (and reports) it again rather than
+        # skipping it as up to date (2 s: FAT's timestamp resolution)
+        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns - 2_000_000_000))
+        return rel, "failed", n, n, reason
     except OSError as exc:
         return rel, "failed", 0, 0, f"{type(exc).__name__}: {exc}; not copied"
+
+
+def _remove_stale_parts(dst: str, files: List[str]) -> int:
+    """Delete ``.NAME.XXXXXXXX.part`` files next to the DST paths of ``files``: what a killed run
+    left (a finished or failed write removes its own). Only names this tool writes are touched."""
+    wanted: dict = {}
+    for rel in files:
+        folder, name = os.path.split(rel)
+        wanted.setdefault(folder, set()).add(name)
+    removed = 0
+    for folder, names in wanted.items():
+        try:
+            entries = os.scandir(os.path.join(dst, folder))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with entries:
+            for e in entries:
+                n = e.name
+                if (n.startswith(".") and n.endswith(TMP_SUFFIX) and len(n) > TMP_RANDOM + len(TMP_SUFFIX) + 2
+                        and n[-len(TMP_SUFFIX) - TMP_RANDOM - 1] == "."
+                        and n[1:-len(TMP_SUFFIX) - TMP_RANDOM - 1] in names and e.is_file(follow_symlinks=False)):
+                    os.unlink(e.path)
+                    removed += 1
+    return removed
 
 
 def print_progress(stream=None, every_s: float = 1.0) -> Progress:
@@ -202,7 +242,7 @@ def print_progress(stream=None, every_s: float = 1.0) -> Progress:
 
 def prepare_tree(src: str, dst: str, workers: Optional[int] = None, rows: int = 1,
                  progress: Union[bool, Progress, None] = True, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 mcus: int = DEFAULT_MCUS) -> Summary:
+                 mcus: int = DEFAULT_MCUS, max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> Summary:
     """Copy the folder ``src`` to ``dst`` (same relative paths), every JPEG rewritten with restart
     markers every few ``mcus``, or with ``mcus=0`` every ``rows`` MCU rows (see :func:`add_restart_markers`;
     lossless) and every other file unchanged; see the module docstring. ``workers`` processes (default: the CPU count); ``progress``: True prints to
@@ -213,16 +253,19 @@ def prepare_tree(src: str, dst: str, workers: Optional[int] = None, rows: int = 
         raise ValueError(f"give rows >= 1 or mcus >= 1 (with rows 1), got rows={rows}, mcus={mcus}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if max_sample_bytes < 1:
+        raise ValueError(f"max_sample_bytes must be >= 1, got {max_sample_bytes}")
     src, dst = _check_dirs(src, dst)
     report = print_progress() if progress is True else (progress or None)
     files, failed = _walk(src)
     os.makedirs(dst, exist_ok=True)
+    stale = _remove_stale_parts(dst, files)
     counts = {"converted": 0, "copied": 0, "skipped": 0}
     b_in = b_out = j_in = j_out = 0
     workers = max(1, min(workers or os.cpu_count() or 1, len(files) or 1))
     # spawn, not fork: the caller may have threads (a service, a test runner)
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        results = pool.map(functools.partial(_one, src, dst, rows, mcus, max_pixels), files, chunksize=8)
+        results = pool.map(functools.partial(_one, src, dst, rows, mcus, max_pixels, max_sample_bytes), files, chunksize=8)
         for done, (rel, kind, n_in, n_out, reason) in enumerate(results, 1):
             b_in, b_out = b_in + n_in, b_out + n_out
             if kind == "failed":
@@ -233,7 +276,7 @@ def prepare_tree(src: str, dst: str, workers: Optional[int] = None, rows: int = 
                 j_in, j_out = j_in + n_in, j_out + n_out
             if report:
                 report(done, len(files), b_in, b_out)
-    return Summary(counts["converted"], counts["copied"], counts["skipped"], tuple(failed), b_in, b_out, j_in, j_out)
+    return Summary(counts["converted"], counts["copied"], counts["skipped"], tuple(failed), b_in, b_out, j_in, j_out, stale)
 
 
 def add_prepare_parser(sub) -> None:
@@ -248,6 +291,9 @@ def add_prepare_parser(sub) -> None:
                        f"less (a divisor of the MCU row, so the decode kernel skips the columns beside a crop as well "
                        f"as the rows above it; whole rows when the row has no divisor in [N/2, N]); default {DEFAULT_MCUS}")
     every.add_argument("--rows", type=int, default=None, metavar="R", help="instead: a restart marker every R MCU rows")
+    p.add_argument("--max-sample-bytes", type=int, default=DEFAULT_MAX_SAMPLE_BYTES, metavar="N",
+                   help="a JPEG larger than this is copied unchanged and reported, never read whole (the service's "
+                   f"limit for a loose file; default {DEFAULT_MAX_SAMPLE_BYTES})")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -256,7 +302,7 @@ def run_prepare(args) -> int:
     try:
         mcus = args.mcus if args.mcus is not None else (0 if args.rows else DEFAULT_MCUS)
         summary = prepare_tree(args.src, args.dst, workers=args.workers, rows=args.rows or 1, progress=not args.quiet,
-                               mcus=mcus)
+                               mcus=mcus, max_sample_bytes=args.max_sample_bytes)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"loader-service prepare-jpegs: {exc}", file=sys.stderr)
         return 2

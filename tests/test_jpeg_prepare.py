@@ -9,6 +9,7 @@ the real photo are tests/test_jpeg_kernel.py's.
 import os
 import shutil
 import subprocess
+import sys
 
 import cv2
 import numpy as np
@@ -22,6 +23,7 @@ from .conftest import write_imagefolder
 from .test_jpeg_kernel import _bomb_jpeg, photo, variants
 
 pytestmark = pytest.mark.skipif(not JP.available(), reason="the _jpegprep extension is not built (pip install -e .)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = (photo, variants)  # pytest fixtures this module uses, imported from test_jpeg_kernel
 
 
@@ -270,6 +272,49 @@ def test_prepare_tree_reruns_skip_what_is_up_to_date(tree, tmp_path):
     third = JP.prepare_tree(tree, dst, workers=1, progress=False)
     assert (third.converted, third.copied, third.skipped) == (1, 0, n - 2)
 
+
+
+def test_a_jpeg_above_max_sample_bytes_is_copied_unchanged_and_reported(tmp_path, variants):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    big, small = variants["photo"], min(variants.values(), key=len)
+    _write(os.path.join(src, "big.jpg"), big)
+    _write(os.path.join(src, "small.jpg"), small)
+    limit = len(big) - 1
+    assert len(small) <= limit
+    summary = JP.prepare_tree(src, dst, workers=1, progress=False, max_sample_bytes=limit)
+    assert summary.failed == (("big.jpg", f"larger than {limit} bytes (max_sample_bytes); copied unchanged"),)
+    assert summary.converted == 1 and _read(os.path.join(dst, "big.jpg")) == big
+    assert _restart_info(_read(os.path.join(dst, "small.jpg")))[1] > 0
+    # reported again on a rerun (stamped older than its source), converted once the limit allows
+    assert JP.prepare_tree(src, dst, workers=1, progress=False, max_sample_bytes=limit).failed == summary.failed
+    again = JP.prepare_tree(src, dst, workers=1, progress=False, max_sample_bytes=len(big))
+    assert (again.converted, again.skipped, again.failed) == (1, 1, ())
+    with pytest.raises(ValueError, match="max_sample_bytes must be >= 1, got 0"):
+        JP.prepare_tree(src, dst, workers=1, progress=False, max_sample_bytes=0)
+
+
+def test_a_rerun_deletes_the_temporary_files_a_killed_run_left(tree, tmp_path):
+    dst = str(tmp_path / "dst")
+    JP.prepare_tree(tree, dst, workers=1, progress=False)
+    target = os.path.join(dst, "photos", "v0.jpg")
+    # a run killed between writing and renaming: the writer itself, stopped dead at the rename
+    kill = ("import os, sys; from loader_service import jpeg_prepare as JP; "
+            "os.replace = lambda *a: os._exit(9); "
+            "JP._write_atomic(sys.argv[1], 0o644, lambda f: f.write(b'half a file'))")
+    proc = subprocess.run([sys.executable, "-c", kill, target], cwd=ROOT, capture_output=True, timeout=60)
+    assert proc.returncode == 9, proc.stderr
+    folder = os.path.join(dst, "photos")
+    left = [n for n in os.listdir(folder) if n.endswith(".part")]
+    assert len(left) == 1 and left[0].startswith(".v0.jpg."), left
+    # look-alikes that are not this tool's: another name, no random part, a folder
+    for name in (".notes.jpg.abcd1234.part", ".v0.jpg.part"):
+        _write(os.path.join(folder, name), b"keep")
+    os.mkdir(os.path.join(folder, ".v2.jpg.abcd1234.part"))
+    summary = JP.prepare_tree(tree, dst, workers=1, progress=False)
+    assert summary.stale_removed == 1
+    assert "deleted 1 temporary file(s) left by an interrupted run" in summary.format()
+    assert sorted(n for n in os.listdir(folder) if n.endswith(".part")) == [
+        ".notes.jpg.abcd1234.part", ".v0.jpg.part", ".v2.jpg.abcd1234.part"]
 
 def test_prepare_tree_refuses_a_destination_inside_the_source(tree, tmp_path):
     before = _files(tree)
