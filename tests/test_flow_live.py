@@ -1,11 +1,13 @@
 """Flow control v2 against live services: replicas of unequal speed, a capacity squeeze that
 refuses the epoch lookahead, a replica killed and restarted mid-epoch, and stall figures that
-the service adds up exactly once."""
+the service adds up exactly once; an epoch lookahead whose connection is still in its handshake
+when the epoch starts is waited for, not given up."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 
@@ -160,3 +162,103 @@ def test_loader_timeout_fires_within_a_second_of_its_deadline(demo_source, caplo
     finally:
         svc.proc.send_signal(signal.SIGCONT)
         svc.stop()
+
+
+class _GatedRelay:
+    """A loopback TCP relay to ``upstream`` that holds its ``gated``-th connection (1-based)
+    until ``gate`` is set: that connection stays in its ZMTP handshake. Counts the bytes each
+    connection carried towards the client."""
+
+    def __init__(self, upstream_port: int, gated: int):
+        self.gate = threading.Event()
+        self.down_bytes: dict = {}
+        self._upstream, self._gated = upstream_port, gated
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._socks: list = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        n = 0
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            n += 1
+            self._socks.append(client)
+            t = threading.Thread(target=self._serve, args=(n, client), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, n: int, client: socket.socket) -> None:
+        if n == self._gated and not self.gate.wait(60):
+            return
+        up = socket.create_connection(("127.0.0.1", self._upstream))
+        self._socks.append(up)
+        self.down_bytes[n] = 0
+        t = threading.Thread(target=self._pipe, args=(client, up, None), daemon=True)
+        self._threads.append(t)
+        t.start()
+        self._pipe(up, client, n)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, count) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+                if count is not None:
+                    self.down_bytes[count] += len(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.gate.set()
+        for s in [self._listener] + self._socks:  # shutdown wakes a thread blocked in accept or recv
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        for t in self._threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in self._threads), "relay threads left running"
+
+
+def test_a_lookahead_still_in_its_handshake_is_waited_for_and_adopted(make_service, caplog, monkeypatch):
+    """The spare connection of an epoch lookahead opens at the end of an epoch; when the next
+    epoch starts before its handshake is done, the client waits for it (it used to give the
+    lookahead up as lost and start plainly). The relay holds the spare (its 2nd connection) for
+    the whole first epoch and lets it through only as adoption begins."""
+    caplog.set_level(logging.INFO, logger="client")
+    svc = make_service()
+    with RemoteLoader(svc.endpoint, batch_size=8, image_size=32, seed=6, epoch_lookahead=False) as one:
+        ref = [collect(one) for _ in range(2)]
+    relay = _GatedRelay(int(svc.endpoint.rsplit(":", 1)[1]), gated=2)
+    adopt = RemoteLoader._adopt_lookahead
+
+    def adopt_after_opening_the_gate(self, *args):
+        if self._ahead is not None:  # (called at every epoch's start)
+            relay.gate.set()  # the handshake starts now; adoption sees it in progress
+        return adopt(self, *args)
+
+    monkeypatch.setattr(RemoteLoader, "_adopt_lookahead", adopt_after_opening_the_gate)
+    try:
+        with RemoteLoader(f"tcp://127.0.0.1:{relay.port}", batch_size=8, image_size=32, seed=6, timeout=30) as ld:
+            first = collect(ld)
+            assert not relay.gate.is_set() and relay.down_bytes.get(2) is None  # held the whole epoch
+            second = collect(ld)
+    finally:
+        relay.close()
+    assert [b["images"] for b in first + second] == [b["images"] for e in ref for b in e]
+    assert not [r.getMessage() for r in caplog.records if "plainly" in r.getMessage()]
+    epoch_bytes = sum(len(b["images"]) for b in ref[1])
+    assert relay.down_bytes[2] >= epoch_bytes  # the second epoch came over the lookahead's connection
