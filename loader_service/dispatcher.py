@@ -55,8 +55,9 @@ from .plan import PlanSpec, RankPlan, make_plan
 from .pool import WorkerPool
 from .scheduler import Scheduler
 from .sessions import Session, Sessions
+from . import shm
 from .shm import Segment
-from .slots import NoCapacity, SlotArena
+from .slots import NoCapacity, NoShmSpace, SlotArena
 from .sources import Source
 from .status import (SKIPS_SHOWN, ClientStatus, ServiceStatus, SkippedSample, StageSeconds, StreamStatus, Totals,
                      WorkersStatus, WorkerStatus)
@@ -190,7 +191,8 @@ class Dispatcher:
         self._wake_w.setblocking(False)
         self._calls: "queue.SimpleQueue[Tuple[Callable, Optional[Future]]]" = queue.SimpleQueue()
         self.sessions = Sessions()
-        self.arena = SlotArena(config.max_shm_bytes)
+        cap, self._cap_hint = _slot_cap(config.max_shm_bytes)
+        self.arena = SlotArena(cap)
         self.scheduler = Scheduler()
         self.deadlines = TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s)
         self.running: Dict[int, _Running] = {}  # task id -> where it runs
@@ -510,10 +512,13 @@ class Dispatcher:
             if hello.lookahead:  # the client starts the epoch plainly when it comes
                 self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY, f"lookahead refused: {exc}", fatal=False)
                 return True
+            if isinstance(exc, NoShmSpace):  # the filesystem is full: streams that end would not help
+                self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY, f"{exc}; or lower prefetch or batch size")
+                return True
             if self._will_fit(o.nslots * o.slot_bytes):
                 return False
             self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY,
-                         f"{exc}; lower prefetch or batch size, or raise --max-shm-mb")
+                         f"{exc}; lower prefetch or batch size, or {self._cap_hint}")
             return True
         order, granted, final, nslots, slot_bytes, source, plan = (o.order, o.granted, o.final, o.nslots,
                                                                    o.slot_bytes, o.source, o.plan)
@@ -1002,7 +1007,7 @@ class Dispatcher:
             task_deadline_s=round(self.deadlines.deadline_s(sorted(sizes)[len(sizes) // 2]), 3),
             autoscaler=self.autoscaler.status() if self.autoscaler else {"enabled": False},
             decode_path=decode_path(),
-            shm_limit_bytes=self.config.max_shm_bytes, skipped_recent=list(self.recent_skips),
+            shm_limit_bytes=self.arena.max_bytes, skipped_recent=list(self.recent_skips),
         )
 
     def status(self) -> dict:
@@ -1120,6 +1125,20 @@ class Dispatcher:
                     break
                 if fut is not None and fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError("the service stopped"))
+
+
+def _slot_cap(max_shm_bytes: int) -> Tuple[int, str]:
+    """The cap on batch slots, and what raises it: --max-shm-mb, or what the shared-memory
+    filesystem has free if that is less (a container started without shm_size has 64 MB), so
+    the memory policy plans with memory that exists."""
+    room = shm.free_bytes()
+    if room >= max_shm_bytes:
+        return max_shm_bytes, "raise --max-shm-mb"
+    log.warning("%s has %.0f MiB free, less than --max-shm-mb %.0f: batch slots are capped at %.0f MiB; raise the "
+                "container's shm_size (or the emptyDir's sizeLimit)", shm.SHM_DIR, room / 2**20, max_shm_bytes / 2**20,
+                room / 2**20)
+    return max(room, 1), (f"raise the container's shm_size or the emptyDir's sizeLimit ({shm.SHM_DIR} had "
+                          f"{room / 2**20:.0f} MiB free at start, less than --max-shm-mb)")
 
 
 def _stream_of(frame) -> int:

@@ -9,6 +9,7 @@ creator's pid so :func:`sweep_stale` can remove what a SIGKILLed service left be
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import tempfile
@@ -21,6 +22,33 @@ PREFIX = "loader_service-"
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+class NoSpace(OSError):
+    """The shared-memory filesystem cannot hold a new segment (a container's small /dev/shm)."""
+
+
+def free_bytes() -> int:
+    """Bytes the shared-memory filesystem can still give this process."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give the file ``size`` bytes of real pages. A file that is only truncated to size maps
+    fine on a full tmpfs, and the first write to a page that cannot be had kills the writer with
+    SIGBUS: a decode worker that seems to crash on a sample, or the service itself."""
+    if not hasattr(os, "posix_fallocate"):  # macOS: pages come on first write
+        os.ftruncate(fd, size)
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG):
+            raise
+        raise NoSpace(exc.errno, f"{SHM_DIR} has {free_bytes() / 2**20:.1f} MiB free, a segment of "
+                      f"{size / 2**20:.1f} MiB does not fit (raise the container's shm_size or the "
+                      f"emptyDir's sizeLimit, or lower --max-shm-mb below it)") from None
+
+
 class Segment:
     """One mapped segment. ``create`` makes a new one; ``attach`` maps an existing one."""
 
@@ -30,12 +58,14 @@ class Segment:
 
     @classmethod
     def create(cls, size: int, tag: str = "seg") -> "Segment":
+        """A new segment of ``size`` bytes, its pages reserved. Raises :class:`NoSpace` when the
+        filesystem cannot hold it."""
         if size <= 0:
             raise ValueError(f"segment size must be > 0, got {size}")
         name = f"{PREFIX}{os.getpid()}-{tag}-{uuid.uuid4().hex[:12]}"
         fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            _reserve(fd, size)
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(_path(name))

@@ -23,11 +23,16 @@ import numpy as np
 import zmq
 
 from .protocol import ZERO_COPY_MIN_BYTES
-from .shm import Segment
+from .shm import NoSpace, Segment
 
 
 class NoCapacity(Exception):
     """A segment would take the slots past ``max_bytes``; the message says by how much."""
+
+
+class NoShmSpace(NoCapacity):
+    """Under ``max_bytes``, but the shared-memory filesystem itself is full (every reserve
+    already given back): waiting for streams that end would not make it fit."""
 
 
 class SlotArena:
@@ -73,9 +78,20 @@ class SlotArena:
                 raise NoCapacity(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
                                  f"{in_use / 2**20:.1f} of {self.max_bytes / 2**20:.0f} MiB are in use by "
                                  f"{len(self._live)} running streams")
-        seg = reserve if reuse else Segment.create(nbytes, tag="slots")
+        seg = reserve if reuse else self._create(nbytes, what)
         self._live.add(seg)
         return seg
+
+    def _create(self, nbytes: int, what: str) -> Segment:
+        """A new segment; reserves give their filesystem space back (oldest first) if it is full."""
+        while True:
+            try:
+                return Segment.create(nbytes, tag="slots")
+            except NoSpace as exc:
+                if not self._reserve:
+                    raise NoShmSpace(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
+                                     f"{exc.strerror}") from None
+                self._reserve.pop(next(iter(self._reserve))).close()
 
     def release(self, segment: Segment, owner: Optional[bytes]) -> None:
         """The stream using ``segment`` has ended and nothing reads it any more: keep it as
