@@ -52,7 +52,7 @@ from .jobs import conflicts, describe_conflicts, plan_params
 from .jpeg import decode_path
 from .pipelines import JobPipeline, PipelineError, Registry, job_pipeline
 from .plan import PlanSpec, RankPlan, make_plan
-from .pool import WorkerPool
+from .pool import WorkerPool, describe_exit
 from .scheduler import Scheduler
 from .sessions import Session, Sessions
 from . import shm
@@ -942,7 +942,7 @@ class Dispatcher:
         if r.hung:
             reason = f"hung: still running after its {r.deadline - r.started:.1f}s deadline (worker killed)"
         else:
-            reason = f"crashed the decoder (worker exit code {exitcode})"
+            reason = f"crashed the decoder (worker {describe_exit(exitcode)})"
         self._apply(r.stream, r.stream.state.task_lost(task_id, reason))
 
     def _expire_tasks(self) -> None:

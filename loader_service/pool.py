@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -20,6 +21,27 @@ from . import protocol as P
 from .jpeg import DEFAULT_OPTIONS, DecodeOptions
 from .sources import SourceSpec
 from .worker import worker_main
+
+# What usually sends these signals to a decode worker: the words an operator needs first.
+_SIGNAL_CAUSES = {
+    signal.SIGKILL: "the kernel's OOM killer when memory runs out (see dmesg), or another process",
+    signal.SIGBUS: "a memory-mapped file or shared memory whose pages could not be had (a full /dev/shm)",
+    signal.SIGSEGV: "a crash in native decoding code",
+}
+
+
+def describe_exit(code: Optional[int]) -> str:
+    """A worker's exit code in words: ``exit code 3``, or ``killed by SIGKILL (-9: the kernel's ...)``."""
+    if code is None:
+        return "exit code unknown"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        sig = signal.Signals(-code)
+    except ValueError:
+        return f"killed by signal {-code}"
+    cause = _SIGNAL_CAUSES.get(sig)
+    return f"killed by {sig.name} ({code}{': ' + cause if cause else ''})"
 
 log = logging.getLogger("loader_service.pool")
 
@@ -181,11 +203,11 @@ class WorkerPool:
         w.process.join(timeout=REAP_TIMEOUT_S)
         expected = w.state in ("stopping", "failed")
         if w.state == "starting":
-            self._start_failed(f"worker {wid} exited with code {w.process.exitcode} before it was ready")
+            self._start_failed(f"worker {wid} exited before it was ready ({describe_exit(w.process.exitcode)})")
         if not expected:
             self.deaths += 1
-            log.warning("worker %d (pid %s) died with exit code %s holding task %s",
-                        wid, w.pid, w.process.exitcode, w.task)
+            log.warning("worker %d (pid %s) died, %s, holding task %s",
+                        wid, w.pid, describe_exit(w.process.exitcode), w.task)
         self.version += 1
         self._busy_gone += w.busy_s
         exitcode = w.process.exitcode
