@@ -84,6 +84,8 @@ class ServiceConfig:
     http_receipt_s: Annotated[float, opt("a REST request must arrive whole (headers and body) within this, or its "
                                          "connection is closed (slowloris)")] = 10.0
     max_http_body_bytes: Annotated[int, opt("a larger REST body is answered 413 before it is read")] = 65536
+    loop_answer_s: Annotated[float, opt("/healthz fails (503) and REST calls give up when the dispatcher loop has "
+                                        "not answered within this (a stuck loop stalls every client)")] = 3.0
     curve_keys: Annotated[str, opt("encrypt the data port with CURVE and serve only clients whose key is in DIR "
                                    "(made by `loader-service keys DIR`)", metavar="DIR")] = ""
     api_token: Annotated[str, opt("guards mutating REST calls (empty: see --api-token-file; else one is generated "
@@ -135,10 +137,11 @@ class ServiceConfig:
         if self.task_deadline_s < 0 or self.task_deadline_floor_s <= 0:
             raise ValueError("task_deadline_s must be >= 0 (0: derived from measured task times) and "
                              f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")
-        if min(self.max_sample_bytes, self.max_http_connections, self.max_http_body_bytes) < 1 or self.http_receipt_s <= 0:
-            raise ValueError("max_sample_bytes, max_http_connections, max_http_body_bytes and http_receipt_s must be "
-                             f"positive, got {self.max_sample_bytes}, {self.max_http_connections}, "
-                             f"{self.max_http_body_bytes} and {self.http_receipt_s}")
+        if (min(self.max_sample_bytes, self.max_http_connections, self.max_http_body_bytes) < 1
+                or self.http_receipt_s <= 0 or self.loop_answer_s <= 0):
+            raise ValueError("max_sample_bytes, max_http_connections, max_http_body_bytes, http_receipt_s and "
+                             f"loop_answer_s must be positive, got {self.max_sample_bytes}, {self.max_http_connections}, "
+                             f"{self.max_http_body_bytes}, {self.http_receipt_s} and {self.loop_answer_s}")
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
         DecodeOptions(self.max_image_pixels)  # raises if the limit is out of range

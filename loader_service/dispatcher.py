@@ -30,6 +30,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -193,6 +194,7 @@ class Dispatcher:
         self.sessions = Sessions()
         cap, self._cap_hint = _slot_cap(config.max_shm_bytes)
         self.arena = SlotArena(cap)
+        self.loop_thread: Optional[int] = None  # the thread running :meth:`run`
         self.scheduler = Scheduler()
         self.deadlines = TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s)
         self.running: Dict[int, _Running] = {}  # task id -> where it runs
@@ -229,6 +231,11 @@ class Dispatcher:
         self._enqueue(lambda: fn(*args), fut)
         return fut
 
+    def loop_stack(self) -> str:
+        """Where the loop thread is now (for a log line when it does not answer); thread-safe."""
+        frame = sys._current_frames().get(self.loop_thread) if self.loop_thread is not None else None
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(the loop thread is not running)"
+
     def post(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the dispatcher thread, no answer; thread-safe, never blocks. Dropped
         once the dispatcher has stopped."""
@@ -259,6 +266,7 @@ class Dispatcher:
         """Serve until :meth:`stop`. Cleans up everything it owns on the way out. If the loop
         itself fails, :attr:`failure` says why and the exception propagates."""
         self._running_loop = True
+        self.loop_thread = threading.get_ident()
         poller = zmq.Poller()
         for s in (self.front, self.pool.sock, self.monitor):
             poller.register(s, zmq.POLLIN)

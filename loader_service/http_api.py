@@ -10,8 +10,10 @@ health, readiness, status and metrics stay open.
 # annotation, and that model is built per service (scale_request_model), so it must be the class
 # itself, not a name to look up in this module.
 import asyncio
+import logging
 import math
 import os
+import time
 from typing import Callable, Dict, Optional
 
 from fastapi import Depends, FastAPI, Header, HTTPException
@@ -27,6 +29,9 @@ from .dispatcher import AutoscaleConflict, Dispatcher
 from .http_limits import BodyLimit
 from .metrics import make_registry
 from .status import ServiceStatus
+
+log = logging.getLogger(__name__)
+STUCK_LOG_EVERY_S = 60.0  # a probe every few seconds must not flood the log with the same stack
 
 
 def scale_request_model(max_workers: int) -> type:
@@ -104,12 +109,27 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
         return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
     async def on_dispatcher(fn, *args):
+        """``fn(*args)`` on the dispatcher thread; 503 if the loop does not answer in time (the
+        call is then cancelled: it will not run late)."""
         try:
-            return await asyncio.wrap_future(d.call(fn, *args))
+            return await asyncio.wait_for(asyncio.wrap_future(d.call(fn, *args)), d.config.loop_answer_s)
+        except asyncio.TimeoutError:
+            raise HTTPException(503, stuck()) from None
         except RuntimeError as exc:  # stopped while we waited
             if "stopped" in str(exc):
                 raise HTTPException(503, "the service is stopping") from None
             raise
+
+    last_stuck_log = [-math.inf]
+
+    def stuck() -> str:
+        why = (f"the dispatcher loop has not answered for {d.config.loop_answer_s:g}s (stuck: every client stalls; "
+               "its stack is in the log)")
+        now = time.monotonic()
+        if now - last_stuck_log[0] >= STUCK_LOG_EVERY_S:
+            last_stuck_log[0] = now
+            log.error("%s; the loop thread is at:\n%s", why, d.loop_stack())
+        return why
 
     # Per route: documents the header in the schema and enforces it even on a route missing from
     # GUARDED_PATHS (AuthFirst only moves the check ahead of the body for the listed paths).
@@ -120,10 +140,19 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
             raise HTTPException(status, reason, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
 
     @app.get("/healthz", tags=["health"], response_model=Health,
-             responses={503: {"model": Health, "description": "failing: the dispatcher died or no worker can start"}})
+             responses={503: {"model": Health, "description": "failing: the dispatcher died or is stuck, or no "
+                                                                 "worker can start"}})
     async def healthz():
-        """Liveness: the process answers, its dispatcher thread runs and workers can start."""
+        """Liveness: the process answers, its dispatcher loop answers a probe in time, and
+        workers can start."""
         why = problem()
+        if not why:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(d.call(int)), d.config.loop_answer_s)
+            except asyncio.TimeoutError:
+                why = stuck()
+            except RuntimeError:  # stopped meanwhile: problem() says why, if anything
+                why = problem()
         if why:
             return JSONResponse(Health(status="failing", problem=why).model_dump(), status_code=503)
         return Health(status="ok")

@@ -4,7 +4,9 @@
   and replaced, the task is redone, and the epoch completes exactly once;
 * a sample whose read hangs every time: isolated like a poison sample, then ``on_error``;
 * a pool whose workers cannot start: ``/healthz`` answers 503 with the reason;
-* a dispatcher loop that dies: ``/healthz`` answers 503 and ``serve`` exits 1.
+* a dispatcher loop that dies: ``/healthz`` answers 503 and ``serve`` exits 1;
+* a dispatcher loop that is stuck: ``/healthz`` and REST reads answer 503 in time, the log
+  shows where the loop is, and all is well again once it moves.
 """
 
 from __future__ import annotations
@@ -79,6 +81,32 @@ def test_healthz_fails_with_the_reason_when_no_worker_can_start(make_service, de
         with pytest.raises(LoaderError, match="cannot open dataset 'demo'"):
             collect(ld)
 
+
+def test_a_stuck_dispatcher_loop_fails_healthz_in_time_and_recovers(make_service, caplog):
+    svc = make_service(loop_answer_s=0.5)
+    wait_for(lambda: svc.wait_ready(0), what="a worker")
+    assert httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 200
+    release, blocked = threading.Event(), threading.Event()
+
+    def wedge_the_loop():
+        blocked.set()
+        release.wait(60)
+
+    svc.dispatcher.post(wedge_the_loop)
+    try:
+        assert blocked.wait(10)
+        health = httpx.get(f"{svc.http_url}/healthz", timeout=10)
+        assert health.status_code == 503
+        why = "the dispatcher loop has not answered for 0.5s (stuck: every client stalls; its stack is in the log)"
+        assert health.json() == {"status": "failing", "problem": why}
+        st = httpx.get(f"{svc.http_url}/v1/status", timeout=10)
+        assert (st.status_code, st.json()["detail"]) == (503, why)
+        logged = [r.getMessage() for r in caplog.records if "the loop thread is at:" in r.getMessage()]
+        assert len(logged) == 1 and "wedge_the_loop" in logged[0] and "release.wait(60)" in logged[0]
+    finally:
+        release.set()
+    wait_for(lambda: httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 200, what="healthz to recover")
+    assert httpx.get(f"{svc.http_url}/v1/status", timeout=10).status_code == 200
 
 def test_a_dead_dispatcher_fails_healthz(make_service, monkeypatch):
     from loader_service.dispatcher import Dispatcher
