@@ -64,6 +64,9 @@ class ServiceConfig:
         "a task running longer has its worker killed and replaced, and is redone (0: derived from measured task "
         "times, at least --task-deadline-floor)")] = 0.0
     task_deadline_floor_s: Annotated[float, opt("the least a task gets when its deadline is derived")] = 10.0
+    worker_start_s: Annotated[float, opt("a decode process that has not said it is ready within this many seconds "
+                                         "(hung opening a dataset or importing a pipeline) is killed and counts "
+                                         "as a failed start")] = 120.0
     max_skipped: Annotated[int, opt("with --on-error skip: samples one stream may skip before it fails with the "
                                     "list (0: no cap)")] = 1000
     start_method: Annotated[str, opt("how worker processes start", choices=START_METHODS)] = "spawn"
@@ -134,6 +137,8 @@ class ServiceConfig:
             raise ValueError("max_shm_mb, demo_size, heartbeat_s and stop_timeout_s must be positive")
         if self.reclaim_idle_s < 0:
             raise ValueError(f"reclaim_idle_s must be >= 0, got {self.reclaim_idle_s}")
+        if self.worker_start_s <= 0:
+            raise ValueError(f"worker_start_s must be positive, got {self.worker_start_s}")
         if self.task_deadline_s < 0 or self.task_deadline_floor_s <= 0:
             raise ValueError("task_deadline_s must be >= 0 (0: derived from measured task times) and "
                              f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")

@@ -186,7 +186,7 @@ class Dispatcher:
             self.front.bind(f"tcp://{config.host}:{config.data_port}")
             self.data_port = config.data_port
         self.pool = WorkerPool(self.ctx, [s.spec() for s in sources.values()], config.start_method,
-                               config.decode_options)
+                               config.decode_options, config.worker_start_s)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -303,6 +303,7 @@ class Dispatcher:
                     if fd in events:
                         self._on_worker_exit(wid)
                 self._expire_tasks()
+                self.pool.expire_starts(time.monotonic())
                 if self.pool.broken:
                     self._fail_all(self.pool.broken)
                 self._release_idle_streams()
@@ -316,8 +317,9 @@ class Dispatcher:
             self.close()
 
     def _poll_timeout_ms(self) -> Optional[int]:
-        """Until the next task deadline, the next time a quiet stream's slots may be lent to one
-        that waits for slots, or the end of a draining stop (None: no deadline)."""
+        """Until the next task deadline, a starting worker's deadline, the next time a quiet
+        stream's slots may be lent to one that waits for slots, or the end of a draining stop
+        (None: no deadline)."""
         now = time.monotonic()
         heap = self._deadline_heap
         while heap and heap[0][1] not in self.running:
@@ -325,6 +327,9 @@ class Dispatcher:
         ends = []
         if heap:
             ends.append(self._deadline_heap[0][0])
+        start_due = self.pool.next_start_deadline()
+        if start_due is not None:
+            ends.append(start_due)
         self._lend_due = self._next_lend_at(now)
         if self._lend_due is not None:
             ends.append(self._lend_due)

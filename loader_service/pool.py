@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ class WorkerRecord:
     tasks_done: int = 0
     busy_s: float = 0.0
     started_at: float = 0.0
+    ready: bool = False  # said Ready (without an error)
+    start_hung: bool = False  # killed for not saying Ready within the start deadline
     task_started: float = 0.0
     # Shared with the worker: [position in its task of the sample it is on (-1: none), when that
     # sample began (time.monotonic, one clock for all processes)]. Tells a waiting client which
@@ -75,8 +78,9 @@ class WorkerRecord:
 
 class WorkerPool:
     def __init__(self, ctx: zmq.Context, specs: List[SourceSpec], start_method: str = "spawn",
-                 decode: DecodeOptions = DEFAULT_OPTIONS):
+                 decode: DecodeOptions = DEFAULT_OPTIONS, start_s: float = 120.0):
         self._mp = mp.get_context(start_method)
+        self.start_s = start_s  # a worker not Ready this long after its start is killed
         self._specs = specs
         self._decode = decode
         self.sock = ctx.socket(zmq.ROUTER)
@@ -169,6 +173,7 @@ class WorkerPool:
                 self._start_failed(f"worker could not start: {msg.error}\n{msg.traceback}")
                 return None, w
             self.start_failures = 0
+            w.ready = True
             if w.state == "leaving":
                 self._send_stop(w)
             else:
@@ -202,8 +207,11 @@ class WorkerPool:
         # it stays a zombie holding a descriptor until the next start happens to reap it.
         w.process.join(timeout=REAP_TIMEOUT_S)
         expected = w.state in ("stopping", "failed")
-        if w.state == "starting":
-            self._start_failed(f"worker {wid} exited before it was ready ({describe_exit(w.process.exitcode)})")
+        if self._starting(w):
+            self._start_failed(
+                f"worker {wid} did not become ready within {self.start_s:g}s and was killed (hung opening a dataset "
+                "or importing a pipeline?)" if w.start_hung else
+                f"worker {wid} exited before it was ready ({describe_exit(w.process.exitcode)})")
         if not expected:
             self.deaths += 1
             log.warning("worker %d (pid %s) died, %s, holding task %s",
@@ -220,6 +228,29 @@ class WorkerPool:
         if not self._closed:
             self._converge()
         return w.task, exitcode
+
+    @staticmethod
+    def _starting(w: WorkerRecord) -> bool:
+        """Started and not Ready yet (a worker dismissed while starting included)."""
+        return not w.ready and w.state not in ("stopping", "failed")
+
+    def next_start_deadline(self) -> Optional[float]:
+        """When the earliest starting worker runs out of time (None: none is starting)."""
+        return min((w.started_at + self.start_s for w in self.workers.values() if self._starting(w) and not w.start_hung),
+                   default=None)
+
+    def expire_starts(self, now: float) -> None:
+        """SIGKILL every worker that has not said Ready within ``start_s``; its sentinel then
+        reports it, and :meth:`reap` counts a failed start."""
+        for w in self.workers.values():
+            if self._starting(w) and not w.start_hung and now - w.started_at >= self.start_s:
+                w.start_hung = True
+                log.error("worker %d (pid %s) has not said it is ready after %.0fs; killing it", w.id, w.pid,
+                          now - w.started_at)
+                try:
+                    os.kill(w.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass  # already gone: its sentinel reports it
 
     def _start_failed(self, why: str) -> None:
         self.start_failures += 1

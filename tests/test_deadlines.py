@@ -3,7 +3,8 @@
 * a worker frozen with SIGSTOP mid-epoch: its task outlives the deadline, the worker is killed
   and replaced, the task is redone, and the epoch completes exactly once;
 * a sample whose read hangs every time: isolated like a poison sample, then ``on_error``;
-* a pool whose workers cannot start: ``/healthz`` answers 503 with the reason;
+* a pool whose workers cannot start, or hang while starting: ``/healthz`` answers 503 with the
+  reason;
 * a dispatcher loop that dies: ``/healthz`` answers 503 and ``serve`` exits 1;
 * a dispatcher loop that is stuck: ``/healthz`` and REST reads answer 503 in time, the log
   shows where the loop is, and all is well again once it moves.
@@ -81,6 +82,18 @@ def test_healthz_fails_with_the_reason_when_no_worker_can_start(make_service, de
         with pytest.raises(LoaderError, match="cannot open dataset 'demo'"):
             collect(ld)
 
+
+def test_workers_that_hang_while_starting_are_killed_and_healthz_says_so(make_service, demo_source):
+    svc = make_service(worker_start_s=1.0, sources={"demo": FaultSource(demo_source, hang_open=True)})
+    wait_for(lambda: httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 503, what="healthz to fail")
+    body = httpx.get(f"{svc.http_url}/healthz", timeout=10).json()
+    # workers 0 and 1, then a replacement: three failed starts in a row
+    assert re.fullmatch(r"worker [23] did not become ready within 1s and was killed \(hung opening a dataset or "
+                        r"importing a pipeline\?\)", body["problem"]), body
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        with pytest.raises(LoaderError, match="did not become ready within 1s and was killed"):
+            collect(ld)
+    assert not [w for w in status(svc)["workers"]["list"] if w["state"] == "starting"]
 
 def test_a_stuck_dispatcher_loop_fails_healthz_in_time_and_recovers(make_service, caplog):
     svc = make_service(loop_answer_s=0.5)
