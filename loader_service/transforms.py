@@ -13,6 +13,10 @@ encoded bytes, or an already-decoded uint8 array ``H x W x 3`` (RGB) or ``H x W`
   is allocated for it; truncated or corrupt JPEGs are errors, never grey pixels, and a failed
   decode is never retried at full size.
 * PNG: OpenCV; Pillow as a last resort.
+* WebP, BMP, TIFF, PPM/PGM (the rest of what torchvision's ImageFolder reads): Pillow, which
+  is asked for those formats only (it knows others, such as EPS, that would run external
+  programs); the size comes from the header, checked against the pixel limit before decoding;
+  a multi-frame file gives its first frame.
 * Arrays: no decode at all. The crop box, flip and resize (and every random draw) are those
   of a decoded image of the same size, so an array gives the very bytes its PNG would; a grey
   crop becomes RGB (three equal channels, as a grey PNG decodes) before the resize.
@@ -22,7 +26,9 @@ encoded bytes, or an already-decoded uint8 array ``H x W x 3`` (RGB) or ``H x W`
 
 from __future__ import annotations
 
+import io
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -45,6 +51,8 @@ except ImportError:  # pragma: no cover
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PILLOW_FORMATS = ("WEBP", "BMP", "TIFF", "PPM")  # read through Pillow; nothing else is tried
+READABLE = "JPEG, PNG, WebP, BMP, TIFF, PPM/PGM"
 
 
 class DecodeError(ValueError):
@@ -130,8 +138,11 @@ def _header(data: Sample, options: DecodeOptions) -> Tuple[int, int, bool, bool]
             h, w, cmyk, restarts = jpeg.header(data)
         except ValueError as exc:
             raise DecodeError(f"corrupt JPEG header ({exc})") from None
-    else:
+    elif data[:8] == PNG_MAGIC:
         h, w = _png_size(data)
+        cmyk = restarts = False
+    else:
+        h, w = _pillow_size(data)
         cmyk = restarts = False
     try:
         jpeg.check_size(h, w, options)
@@ -141,15 +152,37 @@ def _header(data: Sample, options: DecodeOptions) -> Tuple[int, int, bool, bool]
 
 
 def _png_size(data: bytes) -> Tuple[int, int]:
-    if not data:
-        raise DecodeError("empty file")
-    if data[:8] != PNG_MAGIC:
-        raise DecodeError(f"not a JPEG or PNG file (starts with {data[:8]!r})")
     if len(data) < 24 or data[12:16] != b"IHDR":
         raise DecodeError("corrupt PNG header (no IHDR chunk)")
     w, h = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     if h < 1 or w < 1:
         raise DecodeError(f"corrupt PNG header (size {w}x{h})")
+    return h, w
+
+
+def _open_pillow(data: bytes):
+    """Pillow's lazy image for one of PILLOW_FORMATS (the header read, no pixel decoded)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise DecodeError("empty file")
+    try:
+        with warnings.catch_warnings():  # its bomb warning: the pixel limit here is the one that counts
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data), formats=PILLOW_FORMATS)
+    except UnidentifiedImageError:
+        raise DecodeError(f"not an image this service reads ({READABLE}; starts with {data[:8]!r})") from None
+    except Image.DecompressionBombError as exc:
+        raise DecodeError(str(exc)) from None
+    except Exception as exc:  # a broken header: any of Pillow's parsers' errors
+        raise DecodeError(f"corrupt image header ({type(exc).__name__}: {exc})") from None
+
+
+def _pillow_size(data: bytes) -> Tuple[int, int]:
+    with _open_pillow(data) as im:
+        w, h = im.size
+    if h < 1 or w < 1:
+        raise DecodeError(f"corrupt image header (size {w}x{h})")
     return h, w
 
 
@@ -173,6 +206,8 @@ def decode(data: Sample, options: DecodeOptions = DEFAULT_OPTIONS) -> np.ndarray
             return jpeg.decode_scaled(data, h, w, cmyk, 1, options)
         except ValueError as exc:  # strict: truncated or corrupt data is an error, not grey pixels
             raise DecodeError(f"corrupt or truncated JPEG ({exc})") from None
+    if data[:8] != PNG_MAGIC:
+        return _decode_pillow(data)
     if cv2 is not None:
         img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
         if img is None:
@@ -198,15 +233,20 @@ def gray_to_rgb(img: np.ndarray) -> np.ndarray:
 
 
 def _decode_pillow(data: bytes) -> np.ndarray:
-    import io
+    """RGB uint8 through Pillow (PILLOW_FORMATS; PNG where OpenCV is absent)."""
+    try:
+        with _open_pillow(data) if data[:8] != PNG_MAGIC else _open_png_pillow(data) as im:
+            return np.asarray(im.convert("RGB"))
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise DecodeError(f"corrupt or truncated image ({type(exc).__name__}: {exc})") from None
 
+
+def _open_png_pillow(data: bytes):  # pragma: no cover - only where OpenCV is absent
     from PIL import Image
 
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            return np.asarray(im.convert("RGB"))
-    except Exception as exc:
-        raise DecodeError(f"corrupt or truncated image ({exc})") from None
+    return Image.open(io.BytesIO(data), formats=("PNG",))
 
 
 def resize_into(src: np.ndarray, out: np.ndarray) -> None:

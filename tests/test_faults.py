@@ -113,13 +113,13 @@ def bad_folder(tmp_path):
     root = write_imagefolder(str(tmp_path / "bad"), classes=2, per_class=10, png_every=4)
     files = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs)
     good = open(files[1], "rb").read()
-    open(files[0], "wb").write(os.urandom(3000))  # garbage
+    open(files[0], "wb").write(b"\x00" + random.Random(0).randbytes(2999))  # garbage (no image magic)
     open(files[5], "wb").write(good[: len(good) // 4])  # truncated JPEG
     open(files[11], "wb").write(b"")  # empty
     with open(files[13], "wb") as f:
         f.write(b"this is not an image")
-    return root, files, {0: "not a JPEG or PNG", 5: "corrupt or truncated JPEG", 11: "empty file",
-                         13: "not a JPEG or PNG"}
+    return root, files, {0: "not an image this service reads", 5: "corrupt or truncated JPEG", 11: "empty file",
+                         13: "not an image this service reads"}
 
 
 def test_bad_samples_skip_policy_delivers_the_rest_and_reports_each(make_service, bad_folder):

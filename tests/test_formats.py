@@ -509,3 +509,60 @@ def test_forked_workers_open_their_own_handles(make_service, datasets, fmt):
         assert source._file is None  # nothing for the fork to inherit
     with RemoteLoader(svc.endpoint, **KW) as ld:
         assert sorted(indices_of(collect(ld))) == list(range(N))
+
+
+# ---------------------------------------------------------------------------- image formats
+def test_an_imagefolder_in_every_torchvision_format_is_served_exactly_once(make_service, tmp_path):
+    """ImageFolder reads what torchvision's does (.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff
+    .webp): every such file is a sample, decoded; others (.gif, .txt) are not samples."""
+    from PIL import Image
+
+    rng = np.random.default_rng(8)
+    root = tmp_path / "mixed"
+    kinds = [("jpg", "JPEG", "RGB"), ("jpeg", "JPEG", "L"), ("png", "PNG", "RGBA"), ("ppm", "PPM", "RGB"),
+             ("pgm", "PPM", "L"), ("bmp", "BMP", "RGB"), ("tif", "TIFF", "RGB"), ("tiff", "TIFF", "L"),
+             ("webp", "WEBP", "RGB")]
+    n = 0
+    for c, cls in enumerate(("a", "b")):
+        (root / cls).mkdir(parents=True)
+        for i, (ext, fmt, mode) in enumerate(kinds):
+            img = Image.fromarray(rng.integers(0, 256, (20 + i, 30 + c, 3), dtype=np.uint8)).convert(mode)
+            img.save(root / cls / f"{i:02d}.{ext}", fmt)
+            n += 1
+        Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(root / cls / "not-a-sample.gif", "GIF")
+        (root / cls / "notes.txt").write_text("not a sample")
+    src = ImageFolderSource.scan(str(root))
+    try:
+        assert len(src) == n
+        assert {os.path.splitext(src.describe(i))[1] for i in range(n)} == {"." + k for k, _, _ in kinds}
+    finally:
+        src.close()
+    svc = make_service(data=(str(root),), demo=False, workers=1, on_error="raise")
+    with RemoteLoader(svc.endpoint, batch_size=4, image_size=16, dataset="mixed", shuffle=False) as ld:
+        batches = collect(ld)
+    assert sorted(indices_of(batches)) == list(range(n))
+    assert not [s for b in batches for s in b["skipped"]]
+
+
+def test_webdataset_members_in_the_other_formats_are_images(tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setenv("LOADER_CACHE_DIR", str(tmp_path / "cache"))
+    rgb = np.random.default_rng(9).integers(0, 256, (12, 10, 3), dtype=np.uint8)
+    members = []
+    for i, fmt in enumerate(("WEBP", "BMP", "TIFF", "PPM")):
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+        ext = {"WEBP": "webp", "BMP": "bmp", "TIFF": "tif", "PPM": "ppm"}[fmt]
+        members += [(f"s/{i}.{ext}", buf.getvalue()), (f"s/{i}.cls", b"2")]
+    members.append(("s/9.gif", b"GIF89a"))  # no image member this loader reads: a clear error, not a skip
+    _tar(tmp_path / "x.tar", members[:-1])
+    src = open_path(str(tmp_path / "x.tar"))
+    try:
+        assert len(src) == 4 and src.labels.tolist() == [2, 2, 2, 2]
+        assert all(np.array_equal(decode(src.read(i)), rgb) for i in range(4))
+    finally:
+        src.close()
+    _tar(tmp_path / "y.tar", members)
+    with pytest.raises(ShardError, match=r"sample 's/9' has no image member \(\.jpg, \.jpeg, \.png, \.ppm"):
+        open_path(str(tmp_path / "y.tar"))

@@ -75,13 +75,79 @@ def test_cmyk_jpeg_decodes():
 
 @pytest.mark.parametrize("data, match", [
     (b"", "empty file"),
-    (b"GIF89a....", "not a JPEG or PNG"),
+    (b"GIF89a....", r"not an image this service reads \(JPEG, PNG, WebP, BMP, TIFF, PPM/PGM; starts with b'GIF89a"),
+    (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n", "not an image this service reads"),  # never Ghostscript
     (b"\xff\xd8\xff\xe0" + b"\x00" * 50, "corrupt JPEG header"),
 ])
 def test_bad_bytes_raise_decode_error_with_reason(data, match):
     with pytest.raises(T.DecodeError, match=match):
         T.decode(data)
 
+
+
+def _pillow_bytes(img, fmt, **kw) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt, kw", [("BMP", {}), ("TIFF", {}), ("TIFF", {"compression": "tiff_lzw"}), ("PPM", {}),
+                                     ("WEBP", {"lossless": True})])
+def test_the_other_imagefolder_formats_decode_to_their_pixels(fmt, kw):
+    rgb = np.random.default_rng(3).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    data = _pillow_bytes(rgb, fmt, **kw)
+    assert T.image_size_of(data) == (37, 53)
+    assert np.array_equal(T.decode(data), rgb)
+    out = run(data, T.TransformSpec(16, train=False))
+    assert out.shape == (16, 16, 3) and out.any()
+
+
+def test_grey_and_alpha_in_the_other_formats_come_out_rgb():
+    grey = (np.arange(30 * 20) % 256).astype(np.uint8).reshape(30, 20)
+    for data in (_pillow_bytes(grey, "PPM"), _pillow_bytes(grey, "TIFF"), _pillow_bytes(grey, "BMP")):  # PGM is PPM
+        dec = T.decode(data)
+        assert dec.shape == (30, 20, 3) and all(np.array_equal(dec[..., c], grey) for c in range(3))
+    rgba = np.dstack([np.dstack([grey] * 3), np.full_like(grey, 7)])  # alpha > 0: lossless WebP keeps the colour
+    assert np.array_equal(T.decode(_pillow_bytes(rgba, "WEBP", lossless=True)), rgba[..., :3])
+
+
+def test_a_multi_frame_tiff_gives_its_first_frame():
+    import io
+
+    from PIL import Image
+
+    frames = [Image.fromarray(np.full((8, 9, 3), v, np.uint8)) for v in (10, 200)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "TIFF", save_all=True, append_images=frames[1:])
+    assert np.array_equal(T.decode(buf.getvalue()), np.full((8, 9, 3), 10, np.uint8))
+
+
+def test_a_bmp_claiming_a_huge_size_is_refused_from_its_header():
+    import struct
+    import tracemalloc
+
+    w = h = 60000  # 3.6 GP: above the pixel limit
+    header = b"BM" + struct.pack("<IHHI", 54 + 3 * w * h % (1 << 32), 0, 0, 54)
+    info = struct.pack("<IiiHHIIiiII", 40, w, h, 1, 24, 0, 0, 2835, 2835, 0, 0)
+    data = header + info + b"\x00" * 64
+    tracemalloc.start()
+    try:
+        with pytest.raises(T.DecodeError, match="pixel"):
+            T.decode(data)
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20  # nothing of the claimed size was allocated
+    finally:
+        tracemalloc.stop()
+
+
+def test_truncated_webp_and_tiff_are_errors_not_garbage():
+    rgb = np.random.default_rng(4).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    for data in (_pillow_bytes(rgb, "WEBP", quality=80), _pillow_bytes(rgb, "TIFF")):
+        with pytest.raises(T.DecodeError, match="corrupt or truncated image|corrupt image header"):
+            T.decode(data[: len(data) // 2])
 
 def test_truncated_jpeg_is_an_error_not_garbage(jpeg):
     with pytest.raises(ValueError):

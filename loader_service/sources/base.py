@@ -9,9 +9,13 @@ from typing import Any, Tuple, Union
 import numpy as np
 
 Sample = Union[bytes, np.ndarray]
+
+# The image files a folder or a shard member may be: torchvision's ImageFolder list, so a dataset
+# has the same samples here as under a DataLoader (transforms.decode reads every one of them).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """What :meth:`Source.read` returns, and :func:`~loader_service.transforms.process_sample` takes:
 
-* ``bytes``: an encoded image file, JPEG or PNG (the worker decodes it); or
+* ``bytes``: an encoded image file, JPEG, PNG, WebP, BMP, TIFF or PPM/PGM (the worker decodes it); or
 * ``numpy.ndarray``: pixels already decoded, ``uint8``, shape ``(H, W, 3)`` (RGB) or ``(H, W)``
   (grey; it becomes RGB like a grey PNG does). Any strides. The worker crops, flips and resizes
   it with the same math and the same random draws as a decoded image of that size, so a
@@ -50,7 +54,7 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def read(self, i: int) -> Sample:
-        """Sample ``i``: encoded bytes (JPEG or PNG) or a decoded uint8 array; see :data:`Sample`."""
+        """Sample ``i``: encoded bytes (an image file) or a decoded uint8 array; see :data:`Sample`."""
 
     @abc.abstractmethod
     def describe(self, i: int) -> str:

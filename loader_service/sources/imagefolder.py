@@ -17,11 +17,11 @@ from typing import Optional
 import numpy as np
 
 from ..shm import Segment
-from .base import Source, SourceSpec, register
+from .base import IMAGE_EXTENSIONS, Source, SourceSpec, register
 from .files import DEFAULT_MAX_SAMPLE_BYTES, ScanProgress, log, read_regular, walk_once
 from .index import PackedStrings
 
-EXTENSIONS = (".jpg", ".jpeg", ".png")
+EXTENSIONS = IMAGE_EXTENSIONS
 
 
 @register("imagefolder")

@@ -3,8 +3,8 @@ such as ``/data/train-{000000..000146}.tar`` (``{a,b}`` lists work too).
 
 Samples follow the WebDataset convention: consecutive members sharing a key (the member path
 up to the first dot of its file name: ``cls/img_7.jpg`` and ``cls/img_7.cls`` are sample
-``cls/img_7``) form one sample. A sample needs one image member (``.jpg``, ``.jpeg`` or ``.png``)
-and a label, which comes from, in this order:
+``cls/img_7``) form one sample. A sample needs one image member (``.jpg``, ``.jpeg``, ``.png``,
+or another of :data:`~loader_service.sources.base.IMAGE_EXTENSIONS`) and a label, which comes from, in this order:
 
 1. a ``.cls`` (or ``.cls.txt``) member holding an integer as text;
 2. the name of the folder the key lives in (``train/n01440764/x`` -> ``n01440764``), mapped to
@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .base import Source, SourceSpec, register
+from .base import IMAGE_EXTENSIONS, Source, SourceSpec, register
 from .index import PackedStrings
 
 log = logging.getLogger("loader_service.sources.webdataset")
@@ -49,7 +49,7 @@ INDEX_FORMAT = "loader-wds-index"
 INDEX_VERSION = 1
 LOCAL_INDEX_DIR = ".wds-index"
 LABEL_MAP_NAME = "classes.json"
-IMAGE_EXTS = ("jpg", "jpeg", "png")
+IMAGE_EXTS = tuple(e[1:] for e in IMAGE_EXTENSIONS)
 CLS_EXTS = ("cls", "cls.txt")
 MAX_OPEN_SHARDS = 64  # file descriptors a source keeps open (LRU)
 BLOCK = 512
@@ -227,7 +227,7 @@ def _scan_shard(path: str):
             if cur is None:
                 return
             if image is None:
-                raise ShardError(f"{path}: sample {cur!r} has no image member (.jpg, .jpeg or .png)")
+                raise ShardError(f"{path}: sample {cur!r} has no image member ({', '.join(IMAGE_EXTENSIONS)})")
             keys.append(cur)
             offsets.append(image[0])
             sizes.append(image[1])
