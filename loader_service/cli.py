@@ -118,7 +118,8 @@ def _serve(config: ServiceConfig) -> int:
     try:
         svc.start()
     except (ValueError, FileNotFoundError, OSError) as exc:
-        print(f"loader-service: {exc}", file=sys.stderr)
+        print(f"loader-service: {exc.strerror if isinstance(exc, OSError) and exc.strerror and not exc.filename else exc}",
+              file=sys.stderr)
         return 2
     announced, started = False, time.monotonic()
     # The main thread only watches: for a signal, the first ready worker, a broken pool or a dead

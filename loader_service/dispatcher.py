@@ -22,6 +22,7 @@ which makes ``/healthz`` fail and ``serve`` exit non-zero.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
 import logging
@@ -180,11 +181,18 @@ class Dispatcher:
             self.ctx.term()
             raise
         self.monitor = self.front.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-        if config.data_port == 0:
-            self.data_port = self.front.bind_to_random_port(f"tcp://{config.host}")
-        else:
-            self.front.bind(f"tcp://{config.host}:{config.data_port}")
-            self.data_port = config.data_port
+        try:
+            if config.data_port == 0:
+                self.data_port = self.front.bind_to_random_port(f"tcp://{config.host}")
+            else:
+                self.front.bind(f"tcp://{config.host}:{config.data_port}")
+                self.data_port = config.data_port
+        except zmq.ZMQError as exc:  # a port in use or an address not on this host: a plain error, no leak
+            self.monitor.close(0)
+            self.front.close(0)
+            self.guard.close()
+            self.ctx.term()
+            raise cannot_bind("data", config.host, config.data_port, exc.errno) from None
         self.pool = WorkerPool(self.ctx, [s.spec() for s in sources.values()], config.start_method,
                                config.decode_options, config.worker_start_s)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -1138,6 +1146,20 @@ class Dispatcher:
                     break
                 if fut is not None and fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError("the service stopped"))
+
+
+def cannot_bind(port: str, host: str, number: int, err: int) -> OSError:
+    """The error for a ``port`` ("data" or "REST") that cannot be bound, with what to change."""
+    option = {"data": "--data-port / LOADER_DATA_PORT", "REST": "--http-port / LOADER_HTTP_PORT"}[port]
+    if err == errno.EADDRINUSE:
+        hint = f"another process listens there: choose another port with {option}, or 0 for any free one"
+    elif err == errno.EADDRNOTAVAIL:
+        hint = "that address is not one of this machine's: set --host / LOADER_HOST to one of its addresses, or 0.0.0.0"
+    elif err == errno.EACCES:
+        hint = f"ports below 1024 need privileges: choose one above with {option}"
+    else:
+        hint = f"check --host / LOADER_HOST and {option}"
+    return OSError(err, f"cannot bind the {port} port {host}:{number}: {os.strerror(err)} ({hint})")
 
 
 def _slot_cap(max_shm_bytes: int) -> Tuple[int, str]:

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .auth import resolve_token
 from .config import ServiceConfig
-from .dispatcher import Dispatcher
+from .dispatcher import Dispatcher, cannot_bind
 from .jpeg import decode_path
 from .http_limits import Counters
 from .shm import sweep_stale
@@ -172,8 +172,12 @@ class Service:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         host = "0.0.0.0" if c.host == "*" else c.host
-        sock.bind((host, c.http_port))
-        sock.listen(c.max_http_connections)  # connections queue here until uvicorn's loop accepts them
+        try:
+            sock.bind((host, c.http_port))
+            sock.listen(c.max_http_connections)  # connections queue here until uvicorn's loop accepts them
+        except OSError as exc:
+            sock.close()
+            raise cannot_bind("REST", host, c.http_port, exc.errno) from None
         self._http_sock = sock
         self.http_port = sock.getsockname()[1]
         assert self.dispatcher is not None

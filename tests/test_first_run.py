@@ -46,3 +46,47 @@ def test_builtin_demo_set_is_opened_not_generated(tmp_path, monkeypatch):
         assert other.labels.tolist() == [i % demo.NUM_CLASSES for i in range(7)]
     finally:
         other.close()
+
+
+def test_a_port_in_use_or_a_foreign_host_is_one_clear_line_and_exit_2(demo_source, capsys):
+    """The first thing that goes wrong on a shared machine: the port is taken. One line saying
+    which port and what to change, exit 2, no traceback; in-process, nothing is left open."""
+    import signal
+    import socket
+    import threading
+
+    import pytest
+
+    from loader_service.cli import main as cli_main
+    from loader_service.config import ServiceConfig
+    from loader_service.service import Service
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    threads = set(threading.enumerate())
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}  # serve installs its own
+    try:
+        for ports, line in (
+            ((port, 0), f"loader-service: cannot bind the data port 127.0.0.1:{port}: Address already in use (another "
+                        "process listens there: choose another port with --data-port / LOADER_DATA_PORT, or 0 for "
+                        "any free one)"),
+            ((0, port), f"loader-service: cannot bind the REST port 127.0.0.1:{port}: Address already in use (another "
+                        "process listens there: choose another port with --http-port / LOADER_HTTP_PORT, or 0 for "
+                        "any free one)"),
+        ):
+            code = cli_main(["serve", "--demo", "--demo-size", "64", "--host", "127.0.0.1", "--data-port",
+                             str(ports[0]), "--http-port", str(ports[1])])
+            err = capsys.readouterr().err
+            assert code == 2 and err.strip().splitlines()[-1] == line and "Traceback" not in err
+        for kw in ({"data_port": port}, {"http_port": port}, {"host": "10.255.255.1"}):
+            cfg = dict(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=1)
+            cfg.update(kw)
+            with pytest.raises(OSError, match="cannot bind the (data|REST) port"):
+                Service(ServiceConfig(**cfg), sources={"demo": demo_source}).start()
+        assert set(threading.enumerate()) <= threads  # no ZAP, dispatcher or HTTP thread left behind
+    finally:
+        taken.close()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
