@@ -95,7 +95,8 @@ class HandshakeWatch:
             if self.keys is None:
                 raise LoaderError(AUTH_FAILED, f"authentication failed: the service at {self.endpoint} closed the "
                                   f"handshake {self._no_detail} times in a row: it probably requires CURVE keys; pass "
-                                  f"curve_keys=DIR (client.key_secret + server.key) or set {ENV}")
+                                  f"curve_keys=DIR (client.key_secret + server.key) or set {ENV} (or that address is "
+                                  "not a loader service's data port)")
             raise LoaderError(AUTH_FAILED, f"authentication failed: the service at {self.endpoint} closed the CURVE "
                               f"handshake {self._no_detail} times in a row: {self.keys.directory}/{SERVER}.key is not "
                               "that service's key, or it runs without --curve-keys")

@@ -522,6 +522,10 @@ class RemoteLoader:
                                 f"{time.monotonic() - min(r.down_since for r in down):.0f}s ago and it has not "
                                 f"come back within {c.timeout:g}s")
         if not any(r.was_connected for r in reps):
+            if any(r.reached for r in reps):
+                raise LoaderTimeout(f"reached {where} but no ZeroMQ handshake completed within {c.timeout:g}s: "
+                                    "something else listens there (the REST port? the data port is the service's "
+                                    "--data-port, 5555 by default), or the service is stopped or stuck")
             raise LoaderTimeout(f"could not connect to the loader service at {where} within {c.timeout:g}s; is "
                                 "it running and reachable? (start one with: loader-service serve --demo)")
         said = [_progress_text(r) for r in reps if r.progress is not None]

@@ -46,11 +46,13 @@ class Replica:
         self.handshake = HandshakeWatch(endpoint, curve)
         # "Connected" is the end of the ZMTP handshake, not the TCP connect: a refused handshake
         # (CURVE) ends the session, and a send into it would block for good.
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS | zmq.EVENT_CONNECT_RETRIED)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
+                                               | zmq.EVENT_CONNECT_RETRIED)
         sock.connect(endpoint)
         self.sock = sock
         self.down_since: Optional[float] = time.monotonic()  # not connected yet
         self.was_connected = False
+        self.reached = False  # a TCP connection was made (something listens there), handshake or not
         # libzmq retries a connection lost to a network error, never one it cut for breaking the
         # protocol (a frame over MAXMSGSIZE): lost and not retried means the peer was refused
         self.retried = True
@@ -96,6 +98,8 @@ class Replica:
                 self.down_since = time.monotonic()
         elif ev == zmq.EVENT_CONNECT_RETRIED:
             self.retried = True
+        elif ev == zmq.EVENT_CONNECTED:
+            self.reached = True
         elif ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             back = self.was_connected
             self.was_connected, self.down_since = True, None

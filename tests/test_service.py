@@ -254,6 +254,14 @@ def test_no_service_gives_a_timeout_naming_the_endpoint():
             collect(ld)
 
 
+def test_a_loader_pointed_at_the_rest_port_says_something_else_listens_there(service):
+    """The usual slip: the REST port instead of the data port. TCP connects, no ZMTP handshake."""
+    rest = service.http_url.replace("http://", "tcp://")
+    with RemoteLoader(rest, timeout=1.0, **KW) as ld:
+        with pytest.raises(LoaderTimeout, match=rf"reached {rest} but no ZeroMQ handshake completed within 1s: "
+                                                r"something else listens there \(the REST port\? the data port is"):
+            collect(ld)
+
 def test_healthz_answers(service):
     import httpx
 
