@@ -33,14 +33,18 @@ def consume(endpoint: str, epochs: int = 2, batch_size: int = 64, image_size: in
     return totals
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m client.demo", description=__doc__)
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5555")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--timeout", type=float, default=120.0)
-    a = p.parse_args()
+    return p
+
+
+def main() -> int:
+    a = build_parser().parse_args()
     consume(a.endpoint, a.epochs, a.batch_size, a.image_size, timeout=a.timeout)
     return 0
 

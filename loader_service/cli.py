@@ -14,7 +14,8 @@ from .config import Loaded, ServiceConfig
 from .settings_cli import add_config_options, config_from_args, format_config
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's arguments (nothing runs)."""
     parser = argparse.ArgumentParser(prog="loader-service", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -56,7 +57,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .jpeg_prepare import add_prepare_parser
 
     add_prepare_parser(sub)
+    return parser
 
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if args.command == "pack":
