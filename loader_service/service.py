@@ -193,15 +193,19 @@ class Service:
         self._http_thread.start()
 
     def problem(self) -> str:
-        """Why the service is failing ("" when it is not): its dispatcher thread died, or no
-        worker can start. ``/healthz`` answers 503 with this, and ``serve`` exits non-zero."""
+        """Why the service is failing ("" when it is not): its dispatcher thread died, its REST
+        server stopped, or no worker can start. ``/healthz`` answers 503 with this (while it can
+        answer), and ``serve`` exits non-zero."""
         d = self.dispatcher
         if d is None:
             return ""
         if d.failure:
             return d.failure
-        if self._thread is not None and not self._thread.is_alive() and not self._stopped and not self._stop_lock.locked():
+        stopping = self._stopped or self._stop_lock.locked()
+        if self._thread is not None and not self._thread.is_alive() and not stopping:
             return "the dispatcher thread has exited"
+        if self._http_thread is not None and not self._http_thread.is_alive() and not stopping:
+            return "the REST server has stopped (no /healthz, /v1/status or scaling); see the log"
         if d.pool.broken:
             return d.pool.broken
         return ""

@@ -95,6 +95,15 @@ def test_workers_that_hang_while_starting_are_killed_and_healthz_says_so(make_se
             collect(ld)
     assert not [w for w in status(svc)["workers"]["list"] if w["state"] == "starting"]
 
+def test_a_rest_server_that_stopped_is_a_problem_serve_exits_on(make_service):
+    svc = make_service()
+    assert svc.problem() == ""
+    svc._http.should_exit = True  # as if uvicorn's thread had ended on its own
+    wait_for(lambda: not svc._http_thread.is_alive(), what="the REST thread to end")
+    assert svc.problem() == "the REST server has stopped (no /healthz, /v1/status or scaling); see the log"
+    svc.stop()
+    assert svc.problem() == ""  # a stop is not a failure
+
 def test_a_stuck_dispatcher_loop_fails_healthz_in_time_and_recovers(make_service, caplog):
     svc = make_service(loop_answer_s=0.5)
     wait_for(lambda: svc.wait_ready(0), what="a worker")
