@@ -23,6 +23,11 @@ from .jpeg import DEFAULT_OPTIONS, DecodeOptions
 from .sources import SourceSpec
 from .worker import worker_main
 
+log = logging.getLogger("loader_service.pool")
+
+MAX_START_FAILURES = 3
+REAP_TIMEOUT_S = 2.0  # an exited worker's sentinel fires a moment before it can be waited for
+
 # What usually sends these signals to a decode worker: the words an operator needs first.
 _SIGNAL_CAUSES = {
     signal.SIGKILL: "the kernel's OOM killer when memory runs out (see dmesg), or another process",
@@ -43,11 +48,6 @@ def describe_exit(code: Optional[int]) -> str:
         return f"killed by signal {-code}"
     cause = _SIGNAL_CAUSES.get(sig)
     return f"killed by {sig.name} ({code}{': ' + cause if cause else ''})"
-
-log = logging.getLogger("loader_service.pool")
-
-MAX_START_FAILURES = 3
-REAP_TIMEOUT_S = 2.0  # an exited worker's sentinel fires a moment before it can be waited for
 
 
 @dataclass

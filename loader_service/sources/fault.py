@@ -62,7 +62,6 @@ class FaultSource(Source):
         inner = open_source(SourceSpec(name=spec.name, kind=spec.option("inner_kind"), path=spec.path,
                                        index=spec.index, options=tuple(tuple(kv) for kv in spec.option("inner_options"))))
         return cls(inner, spec.option("crash", ()), spec.option("hang", ()), read_delay_s=spec.option("read_delay_s", 0.0))
-        # (hang_open never gets here)
 
     def close(self) -> None:
         self.inner.close()
