@@ -100,7 +100,7 @@ def process_sample(data: Sample, spec: TransformSpec, rng: np.random.Generator, 
         flip = False
     min_h, min_w = math.ceil(h * size / ch), math.ceil(w * size / cw)
     if isinstance(data, np.ndarray) or data[:3] != JPEG_MAGIC:
-        img = check_pixels(data) if isinstance(data, np.ndarray) else decode(data, options)
+        img = check_pixels(data) if isinstance(data, np.ndarray) else _decode_checked(data, h, w, cmyk, options)
         crop = img[_box(top, left, ch, cw, img.shape[0] / h, img.shape[1] / w, img.shape[:2])]
     else:
         d = jpeg.pick_scale(h, w, min_h, min_w)
@@ -201,6 +201,11 @@ def decode(data: Sample, options: DecodeOptions = DEFAULT_OPTIONS) -> np.ndarray
         img = check_pixels(data)
         return gray_to_rgb(img) if img.ndim == 2 else img
     h, w, cmyk, _ = _header(data, options)
+    return _decode_checked(data, h, w, cmyk, options)
+
+
+def _decode_checked(data: bytes, h: int, w: int, cmyk: bool, options: DecodeOptions) -> np.ndarray:
+    """:func:`decode` of bytes whose header (``h``, ``w``, ``cmyk``) :func:`_header` has read and checked."""
     if data[:3] == JPEG_MAGIC:
         try:
             return jpeg.decode_scaled(data, h, w, cmyk, 1, options)
