@@ -47,6 +47,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import protocol as P
+from . import shm
 from .config import ServiceConfig
 from .curve import HANDSHAKE_FAILED, secure_router
 from .deadlines import TaskDeadlines
@@ -57,7 +58,6 @@ from .plan import PlanSpec, RankPlan, make_plan
 from .pool import WorkerPool, describe_exit
 from .scheduler import Scheduler
 from .sessions import Session, Sessions
-from . import shm
 from .shm import Segment
 from .slots import NoCapacity, NoShmSpace, SlotArena
 from .sources import Source

@@ -108,11 +108,15 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
         # the response would fail to render and the client get a 500 for its own mistake.
         return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
+    async def loop_answer(fn, *args):
+        """``fn(*args)`` on the dispatcher thread; asyncio.TimeoutError if the loop does not answer
+        within --loop-answer (the call is then cancelled: it will not run late)."""
+        return await asyncio.wait_for(asyncio.wrap_future(d.call(fn, *args)), d.config.loop_answer_s)
+
     async def on_dispatcher(fn, *args):
-        """``fn(*args)`` on the dispatcher thread; 503 if the loop does not answer in time (the
-        call is then cancelled: it will not run late)."""
+        """:func:`loop_answer` for a route: 503 when the loop is stuck or the service stopping."""
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(d.call(fn, *args)), d.config.loop_answer_s)
+            return await loop_answer(fn, *args)
         except asyncio.TimeoutError:
             raise HTTPException(503, stuck()) from None
         except RuntimeError as exc:  # stopped while we waited
@@ -148,7 +152,7 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
         why = problem()
         if not why:
             try:
-                await asyncio.wait_for(asyncio.wrap_future(d.call(int)), d.config.loop_answer_s)
+                await loop_answer(int)
             except asyncio.TimeoutError:
                 why = stuck()
             except RuntimeError:  # stopped meanwhile: problem() says why, if anything
