@@ -58,7 +58,7 @@ ARG WHEELS=auto
 COPY deploy/docker/wheels/service/ /wheels/service/
 COPY pyproject.toml deploy/docker/requirements.py deploy/docker/pip-install.sh /src/
 RUN python3 -m venv /opt/venv && sh /src/pip-install.sh deps service
-# The native JPEG kernel (loader_service/_jpegroi.c) needs a C compiler, Python's and
+# The native JPEG kernel (loader_service/decode/_jpegroi.c) needs a C compiler, Python's and
 # libjpeg-turbo's headers here (the air-gapped base has them: deploy/docker/build-base.sh); the image must have
 # the fast path, so LOADER_REQUIRE_NATIVE_JPEG=1 makes a failed build fail the image build.
 RUN set -eu; pkgs=""; \
@@ -73,11 +73,12 @@ RUN set -eu; pkgs=""; \
 # which the service never imports.
 COPY pyproject.toml setup.py README.m[d] /src/
 COPY loader_service/ /src/loader_service/
+COPY wire/ /src/wire/
 COPY client/ /src/client/
 RUN LOADER_REQUIRE_NATIVE_JPEG=1 sh /src/pip-install.sh project service \
-    && LOADER_REQUIRE_NATIVE_JPEG=1 python3 -c 'import loader_service.jpeg as j; print(j.decode_path())' \
+    && LOADER_REQUIRE_NATIVE_JPEG=1 python3 -c 'import loader_service.decode.jpeg as j; print(j.decode_path())' \
     && loader-service --help >/dev/null \
-    && python3 -c 'import loader_service.service, loader_service.http_api, loader_service.consumer, os; assert os.path.isfile(os.path.join(loader_service.http_api.STATIC_DIR, "index.html"))' \
+    && python3 -c 'import loader_service.service, loader_service.control.http_api, loader_service.cli.consumer, os; assert os.path.isfile(os.path.join(loader_service.control.http_api.STATIC_DIR, "index.html"))' \
     && ! python3 -c 'import torch' 2>/dev/null
 
 FROM base AS build-trainer
@@ -90,6 +91,7 @@ COPY pyproject.toml deploy/docker/requirements.py deploy/docker/pip-install.sh /
 RUN python3 -m venv /opt/venv && sh /src/pip-install.sh deps trainer
 COPY pyproject.toml setup.py README.m[d] /src/
 COPY loader_service/ /src/loader_service/
+COPY wire/ /src/wire/
 COPY client/ /src/client/
 RUN sh /src/pip-install.sh project trainer \
     && python3 -c 'import torch, client; from client.demo import consume'

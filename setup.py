@@ -1,5 +1,5 @@
-"""Builds the optional native JPEG kernel (loader_service/_jpegroi.c) and the lossless JPEG
-preparation tool (loader_service/_jpegprep.c: `loader-service prepare-jpegs`) against the
+"""Builds the optional native JPEG kernel (loader_service/decode/_jpegroi.c) and the lossless JPEG
+preparation tool (loader_service/decode/_jpegprep.c: `loader-service prepare-jpegs`) against the
 system libjpeg-turbo; everything else is in pyproject.toml.
 
 The build is optional: without libjpeg-turbo's headers (Debian: libjpeg62-turbo-dev) the
@@ -36,9 +36,9 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension(name, [f"loader_service/{name.split('.')[-1]}.c"], libraries=["jpeg"],
-                           extra_compile_args=["-O2", "-std=c99"], depends=["loader_service/_jpegshared.h"],
+    ext_modules=[Extension(name, [f"loader_service/decode/{name.split('.')[-1]}.c"], libraries=["jpeg"],
+                           extra_compile_args=["-O2", "-std=c99"], depends=["loader_service/decode/_jpegshared.h"],
                            optional=not REQUIRE)
-                 for name in ("loader_service._jpegroi", "loader_service._jpegprep")],
+                 for name in ("loader_service.decode._jpegroi", "loader_service.decode._jpegprep")],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Install what the native JPEG kernel (loader_service/_jpegroi.c) and its tests need on a fresh
+# Install what the native JPEG kernel (loader_service/decode/_jpegroi.c) and its tests need on a fresh
 # Debian machine, from Debian's archive. Idempotent.
 #   gcc, libc6-dev            build the extension
 #   libjpeg62-turbo-dev       libjpeg-turbo's headers and library

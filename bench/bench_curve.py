@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from bench_throughput import START_TIMEOUT_S, ServiceProcess, cpu_seconds, machine  # noqa: E402
 
 from client import RemoteLoader  # noqa: E402
-from loader_service.curve import make_keys  # noqa: E402
-from loader_service.plan import PlanSpec, make_plan  # noqa: E402
+from wire.keys import make_keys  # noqa: E402
+from wire.plan import PlanSpec, make_plan  # noqa: E402
 from loader_service.sources import open_path  # noqa: E402
 from loader_service.sources.demo import ensure_demo  # noqa: E402
 

@@ -60,7 +60,7 @@ from bench.models import SmallResNet  # noqa: E402
 from client import RemoteLoader  # noqa: E402
 from client.config import LoaderConfig  # noqa: E402
 from client.sinks import CudaSink, make_sink  # noqa: E402
-from loader_service import protocol as P  # noqa: E402
+from wire import protocol as P  # noqa: E402
 from loader_service.sources.demo import ensure_demo  # noqa: E402
 
 MIN_WARMUP = 10

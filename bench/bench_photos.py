@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 import bench_throughput as B  # noqa: E402
 
 from bench import plots  # noqa: E402
-from loader_service.jpeg import decode_path  # noqa: E402
+from loader_service.decode.jpeg import decode_path  # noqa: E402
 from loader_service.sources.imagefolder import ImageFolderSource  # noqa: E402
 
 PREPARED = "-rst"  # bench/photos.py --prepared: the same photos after `loader-service prepare-jpegs`

@@ -15,7 +15,7 @@ number N of worker processes for every contender, one warm-up epoch, then ``--ep
 1. **service + RemoteLoader**: a Service in this process (its dispatcher is a thread here; its
    N workers are processes) with the pipeline registered, consumed by a RemoteLoader.
 2. **DataLoader, same ops**: ``num_workers=N``, ``persistent_workers``; ``__getitem__`` runs
-   the very pipeline function (loader_service.ops on uint8) into numpy arrays.
+   the very pipeline function (loader_service.decode.ops on uint8) into numpy arrays.
 3. **DataLoader, PIL (torchvision-style)**: ``__getitem__`` does what torchvision's PIL backend
    does for the same recipe (PIL decode, crop+resize BILINEAR, ImageEnhance for brightness /
    contrast / saturation, HSV hue shift, ImageFilter.GaussianBlur, ImageOps.solarize), then
@@ -43,9 +43,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from loader_service import ops  # noqa: E402
-from loader_service.pipelines import Registry  # noqa: E402
-from loader_service.transforms import sample_rng  # noqa: E402
+from loader_service.decode import ops  # noqa: E402
+from loader_service.decode.pipelines import Registry  # noqa: E402
+from loader_service.decode.transforms import sample_rng  # noqa: E402
 
 PIPELINES = {"multicrop": "examples.pipelines.multicrop:multicrop",
              "colorjitter": "examples.pipelines.colorjitter:colorjitter"}
@@ -55,7 +55,7 @@ PIPELINES = {"multicrop": "examples.pipelines.multicrop:multicrop",
 def _pil_rrc(im, rng, scale, size):
     from PIL import Image
 
-    from loader_service.transforms import random_resized_crop_params
+    from loader_service.decode.transforms import random_resized_crop_params
 
     top, left, h, w = random_resized_crop_params(im.height, im.width, scale, (3 / 4, 4 / 3), rng)
     out = im.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
@@ -142,7 +142,7 @@ class PipelineDataset(Dataset):
         if self.kind == "pil":
             out = PIL_FNS[self.name](data, rng)
         else:
-            from loader_service.pipelines import Item, run_one
+            from loader_service.decode.pipelines import Item, run_one
 
             out = {k: np.empty(s, np.uint8) for k, s in self.pipe.outputs.items()}
             run_one(self.name, self.pipe, Item(data, int(self.source.labels[i]), i, rng), out)
@@ -206,7 +206,7 @@ def per_op(repeats: int = 200) -> List[dict]:
     from loader_service.sources.demo import encode_jpeg, ensure_demo
 
     src = ensure_demo(64, quiet=True)
-    from loader_service.transforms import decode
+    from loader_service.decode.transforms import decode
 
     img = ops.resize(decode(src.read(0)), (224, 224))
     big = decode(src.read(1))
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     for name, row in results.items():
         print(f"| {name} | " + " | ".join(f"{row[k]['median']:.0f} img/s" for k in row) + " |")
     op_rows = per_op(args.op_repeats)
-    print("\n| op (224 x 224 RGB) | loader_service.ops (us) | PIL, as torchvision calls it (us) |")
+    print("\n| op (224 x 224 RGB) | loader_service.decode.ops (us) | PIL, as torchvision calls it (us) |")
     print("|---|---|---|")
     for r in op_rows:
         pil = f"{r['pil_us']:.0f}" if r["pil_us"] is not None else "-"

@@ -9,7 +9,7 @@ against the raw decode limit of the same machine.
 
 Every contender does exactly the same work: the same images (the embedded demo set by
 default, or any ImageFolder / packed folder given with ``--data``), in the same plan order
-(``loader_service.plan.make_plan``), each sample decoded and augmented by the same
+(``wire.plan.make_plan``), each sample decoded and augmented by the same
 ``process_sample`` (RandomResizedCrop + flip) with the same ``sample_rng(seed, epoch, index)``,
 by the same number N of decode processes (default: the CPU count). Epoch 0 is a warm-up and
 is not timed; the timed epochs are 1..``--epochs``.
@@ -82,12 +82,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
 from bench import plots  # noqa: E402
 from client import RemoteLoader  # noqa: E402
 from loader_service import shm  # noqa: E402
-from loader_service.plan import PlanSpec, RankPlan, make_plan  # noqa: E402
+from wire.plan import PlanSpec, RankPlan, make_plan  # noqa: E402
 from loader_service.sources import Source, SourceSpec, open_source  # noqa: E402
 from loader_service.sources.demo import ensure_demo  # noqa: E402
 from loader_service.sources.imagefolder import ImageFolderSource  # noqa: E402
 from loader_service.sources.packed import PackedSource  # noqa: E402
-from loader_service.transforms import (TransformSpec, process_sample, random_resized_crop_params,  # noqa: E402
+from loader_service.decode.transforms import (TransformSpec, process_sample, random_resized_crop_params,  # noqa: E402
                                        sample_rng)
 
 SEED = 0

@@ -26,7 +26,7 @@ default ``max(4, 2 x workers)``, what ``bench_throughput.py`` gives ``RemoteLoad
    two is the most a pyzmq program moves with this message shape and flow: it is the 100%.
 2. **service + RemoteLoader, decode off**: ``python -m loader_service serve --demo
    --workers N`` in its own process with ``LOADER_BENCH_SKIP_DECODE=1`` (the benchmark hook in
-   ``loader_service/worker.py``: a worker neither reads nor decodes, it reports each task done
+   ``loader_service/workers/worker.py``: a worker neither reads nor decodes, it reports each task done
    at once and leaves the slot's bytes untouched), consumed by ``RemoteLoader(prefetch=window,
    drop_last=True)`` in this process (so every batch is full). What remains is the real path:
    the dispatcher's task round trip to a worker through its internal socket, ordering, the
@@ -319,7 +319,7 @@ def bench_service(settings: Settings) -> "tuple[Run, bool]":
                 skipped = not bool(first.raw.any())
                 if not skipped:
                     log(f"warning: the service decoded images: is {SKIP_DECODE_ENV} honoured by "
-                        "loader_service/worker.py?")
+                        "loader_service/workers/worker.py?")
                 del first
 
                 def next_batch() -> None:

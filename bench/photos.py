@@ -25,7 +25,7 @@ the OpenCV build's libjpeg):
 Prints each set's count, mean size and bits per pixel.
 
 ``--prepared`` also makes ``imagenet-rst/`` and ``camera-rst/``: the same sets through
-``loader-service prepare-jpegs`` (loader_service.jpeg_prepare.prepare_tree: its default, a
+``loader-service prepare-jpegs`` (loader_service.decode.jpeg_prepare.prepare_tree: its default, a
 restart marker every 8 MCUs or a few less, tiling each MCU row; lossless), for the decode
 kernel's restart-segment path; ``--mcus 0``: ``*-rst-rows/`` with a marker at every MCU row,
 ``--mcus N``: ``*-rst-mcusN/``. Sets already there are
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
 
 def prepare(out: str, name: str, workers: int, mcus: int = 8) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-    from loader_service.jpeg_prepare import prepare_tree
+    from loader_service.decode.jpeg_prepare import prepare_tree
 
     t = time.perf_counter()
     prepared = {8: f"{name}-rst", 0: f"{name}-rst-rows"}.get(mcus, f"{name}-rst-mcus{mcus}")

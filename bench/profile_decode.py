@@ -26,8 +26,8 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 import bench_throughput as B  # noqa: E402
-from loader_service import jpeg as J  # noqa: E402
-from loader_service import transforms as T  # noqa: E402
+from loader_service.decode import jpeg as J  # noqa: E402
+from loader_service.decode import transforms as T  # noqa: E402
 
 
 def best_us(fn, datas, passes=3) -> float:

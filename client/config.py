@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
-from .errors import LoaderError
+from client.errors import LoaderError
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -74,7 +74,7 @@ class LoaderConfig:
             object.__setattr__(self, "normalize", names)
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.curve_keys is None:
-            from .curve import default_keys_dir
+            from client.curve import default_keys_dir
 
             object.__setattr__(self, "curve_keys", default_keys_dir())
 

@@ -16,9 +16,9 @@ from typing import Optional
 
 import zmq
 
-from loader_service.curve import CLIENT, HANDSHAKE_FAILED, SERVER, load_pair, load_public
+from wire.keys import CLIENT, HANDSHAKE_FAILED, SERVER, load_pair, load_public
 
-from .errors import LoaderError
+from client.errors import LoaderError
 
 ENV = "LOADER_CURVE_KEYS"
 AUTH_FAILED = "auth_failed"  # LoaderError.code

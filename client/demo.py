@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loader_service.consumer import Progress
+from wire.progress import EpochProgress
 
-from .loader import RemoteLoader
+from client.loader import RemoteLoader
 
 
 def consume(endpoint: str, epochs: int = 2, batch_size: int = 64, image_size: int = 224, out=sys.stdout,
@@ -22,7 +22,7 @@ def consume(endpoint: str, epochs: int = 2, batch_size: int = 64, image_size: in
         n = len(loader)
         for epoch in range(epochs):
             loader.set_epoch(epoch)
-            progress = Progress(epoch, n, image_size, out)
+            progress = EpochProgress(epoch, n, image_size, out)
             for images, labels in loader:
                 progress.update(images.shape[0], loader.stats()["wait_s"])
             totals["epochs"] += 1

@@ -27,16 +27,16 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import zmq
 
-from loader_service import protocol as P
-from loader_service.plan import num_batches
+from wire import protocol as P
+from wire.plan import num_batches
 
-from .batch import Batch
-from .config import LoaderConfig
-from .curve import client_keys
-from .errors import LoaderError, LoaderTimeout
-from .flow import EpochFlow, InOrder
-from .replica import Replica
-from .sinks import make_sink
+from client.batch import Batch
+from client.config import LoaderConfig
+from client.curve import client_keys
+from client.errors import LoaderError, LoaderTimeout
+from client.flow import EpochFlow, InOrder
+from client.replica import Replica
+from client.sinks import make_sink
 
 log = logging.getLogger("client")
 

@@ -10,9 +10,9 @@ from typing import Optional
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from loader_service import protocol as P
+from wire import protocol as P
 
-from .curve import EVENTS as HANDSHAKE_EVENTS, ClientKeys, HandshakeWatch, secure_dealer
+from client.curve import EVENTS as HANDSHAKE_EVENTS, ClientKeys, HandshakeWatch, secure_dealer
 
 
 CUT_GRACE_S = 1.0  # a disconnect with no reconnect scheduled this long after it was a cut
@@ -81,7 +81,7 @@ class Replica:
     def request(self, batches, consumed: int, promote: bool = False, final: bool = False,
                 probe: bool = False) -> None:
         """Ask the current stream for ``batches``, with the stall seconds since the last report
-        (``probe``: and for a :class:`~loader_service.protocol.Progress` report)."""
+        (``probe``: and for a :class:`~wire.protocol.Progress` report)."""
         self.send(P.Request(stream=self.stream, batches=list(batches), wait_s=self.wait_s, h2d_s=self.h2d_s,
                             consumed=consumed, promote=promote, final=final, probe=probe))
         self.wait_s = self.h2d_s = 0.0

@@ -53,12 +53,12 @@ import numpy as np
 import torch
 import zmq
 
-from loader_service import protocol as P
+from wire import protocol as P
 
-from .batch import Batch
-from .config import LoaderConfig
-from .errors import LoaderError
-from .transform import Normalize
+from client.batch import Batch
+from client.config import LoaderConfig
+from client.errors import LoaderError
+from client.transform import Normalize
 
 
 Outputs = List[Tuple[str, Tuple[int, ...]]]  # (name, per-sample shape) of each frame, in order

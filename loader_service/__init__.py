@@ -1,6 +1,6 @@
 """loader_service: the CPU-side data-loading service (workers, dispatcher, REST control plane).
 
-Importing this package is cheap: :mod:`loader_service.protocol` and :mod:`loader_service.plan`
+Importing this package is cheap: :mod:`wire.protocol` and :mod:`wire.plan`
 need only msgpack and numpy, and the client imports them from here.
 """
 

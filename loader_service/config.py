@@ -17,8 +17,8 @@ from typing import Annotated, Any, Dict, Mapping, Optional, Tuple
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
-from .jpeg import DEFAULT_MAX_PIXELS, DecodeOptions
-from .sources.demo import DEFAULT_COUNT
+from loader_service.decode.jpeg import DEFAULT_MAX_PIXELS, DecodeOptions
+from loader_service.sources.demo import DEFAULT_COUNT
 
 ON_ERROR = ("raise", "skip")
 START_METHODS = ("spawn", "forkserver", "fork")
@@ -130,7 +130,7 @@ class ServiceConfig:
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.autoscale:
-            from .autoscale import AutoscalePolicy
+            from loader_service.control.autoscale import AutoscalePolicy
 
             AutoscalePolicy.parse(self.autoscale, self.autoscale_interval_s)  # raises if malformed
         if self.max_shm_mb < 1 or self.demo_size < 1 or self.heartbeat_s <= 0 or self.stop_timeout_s <= 0:

@@ -10,14 +10,14 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .auth import resolve_token
-from .config import ServiceConfig
-from .dispatcher import Dispatcher, cannot_bind
-from .jpeg import decode_path
-from .http_limits import Counters
-from .shm import sweep_stale
-from .sources import Source, open_path
-from .sources.demo import ensure_demo
+from loader_service.control.auth import resolve_token
+from loader_service.config import ServiceConfig
+from loader_service.dispatch.dispatcher import Dispatcher, cannot_bind
+from loader_service.decode.jpeg import decode_path
+from loader_service.control.http_limits import Counters
+from loader_service.shm import sweep_stale
+from loader_service.sources import Source, open_path
+from loader_service.sources.demo import ensure_demo
 
 log = logging.getLogger("loader_service")
 
@@ -163,8 +163,8 @@ class Service:
     def _start_http(self) -> None:
         import uvicorn
 
-        from .http_api import make_app
-        from .http_limits import guarded_protocol, limit_logs, raise_fd_limit
+        from loader_service.control.http_api import make_app
+        from loader_service.control.http_limits import guarded_protocol, limit_logs, raise_fd_limit
 
         c = self.config
         raise_fd_limit(c.max_http_connections)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from loader_service.pipelines import Args, Pipeline
-from loader_service.transforms import decode
+from loader_service.decode.pipelines import Args, Pipeline
+from loader_service.decode.transforms import decode
 
 RAISES_AT = 5  # the dataset index `raises` fails on
 

@@ -71,7 +71,7 @@ def test_malformed_batch_from_a_service_is_a_clear_error():
 
     import zmq
 
-    from loader_service import protocol as P
+    from wire import protocol as P
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)

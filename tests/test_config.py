@@ -11,9 +11,9 @@ import tomllib
 
 import pytest
 
-from loader_service.cli import main
+from loader_service.cli.main import main
 from loader_service.config import REDACTED, ServiceConfig, load_config, option_extra, option_fields
-from loader_service.settings_cli import add_config_options, config_from_args, flag_name
+from loader_service.cli.settings import add_config_options, config_from_args, flag_name
 
 
 def test_every_option_has_help_and_a_flag_or_a_reason():

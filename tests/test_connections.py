@@ -16,9 +16,9 @@ import uuid
 import pytest
 import zmq
 
-from loader_service import protocol as P
+from wire import protocol as P
 from loader_service.config import ServiceConfig
-from loader_service.dispatcher import Dispatcher
+from loader_service.dispatch.dispatcher import Dispatcher
 
 FD = 17  # any number: these connections only exist in the events fed to the dispatcher
 

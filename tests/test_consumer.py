@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from loader_service.consumer import Consumer, consume
+from loader_service.cli.consumer import Consumer, consume
 
 from .conftest import DEMO_SIZE
 
@@ -43,7 +43,7 @@ def test_consume_prints_progress_and_totals(make_service):
 
 def test_demo_command_runs_without_torch():
     # `import torch` fails in this process, as in the service image
-    code = ("import sys; sys.modules['torch'] = None; from loader_service.cli import main; "
+    code = ("import sys; sys.modules['torch'] = None; from loader_service.cli.main import main; "
             "sys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, "demo", "--demo-size", str(DEMO_SIZE), "--workers", "1",
                         "--epochs", "1", "--batch-size", "48", "--image-size", "16", "--status-log", "0"],

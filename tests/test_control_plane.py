@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from client import RemoteLoader
-from loader_service.http_api import scale_request_model
+from loader_service.control.http_api import scale_request_model
 
 from .conftest import DEMO_SIZE
 from .helpers import status, wait_for
@@ -311,7 +311,7 @@ def test_bad_autoscale_range_is_refused():
 
 
 def test_token_sources(tmp_path, caplog):
-    from loader_service.auth import check_bearer, resolve_token
+    from loader_service.control.auth import check_bearer, resolve_token
 
     assert resolve_token("abc", None)[:2] == ("abc", "LOADER_API_TOKEN")
     f = tmp_path / "token"
@@ -322,7 +322,7 @@ def test_token_sources(tmp_path, caplog):
     (tmp_path / "empty").write_text("")
     with pytest.raises(ValueError, match="is empty"):
         resolve_token("", str(tmp_path / "empty"))
-    with caplog.at_level("WARNING", logger="loader_service.auth"):
+    with caplog.at_level("WARNING", logger="loader_service.control.auth"):
         token, where, path = resolve_token("", "")
     try:
         # logs are shipped to aggregators: the log names the 0600 file, never the token

@@ -14,9 +14,10 @@ import zmq.auth
 from client import RemoteLoader
 from client.curve import HandshakeWatch
 from client.errors import LoaderError, LoaderTimeout
-from loader_service import protocol as P
-from loader_service.cli import main as cli
-from loader_service.curve import RefusalLog, make_keys
+from wire import protocol as P
+from loader_service.cli.main import main as cli
+from loader_service.dispatch.curve import RefusalLog
+from wire.keys import make_keys
 
 from .conftest import DEMO_SIZE
 from .helpers import collect, indices_of, status, wait_for

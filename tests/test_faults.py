@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from client import LoaderError, RemoteLoader
-from loader_service import protocol as P
+from wire import protocol as P
 from loader_service.sources.fault import FaultSource
 from loader_service.testing import ServiceProcess, free_port
 

@@ -57,7 +57,7 @@ def test_a_port_in_use_or_a_foreign_host_is_one_clear_line_and_exit_2(demo_sourc
 
     import pytest
 
-    from loader_service.cli import main as cli_main
+    from loader_service.cli.main import main as cli_main
     from loader_service.config import ServiceConfig
     from loader_service.service import Service
 

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 from client import RemoteLoader
-from loader_service.cli import main as cli_main
-from loader_service.plan import PlanSpec, epoch_permutation, make_plan
+from loader_service.cli.main import main as cli_main
+from wire.plan import PlanSpec, epoch_permutation, make_plan
 from loader_service.sources import detect_kind, open_path, open_source
 from loader_service.sources import webdataset as wds
 from loader_service.sources.hdf5 import HDF5Source
 from loader_service.sources.imagefolder import ImageFolderSource
 from loader_service.sources.packed import PackedSource
 from loader_service.sources.webdataset import ShardError, WebDatasetSource
-from loader_service.transforms import decode
+from loader_service.decode.transforms import decode
 
 from .conftest import write_imagefolder
 from .helpers import collect, indices_of, run_ranks
@@ -162,7 +162,7 @@ def test_raw_hdf5_arrays_arrive_pixel_exact(datasets):
 def test_raw_hdf5_arrays_are_read_as_arrays_never_encoded(datasets, tmp_path, monkeypatch):
     import cv2
 
-    from loader_service.transforms import TransformSpec, process_sample, sample_rng
+    from loader_service.decode.transforms import TransformSpec, process_sample, sample_rng
 
     def no_encoding(*a, **k):
         raise AssertionError("a raw HDF5 image was encoded")

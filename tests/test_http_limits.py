@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from client import RemoteLoader
-from loader_service.http_limits import RateLimitFilter
+from loader_service.control.http_limits import RateLimitFilter
 from loader_service.testing import ServiceProcess, free_port
 
 from .conftest import DEMO_SIZE

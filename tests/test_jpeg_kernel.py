@@ -1,4 +1,4 @@
-"""The JPEG kernel (loader_service/jpeg.py, _jpegroi.c): fused crop at power-of-two scales,
+"""The JPEG kernel (loader_service/decode/jpeg.py, _jpegroi.c): fused crop at power-of-two scales,
 header checks before allocation, strict errors.
 
 Real photo: tests/data/grace_hopper.jpg (512x600, 4:2:0; the public-domain US Navy portrait that
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import simplejpeg
 
-from loader_service import jpeg as J
-from loader_service import transforms as T
+from loader_service.decode import jpeg as J
+from loader_service.decode import transforms as T
 
 PHOTO = os.path.join(os.path.dirname(__file__), "data", "grace_hopper.jpg")
 native = pytest.mark.skipif(J._jpegroi is None, reason="the native kernel is not built (pip install -e .)")

@@ -1,4 +1,4 @@
-"""The lossless JPEG preparation tool (loader_service/jpeg_prepare.py, _jpegprep.c): restart
+"""The lossless JPEG preparation tool (loader_service/decode/jpeg_prepare.py, _jpegprep.c): restart
 markers at every MCU row, the same decoded pixels, every APPn/COM marker kept; prepare_tree and
 ``loader-service prepare-jpegs`` over a dataset folder.
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import simplejpeg
 
-from loader_service import jpeg_prepare as JP
-from loader_service.cli import main as cli_main
+from loader_service.decode import jpeg_prepare as JP
+from loader_service.cli.main import main as cli_main
 
 from .conftest import write_imagefolder
 from .test_jpeg_kernel import _bomb_jpeg, photo, variants
@@ -298,7 +298,7 @@ def test_a_rerun_deletes_the_temporary_files_a_killed_run_left(tree, tmp_path):
     JP.prepare_tree(tree, dst, workers=1, progress=False)
     target = os.path.join(dst, "photos", "v0.jpg")
     # a run killed between writing and renaming: the writer itself, stopped dead at the rename
-    kill = ("import os, sys; from loader_service import jpeg_prepare as JP; "
+    kill = ("import os, sys; from loader_service.decode import jpeg_prepare as JP; "
             "os.replace = lambda *a: os._exit(9); "
             "JP._write_atomic(sys.argv[1], 0o644, lambda f: f.write(b'half a file'))")
     proc = subprocess.run([sys.executable, "-c", kill, target], cwd=ROOT, capture_output=True, timeout=60)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from loader_service import protocol as P
+from wire import protocol as P
 from loader_service.config import ServiceConfig
 
 from .test_connections import _loopless, _send

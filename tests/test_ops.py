@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from loader_service import ops
+from loader_service.decode import ops
 from loader_service.sources.demo import demo_image
-from loader_service.transforms import TransformSpec, process_sample, sample_rng
+from loader_service.decode.transforms import TransformSpec, process_sample, sample_rng
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from loader_service import pack
-from loader_service.cli import main as cli_main
+from loader_service.sources import pack
+from loader_service.cli.main import main as cli_main
 from loader_service.sources import open_path
 from loader_service.sources import webdataset as wds
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from client import LoaderError, RemoteLoader
-from loader_service import protocol as P
+from wire import protocol as P
 from loader_service.config import ServiceConfig, load_config
-from loader_service.pipelines import Item, Registry, run_one
+from loader_service.decode.pipelines import Item, Registry, run_one
 from loader_service.service import Service
-from loader_service.transforms import sample_rng
+from loader_service.decode.transforms import sample_rng
 
 from . import pipeline_doubles as D
 from .conftest import DEMO_SIZE
@@ -112,7 +112,7 @@ def test_a_pipeline_that_cannot_load_stops_the_service_from_starting(entry, mess
 def test_pipeline_option_from_flag_and_environment(capsys):
     env = {"LOADER_DEMO": "1", "LOADER_PIPELINE": "a=m:f, b=pkg.mod:make"}
     assert load_config(environ=env).config.pipeline == ("a=m:f", "b=pkg.mod:make")
-    from loader_service.cli import main
+    from loader_service.cli.main import main
 
     assert main(["config", "--demo", "--pipeline", "a=m:f", "--pipeline", "b=m:g"]) == 0
     assert 'pipeline = ["a=m:f", "b=m:g"]' in capsys.readouterr().out

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader_service.plan import PlanSpec, epoch_permutation, make_plan, num_batches
+from wire.plan import PlanSpec, epoch_permutation, make_plan, num_batches
 
 
 def all_ranks(length, bs, world, drop_last, seed=0, epoch=0, shuffle=True):

@@ -102,7 +102,7 @@ def _alive(p: psutil.Process) -> bool:
 SERVE_WITH_UNOPENABLE_DATA = textwrap.dedent("""
     import sys
     from loader_service import service
-    from loader_service.cli import main
+    from loader_service.cli.main import main
     from loader_service.sources.fault import FaultSource
     real = service.open_datasets
     # the test double: every worker fails to open the dataset, as in a container without the mount

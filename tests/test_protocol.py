@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loader_service import protocol as P
+from wire import protocol as P
 
 SAMPLES = [
     P.Hello(stream=1, batch_size=32, image_size=224, seed=3, epoch=2, rank=1, world_size=4, shuffle=False,

@@ -13,7 +13,7 @@ import shlex
 import pytest
 
 from client.demo import build_parser as demo_parser
-from loader_service.cli import build_parser
+from loader_service.cli.main import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNOPSIS = re.compile(r"[\[\]|(]|\.\.\.")  # a usage line ("serve (--data DIR ... | --demo) [--workers N]"), not a command

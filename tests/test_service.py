@@ -10,9 +10,10 @@ import pytest
 import zmq
 
 from client import LoaderError, LoaderTimeout, RemoteLoader
-from loader_service import protocol as P, shm
+from wire import protocol as P
+from loader_service import shm
 from loader_service.config import ServiceConfig
-from loader_service.plan import PlanSpec, epoch_permutation, make_plan
+from wire.plan import PlanSpec, epoch_permutation, make_plan
 from loader_service.shm import list_segments
 
 from .conftest import DEMO_SIZE, write_imagefolder

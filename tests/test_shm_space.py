@@ -18,9 +18,9 @@ import textwrap
 
 import pytest
 
-from loader_service import dispatcher as D
+from loader_service.dispatch import dispatcher as D
 from loader_service import shm
-from loader_service.slots import NoShmSpace, SlotArena
+from loader_service.dispatch.slots import NoShmSpace, SlotArena
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20

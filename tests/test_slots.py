@@ -2,7 +2,7 @@
 
 import pytest
 
-from loader_service.slots import NoCapacity, SlotArena
+from loader_service.dispatch.slots import NoCapacity, SlotArena
 
 MiB = 1 << 20
 

@@ -187,7 +187,7 @@ def test_status_page_follows_a_streaming_client(make_service, browser, tmp_path)
 def test_page_is_served_self_contained(service):
     """``/`` and its files come from the service, open (no token), with a policy that lets the
     browser load nothing from elsewhere; the files name no other host."""
-    from loader_service.http_api import STATIC_DIR
+    from loader_service.control.http_api import STATIC_DIR
 
     with urllib.request.urlopen(service.http_url + "/", timeout=10) as r:
         html = r.read().decode()

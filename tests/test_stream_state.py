@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from loader_service.stream_state import (SAMPLE_FAILED, TOO_MANY_SKIPPED, Fail, Finish, SendBatch, StreamLimits,
+from loader_service.dispatch.stream_state import (SAMPLE_FAILED, TOO_MANY_SKIPPED, Fail, Finish, SendBatch, StreamLimits,
                                          StreamState)
 
 BATCH = 3

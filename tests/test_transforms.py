@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from loader_service import transforms as T
+from loader_service.decode import transforms as T
 from loader_service.sources.demo import demo_image, encode_jpeg
 
 

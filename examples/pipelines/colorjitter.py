@@ -8,8 +8,8 @@ the crop) + flip + ColorJitter, optionally grayscale.
 
 from __future__ import annotations
 
-from loader_service import ops
-from loader_service.pipelines import Args, Pipeline
+from loader_service.decode import ops
+from loader_service.decode.pipelines import Args, Pipeline
 
 
 def colorjitter(args: Args) -> Pipeline:

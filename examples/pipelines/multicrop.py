@@ -9,9 +9,9 @@ several local crops of every image, each with its own colour augmentation.
 
 from __future__ import annotations
 
-from loader_service import ops
-from loader_service.pipelines import Args, Pipeline
-from loader_service.transforms import decode
+from loader_service.decode import ops
+from loader_service.decode.pipelines import Args, Pipeline
+from loader_service.decode.transforms import decode
 
 
 def multicrop(args: Args) -> Pipeline:

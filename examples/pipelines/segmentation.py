@@ -22,8 +22,8 @@ import os
 import cv2
 import numpy as np
 
-from loader_service.pipelines import Args, Pipeline
-from loader_service.transforms import decode, random_resized_crop_params, resize_into
+from loader_service.decode.pipelines import Args, Pipeline
+from loader_service.decode.transforms import decode, random_resized_crop_params, resize_into
 
 MAX_MASK_BYTES = 64 << 20
 

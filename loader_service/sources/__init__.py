@@ -5,9 +5,9 @@ is described to worker processes by a :class:`SourceSpec`, so the plan, the work
 wire are the same whatever the format.
 """
 
-from . import fault, hdf5, imagefolder, packed, webdataset  # noqa: F401  (registers the source kinds)
-from .base import Source, SourceSpec, open_source
-from .detect import detect_kind, open_path
-from .index import PackedStrings
+from loader_service.sources import fault, hdf5, imagefolder, packed, webdataset  # noqa: F401  (registers the source kinds)
+from loader_service.sources.base import Source, SourceSpec, open_source
+from loader_service.sources.detect import detect_kind, open_path
+from loader_service.sources.index import PackedStrings
 
 __all__ = ["Source", "SourceSpec", "open_source", "open_path", "detect_kind", "PackedStrings"]

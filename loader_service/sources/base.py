@@ -13,7 +13,7 @@ Sample = Union[bytes, np.ndarray]
 # The image files a folder or a shard member may be: torchvision's ImageFolder list, so a dataset
 # has the same samples here as under a DataLoader (transforms.decode reads every one of them).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-"""What :meth:`Source.read` returns, and :func:`~loader_service.transforms.process_sample` takes:
+"""What :meth:`Source.read` returns, and :func:`~loader_service.decode.transforms.process_sample` takes:
 
 * ``bytes``: an encoded image file, JPEG, PNG, WebP, BMP, TIFF or PPM/PGM (the worker decodes it); or
 * ``numpy.ndarray``: pixels already decoded, ``uint8``, shape ``(H, W, 3)`` (RGB) or ``(H, W)``

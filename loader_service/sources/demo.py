@@ -19,7 +19,7 @@ from typing import Iterator, Tuple
 
 import numpy as np
 
-from .packed import PackedSource, write_packed
+from loader_service.sources.packed import PackedSource, write_packed
 
 VERSION = 1
 WIDTH, HEIGHT = 500, 375

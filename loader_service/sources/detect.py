@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from .base import Source
+from loader_service.sources.base import Source
 
 HDF5_EXTS = (".h5", ".hdf5")
 COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
@@ -23,7 +23,7 @@ COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".t
 
 def detect_kind(path: str) -> str:
     """The source kind for ``path`` (no data is read beyond a folder listing)."""
-    from .webdataset import is_pattern
+    from loader_service.sources.webdataset import is_pattern
 
     if is_pattern(path):
         return "webdataset"
@@ -59,20 +59,20 @@ def open_path(path: str, max_sample_bytes: Optional[int] = None, **options) -> S
     """
     kind = detect_kind(path)
     if kind == "packed":
-        from .packed import PackedSource
+        from loader_service.sources.packed import PackedSource
 
         return PackedSource(path, **options)
     if kind == "webdataset":
-        from .webdataset import WebDatasetSource
+        from loader_service.sources.webdataset import WebDatasetSource
 
         return WebDatasetSource.open(path, **options)
     if kind == "hdf5":
-        from .hdf5 import HDF5Source
+        from loader_service.sources.hdf5 import HDF5Source
 
         if os.path.getsize(path) == 0:
             raise ValueError(f"{path}: empty file, not an HDF5 dataset")
         return HDF5Source(path, **options)
-    from .imagefolder import ImageFolderSource
+    from loader_service.sources.imagefolder import ImageFolderSource
 
     if max_sample_bytes is not None:
         options["max_sample_bytes"] = max_sample_bytes

@@ -16,7 +16,7 @@ import signal
 import time
 from typing import Iterable
 
-from .base import Sample, Source, SourceSpec, open_source, register
+from loader_service.sources.base import Sample, Source, SourceSpec, open_source, register
 
 
 @register("fault")

@@ -42,7 +42,7 @@ from typing import Optional
 
 import numpy as np
 
-from .base import Sample, Source, SourceSpec, register
+from loader_service.sources.base import Sample, Source, SourceSpec, register
 
 IMAGE_KEYS = ("images", "image", "imgs", "data", "x")
 LABEL_KEYS = ("labels", "label", "targets", "y")

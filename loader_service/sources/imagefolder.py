@@ -16,10 +16,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..shm import Segment
-from .base import IMAGE_EXTENSIONS, Source, SourceSpec, register
-from .files import DEFAULT_MAX_SAMPLE_BYTES, ScanProgress, log, read_regular, walk_once
-from .index import PackedStrings
+from loader_service.shm import Segment
+from loader_service.sources.base import IMAGE_EXTENSIONS, Source, SourceSpec, register
+from loader_service.sources.files import DEFAULT_MAX_SAMPLE_BYTES, ScanProgress, log, read_regular, walk_once
+from loader_service.sources.index import PackedStrings
 
 EXTENSIONS = IMAGE_EXTENSIONS
 

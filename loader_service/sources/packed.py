@@ -23,8 +23,8 @@ from typing import Iterable, Sequence, Tuple
 
 import numpy as np
 
-from .base import Source, SourceSpec, register
-from .index import PackedStrings
+from loader_service.sources.base import Source, SourceSpec, register
+from loader_service.sources.index import PackedStrings
 
 FORMAT = "loader-packed"
 VERSION = 1

@@ -40,8 +40,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .base import IMAGE_EXTENSIONS, Source, SourceSpec, register
-from .index import PackedStrings
+from loader_service.sources.base import IMAGE_EXTENSIONS, Source, SourceSpec, register
+from loader_service.sources.index import PackedStrings
 
 log = logging.getLogger("loader_service.sources.webdataset")
 
@@ -379,7 +379,7 @@ class WebDatasetSource(Source):
 
 # ---------------------------------------------------------------------------- index files
 def _cache_dir() -> str:
-    from .demo import cache_dir
+    from loader_service.sources.demo import cache_dir
 
     return cache_dir()
 

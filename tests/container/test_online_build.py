@@ -71,7 +71,7 @@ def test_service_image_from_the_package_index(engine, online):
     p = run_in(engine, image, "--help")  # ENTRYPOINT: tini -- loader-service
     assert p.returncode == 0 and "serve" in p.stdout, p.stdout + p.stderr
     p = run_in(engine, image, "-c", "import fastapi, uvicorn, zmq, msgpack, numpy, cv2, simplejpeg, h5py, "
-               "prometheus_client, loader_service.service, loader_service.http_api", entrypoint="python3")
+               "prometheus_client, loader_service.service, loader_service.control.http_api", entrypoint="python3")
     assert p.returncode == 0, p.stderr
     p = run_in(engine, image, "-c", "import torch", entrypoint="python3")
     assert p.returncode != 0 and "No module named 'torch'" in p.stderr, p.stderr[-500:]

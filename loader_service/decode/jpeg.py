@@ -13,7 +13,7 @@ Two paths give the crop of the image decoded at scale 1/d (d in 1, 2, 4, 8):
   (no libjpeg-turbo headers); ``LOADER_REQUIRE_NATIVE_JPEG=1`` makes that an import error.
 
 Only powers of two: libjpeg-turbo's other factors (7/8, 6/8, ...) are slower than a full
-decode. Every JPEG error is a :class:`~loader_service.transforms.DecodeError`-compatible
+decode. Every JPEG error is a :class:`~loader_service.decode.transforms.DecodeError`-compatible
 ``ValueError`` with the library's reason: truncated or corrupt data is refused (strict), never
 handed on as grey pixels, and never retried as a full-size decode.
 """
@@ -27,7 +27,7 @@ from typing import Tuple
 import numpy as np
 
 try:
-    from . import _jpegroi
+    from loader_service.decode import _jpegroi
 except ImportError as exc:  # not built: the simplejpeg path
     if os.environ.get("LOADER_REQUIRE_NATIVE_JPEG", "").strip() not in ("", "0"):
         raise ImportError(f"LOADER_REQUIRE_NATIVE_JPEG is set but the native JPEG kernel is missing ({exc}); "

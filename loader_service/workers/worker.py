@@ -16,12 +16,12 @@ from typing import Dict, List, Optional
 
 import zmq
 
-from . import protocol as P
-from .jpeg import DEFAULT_OPTIONS, DecodeOptions
-from .shm import SHM_DIR, Segment
-from .sources import Source, SourceSpec, open_source
-from .pipelines import Cache, Item, run_one
-from .transforms import sample_rng
+from wire import protocol as P
+from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
+from loader_service.shm import SHM_DIR, Segment
+from loader_service.sources import Source, SourceSpec, open_source
+from loader_service.decode.pipelines import Cache, Item, run_one
+from loader_service.decode.transforms import sample_rng
 
 SEGMENT_CACHE = 4  # mappings a worker keeps open at most
 

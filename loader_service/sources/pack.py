@@ -54,7 +54,7 @@ def run_pack(args) -> int:
             raise ValueError("--shard-size and --chunk must be >= 1")
         if os.path.lexists(args.dst) and not args.overwrite:
             raise FileExistsError(f"{args.dst} exists; give --overwrite to replace it")
-        from .sources.imagefolder import ImageFolderSource
+        from loader_service.sources.imagefolder import ImageFolderSource
 
         src = ImageFolderSource.scan(args.src)
     except (OSError, ValueError) as exc:
@@ -98,11 +98,11 @@ def _pack(src, args, fmt: str) -> int:
             if fmt == "webdataset":
                 _write_webdataset(src, tmp, args.shard_size, progress)
             elif fmt == "hdf5":
-                from .sources.hdf5 import write_hdf5
+                from loader_service.sources.hdf5 import write_hdf5
 
                 write_hdf5(tmp, _counted(_samples(src), progress), n, src.classes, args.chunk)
             else:
-                from .sources.packed import write_packed
+                from loader_service.sources.packed import write_packed
 
                 write_packed(tmp, _counted(_samples(src), progress), src.classes)
         finally:
@@ -146,7 +146,7 @@ def _counted(samples, progress):
 
 
 def _write_webdataset(src, out: str, shard_size: int, progress) -> List[str]:
-    from .sources.webdataset import LABEL_MAP_NAME, WebDatasetSource
+    from loader_service.sources.webdataset import LABEL_MAP_NAME, WebDatasetSource
 
     os.makedirs(out)
     shards: List[str] = []
@@ -189,7 +189,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def verify(src, out: str, quiet: bool = True) -> str:
     """Reopen ``out`` through the Source interface; '' if every sample matches ``src``, else
     a description of the first mismatch."""
-    from .sources.detect import open_path
+    from loader_service.sources.detect import open_path
 
     try:
         packed = open_path(out)

@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple, Union
 
 try:
-    from . import _jpegprep
+    from loader_service.decode import _jpegprep
 except ImportError:  # not built (no libjpeg-turbo headers at install time)
     _jpegprep = None
 
-from .jpeg import DEFAULT_MAX_PIXELS
-from .sources.files import DEFAULT_MAX_SAMPLE_BYTES
+from loader_service.decode.jpeg import DEFAULT_MAX_PIXELS
+from loader_service.sources.files import DEFAULT_MAX_SAMPLE_BYTES
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
 TMP_SUFFIX = ".part"

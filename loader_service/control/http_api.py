@@ -24,11 +24,11 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from .auth import check_bearer
-from .dispatcher import AutoscaleConflict, Dispatcher
-from .http_limits import BodyLimit
-from .metrics import make_registry
-from .status import ServiceStatus
+from loader_service.control.auth import check_bearer
+from loader_service.dispatch.dispatcher import AutoscaleConflict, Dispatcher
+from loader_service.control.http_limits import BodyLimit
+from loader_service.control.metrics import make_registry
+from loader_service.dispatch.status import ServiceStatus
 
 log = logging.getLogger(__name__)
 STUCK_LOG_EVERY_S = 60.0  # a probe every few seconds must not flood the log with the same stack
@@ -244,6 +244,6 @@ def mount_status_page(app: FastAPI) -> None:
 
 
 def _version() -> str:
-    from . import __version__
+    from loader_service import __version__
 
     return __version__

@@ -30,12 +30,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import msgpack
 import numpy as np
 
-from .jpeg import DEFAULT_OPTIONS, DecodeOptions
-from .sources.base import Sample
+from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
+from loader_service.sources.base import Sample
 
 MAX_SAMPLE_OUTPUT_BYTES = 256 << 20  # one sample's outputs together; a bigger declaration is a mistake
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
-BUILTIN = {"train": "loader_service.pipelines:train_pipeline", "eval": "loader_service.pipelines:eval_pipeline"}
+BUILTIN = {"train": "loader_service.decode.pipelines:train_pipeline", "eval": "loader_service.decode.pipelines:eval_pipeline"}
 
 
 class PipelineError(ValueError):
@@ -273,7 +273,7 @@ def run_one(name: str, pipe: Pipeline, item: Item, out: Dict[str, np.ndarray]) -
 # --------------------------------------------------------------------------- built-ins
 def train_pipeline(args: Args) -> Pipeline:
     """RandomResizedCrop(size, scale, ratio) + horizontal flip: the service's original recipe."""
-    from .transforms import TransformSpec, process_sample
+    from loader_service.decode.transforms import TransformSpec, process_sample
 
     size = args.int("size", 224, 8, 4096)
     spec = TransformSpec(size, True, args.range("scale", (0.08, 1.0), 1e-9, 1.0),
@@ -287,7 +287,7 @@ def train_pipeline(args: Args) -> Pipeline:
 
 def eval_pipeline(args: Args) -> Pipeline:
     """Resize the shorter side to size/crop_fraction, centre-crop size: the original eval recipe."""
-    from .transforms import TransformSpec, process_sample
+    from loader_service.decode.transforms import TransformSpec, process_sample
 
     size = args.int("size", 224, 8, 4096)
     spec = TransformSpec(size, False, eval_crop_fraction=args.float("crop_fraction", 0.875, 0.01, 1.0))

@@ -1,8 +1,8 @@
 """A consumer without torch: stream epochs from a service as numpy arrays, with a progress bar.
 
 ``loader-service demo`` uses it, so the demo runs in the torch-free service image; also
-``python -m loader_service.consumer --endpoint tcp://HOST:5555``. It speaks the protocol of
-:mod:`loader_service.protocol` with one DEALER socket and one stream per epoch, and has none of the
+``python -m loader_service.cli.consumer --endpoint tcp://HOST:5555``. It speaks the protocol of
+:mod:`wire.protocol` with one DEALER socket and one stream per epoch, and has none of the
 client library's recovery (reconnect, replicas, resume): an error ends it loudly. Trainers use
 ``client.RemoteLoader``.
 """
@@ -18,7 +18,8 @@ from typing import Iterator, Optional, TextIO, Tuple
 import numpy as np
 import zmq
 
-from . import protocol as P
+from wire import protocol as P
+from wire.progress import EpochProgress
 
 
 class ConsumerError(RuntimeError):
@@ -92,44 +93,6 @@ class Consumer:
         self.close()
 
 
-class Progress:
-    """One epoch's progress: a tqdm bar on a terminal (or a container with ``tty: true``), else a
-    line at every quarter, so logs stay readable. Shared by this demo and ``client.demo``."""
-
-    def __init__(self, epoch: int, total: int, image_size: int, out: TextIO):
-        self.epoch, self.total, self.bytes_per_image, self.out = epoch, total, image_size * image_size * 3, out
-        self.samples, self.batches, self.t0 = 0, 0, time.perf_counter()
-        self.bar = None
-        if out.isatty():
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", file=out, dynamic_ncols=True,
-                                leave=True)
-            except ImportError:  # tqdm is optional for the client: plain lines then
-                pass
-
-    def update(self, n_samples: int, stall_s: float) -> None:
-        self.samples += n_samples
-        self.batches += 1
-        dt = max(time.perf_counter() - self.t0, 1e-9)
-        rate = f"{self.samples / dt:.0f} img/s, {self.samples * self.bytes_per_image / dt / 2**20:.0f} MiB/s"
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"{rate}, stall {stall_s:.2f}s", refresh=False)
-            self.bar.update(1)
-        elif self.batches == self.total or self.batches % max(1, self.total // 4) == 0:
-            print(f"epoch {self.epoch} [{self.batches:>4}/{self.total}] {rate}, stall {stall_s:.2f}s",
-                  file=self.out, flush=True)
-
-    def close(self) -> float:
-        if self.bar is not None:
-            self.bar.close()
-        dt = time.perf_counter() - self.t0
-        print(f"epoch {self.epoch}: {self.samples} images in {dt:.2f}s = {self.samples / max(dt, 1e-9):.1f} img/s",
-              file=self.out, flush=True)
-        return dt
-
-
 def consume(endpoint: str, epochs: int = 2, batch_size: int = 64, image_size: int = 224, out: TextIO = sys.stdout,
             **options) -> dict:
     """Stream ``epochs`` epochs with a progress bar and a summary per epoch. Returns totals."""
@@ -139,7 +102,7 @@ def consume(endpoint: str, epochs: int = 2, batch_size: int = 64, image_size: in
             progress = None
             for images, _, _ in c.epoch(epoch):
                 if progress is None:
-                    progress = Progress(epoch, c.num_batches, image_size, out)
+                    progress = EpochProgress(epoch, c.num_batches, image_size, out)
                 progress.update(images.shape[0], c.wait_s)
             seconds = progress.close() if progress is not None else 0.0
             totals["epochs"] += 1
@@ -161,7 +124,7 @@ def run(endpoint: str, epochs: int, batch_size: int, image_size: int, name: str 
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loader_service.consumer", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loader_service.cli.consumer", description=__doc__)
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5555")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)

@@ -4,7 +4,7 @@ by the benchmark's baselines, so every contender does exactly the same work.
 A sample is what a source's ``read`` returns (:data:`loader_service.sources.base.Sample`):
 encoded bytes, or an already-decoded uint8 array ``H x W x 3`` (RGB) or ``H x W`` (grey).
 
-* JPEG: the kernel in :mod:`loader_service.jpeg`. The crop is chosen from the header's size
+* JPEG: the kernel in :mod:`loader_service.decode.jpeg`. The crop is chosen from the header's size
   first; the JPEG is decoded at the largest power-of-two DCT scale (1/2, 1/4, 1/8) that still
   gives the crop at least the output resolution (the other n/8 factors are slower than a full
   decode), and only the crop's rows and columns are decoded where the native kernel is built.
@@ -34,9 +34,9 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import jpeg
-from .jpeg import DEFAULT_OPTIONS, DecodeOptions
-from .sources.base import Sample
+from loader_service.decode import jpeg
+from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
+from loader_service.sources.base import Sample
 
 try:
     import cv2

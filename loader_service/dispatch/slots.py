@@ -22,8 +22,8 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 import numpy as np
 import zmq
 
-from .protocol import ZERO_COPY_MIN_BYTES
-from .shm import NoSpace, Segment
+from wire.protocol import ZERO_COPY_MIN_BYTES
+from loader_service.shm import NoSpace, Segment
 
 
 class NoCapacity(Exception):

@@ -10,8 +10,8 @@ import sys
 import threading
 from typing import List, Optional
 
-from .config import Loaded, ServiceConfig
-from .settings_cli import add_config_options, config_from_args, format_config
+from loader_service.config import Loaded, ServiceConfig
+from loader_service.cli.settings import add_config_options, config_from_args, format_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,22 +39,22 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=doc, description=doc)
         if name == "scale":
             p.add_argument("count", type=int)
-            from .operator_cli import add_token_options
+            from loader_service.cli.operator import add_token_options
 
             add_token_options(p)
         p.add_argument("--url", default=os.environ.get("LOADER_URL", "http://127.0.0.1:8080"),
                        help="the service's REST address (env LOADER_URL)")
         p.add_argument("--json", action="store_true", help="print the raw JSON")
 
-    from .keys_cli import add_keys_parser
+    from loader_service.cli.keys import add_keys_parser
 
     add_keys_parser(sub)
 
-    from .pack import add_pack_parser
+    from loader_service.sources.pack import add_pack_parser
 
     add_pack_parser(sub)
 
-    from .jpeg_prepare import add_prepare_parser
+    from loader_service.decode.jpeg_prepare import add_prepare_parser
 
     add_prepare_parser(sub)
     return parser
@@ -66,19 +66,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if args.command == "pack":
         logging.basicConfig(level="INFO", format=log_format)
-        from .pack import run_pack
+        from loader_service.sources.pack import run_pack
 
         return run_pack(args)
     if args.command == "prepare-jpegs":
-        from .jpeg_prepare import run_prepare
+        from loader_service.decode.jpeg_prepare import run_prepare
 
         return run_prepare(args)
     if args.command == "keys":
-        from .keys_cli import run_keys
+        from loader_service.cli.keys import run_keys
 
         return run_keys(args)
     if args.command in ("status", "scale"):
-        from .operator_cli import run_operator
+        from loader_service.cli.operator import run_operator
 
         return run_operator(args)
     try:
@@ -107,7 +107,7 @@ def _serve(config: ServiceConfig) -> int:
     dispatcher died, or no worker could start); 2 if it could not start at all."""
     import time
 
-    from .service import Service
+    from loader_service.service import Service
 
     log = logging.getLogger("loader_service")
     svc = Service(config)
@@ -151,8 +151,8 @@ def _serve(config: ServiceConfig) -> int:
 
 
 def _demo(config: ServiceConfig, args) -> int:
-    from .consumer import run  # no torch: the demo runs in the service image too
-    from .service import Service
+    from loader_service.cli.consumer import run  # no torch: the demo runs in the service image too
+    from loader_service.service import Service
 
     with Service(config) as svc:
         print(f"demo: service on {svc.endpoint} with {config.workers} workers, {len(svc.sources['demo'])} demo "

@@ -25,7 +25,7 @@
 
 #include "_jpegshared.h"
 
-#define DEFAULT_MAX_PIXELS 178956970ULL /* as loader_service.jpeg.DEFAULT_MAX_PIXELS */
+#define DEFAULT_MAX_PIXELS 178956970ULL /* as loader_service.decode.jpeg.DEFAULT_MAX_PIXELS */
 #define MAX_RESTART_INTERVAL 65535U    /* the DRI field is 16 bits */
 
 /* A growing output buffer that the caller frees whatever happened (jpeg_mem_dest's buffer

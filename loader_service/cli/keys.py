@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .curve import CLIENT, SERVER, make_keys
+from wire.keys import CLIENT, SERVER, make_keys
 
 
 def add_keys_parser(sub) -> None:

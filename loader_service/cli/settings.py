@@ -14,7 +14,7 @@ import json
 import typing
 from typing import Any, Dict, Tuple
 
-from .config import ENV_PREFIX, CONFIG_ENV, Loaded, load_config, option_extra, option_fields, redacted
+from loader_service.config import ENV_PREFIX, CONFIG_ENV, Loaded, load_config, option_extra, option_fields, redacted
 
 
 def flag_name(name: str) -> str:

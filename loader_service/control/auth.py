@@ -14,7 +14,7 @@ import secrets
 import tempfile
 from typing import NamedTuple, Optional, Tuple
 
-log = logging.getLogger("loader_service.auth")
+log = logging.getLogger("loader_service.control.auth")
 
 
 class Token(NamedTuple):

@@ -15,9 +15,9 @@ from typing import Optional, Sequence, Tuple
 import cv2
 import numpy as np
 
-from .jpeg import DEFAULT_OPTIONS, DecodeOptions
-from .sources.base import Sample
-from .transforms import TransformSpec, process_sample, resize_into
+from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
+from loader_service.sources.base import Sample
+from loader_service.decode.transforms import TransformSpec, process_sample, resize_into
 
 cv2.setNumThreads(1)  # one worker per core; OpenCV's own threads would oversubscribe
 

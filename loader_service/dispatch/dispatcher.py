@@ -4,12 +4,12 @@ It reads three sockets (clients, workers, the connection monitor), the workers' 
 sentinels and a wake-up pipe, turns what it reads into events for the pure parts and applies
 the effects they return:
 
-* :class:`~loader_service.stream_state.StreamState`: one stream's batches, slots, redo and
+* :class:`~loader_service.dispatch.stream_state.StreamState`: one stream's batches, slots, redo and
   isolation rules, and the order batches leave in;
-* :class:`~loader_service.slots.SlotArena`: shared-memory segments and zero-copy sends;
-* :class:`~loader_service.sessions.Sessions`: client identities and connections;
-* :class:`~loader_service.scheduler.Scheduler`: which stream an idle worker serves;
-* :class:`~loader_service.deadlines.TaskDeadlines`: when a running task counts as hung.
+* :class:`~loader_service.dispatch.slots.SlotArena`: shared-memory segments and zero-copy sends;
+* :class:`~loader_service.dispatch.sessions.Sessions`: client identities and connections;
+* :class:`~loader_service.dispatch.scheduler.Scheduler`: which stream an idle worker serves;
+* :class:`~loader_service.dispatch.deadlines.TaskDeadlines`: when a running task counts as hung.
 
 Other threads never touch this state: they submit a function with :meth:`Dispatcher.call` (a
 Future comes back) or :meth:`Dispatcher.post`, and the loop runs it between events. Every
@@ -46,26 +46,26 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import protocol as P
-from . import shm
-from .config import ServiceConfig
-from .curve import HANDSHAKE_FAILED, secure_router
-from .deadlines import TaskDeadlines
-from .jobs import conflicts, describe_conflicts, plan_params
-from .jpeg import decode_path
-from .pipelines import JobPipeline, PipelineError, Registry, job_pipeline
-from .plan import PlanSpec, RankPlan, make_plan
-from .pool import WorkerPool, describe_exit
-from .scheduler import Scheduler
-from .sessions import Session, Sessions
-from .shm import Segment
-from .slots import NoCapacity, NoShmSpace, SlotArena
-from .sources import Source
-from .status import (SKIPS_SHOWN, ClientStatus, ServiceStatus, SkippedSample, StageSeconds, StreamStatus, Totals,
+from wire import protocol as P
+from loader_service import shm
+from loader_service.config import ServiceConfig
+from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
+from loader_service.dispatch.deadlines import TaskDeadlines
+from loader_service.dispatch.jobs import conflicts, describe_conflicts, plan_params
+from loader_service.decode.jpeg import decode_path
+from loader_service.decode.pipelines import JobPipeline, PipelineError, Registry, job_pipeline
+from wire.plan import PlanSpec, RankPlan, make_plan
+from loader_service.workers.pool import WorkerPool, describe_exit
+from loader_service.dispatch.scheduler import Scheduler
+from loader_service.dispatch.sessions import Session, Sessions
+from loader_service.shm import Segment
+from loader_service.dispatch.slots import NoCapacity, NoShmSpace, SlotArena
+from loader_service.sources import Source
+from loader_service.dispatch.status import (SKIPS_SHOWN, ClientStatus, ServiceStatus, SkippedSample, StageSeconds, StreamStatus, Totals,
                      WorkersStatus, WorkerStatus)
-from .stream_state import Effect, Fail, Finish, RunTask, SendBatch, StreamLimits, StreamState
+from loader_service.dispatch.stream_state import Effect, Fail, Finish, RunTask, SendBatch, StreamLimits, StreamState
 
-log = logging.getLogger("loader_service.dispatcher")
+log = logging.getLogger("loader_service.dispatch.dispatcher")
 
 CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued may take to leave
 
@@ -224,7 +224,7 @@ class Dispatcher:
         self.started = time.time()
         self.autoscaler = None
         if config.autoscale:
-            from .autoscale import AutoscalePolicy, Autoscaler
+            from loader_service.control.autoscale import AutoscalePolicy, Autoscaler
 
             self.autoscaler = Autoscaler(AutoscalePolicy.parse(config.autoscale, config.autoscale_interval_s))
 

@@ -12,7 +12,7 @@ hill-climbs the worker count:
 * otherwise hold.
 
 Each decision, with its measurements and reason, is logged, counted in metrics and kept in
-status. It reads nothing but a :class:`~loader_service.status.ServiceStatus` snapshot;
+status. It reads nothing but a :class:`~loader_service.dispatch.status.ServiceStatus` snapshot;
 ``Dispatcher.autoscale_step`` builds that snapshot and applies the decision on the dispatcher
 thread, like every other state change.
 """
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Deque, Optional
 
 if TYPE_CHECKING:
-    from .status import ServiceStatus
+    from loader_service.dispatch.status import ServiceStatus
 
-log = logging.getLogger("loader_service.autoscale")
+log = logging.getLogger("loader_service.control.autoscale")
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import zmq
 
-from . import protocol as P
-from .jpeg import DEFAULT_OPTIONS, DecodeOptions
-from .sources import SourceSpec
-from .worker import worker_main
+from wire import protocol as P
+from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
+from loader_service.sources import SourceSpec
+from loader_service.workers.worker import worker_main
 
-log = logging.getLogger("loader_service.pool")
+log = logging.getLogger("loader_service.workers.pool")
 
 MAX_START_FAILURES = 3
 REAP_TIMEOUT_S = 2.0  # an exited worker's sentinel fires a moment before it can be waited for
