@@ -618,7 +618,7 @@ def test_prerequisites_check_names_what_is_missing_and_the_next_step(tmp_path, c
 # ============================================================================ monitoring
 def _exported_metrics() -> set:
     """Metric names the service exports, as Prometheus exposes them."""
-    src = (ROOT / "loader_service" / "metrics.py").read_text()
+    src = (ROOT / "loader_service" / "control" / "metrics.py").read_text()
     names = set()
     for m in re.finditer(r'(Counter|Gauge)MetricFamily\(\s*"(loader_\w+)"', src):
         names.add(m.group(2) + ("_total" if m.group(1) == "Counter" else ""))

@@ -321,7 +321,7 @@ def context_key(engine: Engine, base_image: str) -> str:
     h.update(" ".join(AIRGAP_BUILD_ARGS).encode())
     paths = [ROOT / "Dockerfile", ROOT / ".dockerignore", ROOT / "pyproject.toml", ROOT / "README.md",
              ROOT / "deploy/docker/requirements.py", ROOT / "deploy/docker/pip-install.sh"]
-    for top in ("loader_service", "client"):
+    for top in ("loader_service", "wire", "client"):
         paths += sorted(p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts
                         and not p.name.endswith(".pyc"))
     for p in paths:
@@ -381,7 +381,7 @@ def wheel_free_context(dest: Path) -> Path:
     for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
         if (ROOT / name).exists():
             shutil.copy2(ROOT / name, dest / name)
-    for top in ("loader_service", "client"):
+    for top in ("loader_service", "wire", "client"):
         shutil.copytree(ROOT / top, dest / top, ignore=ignore)
     (dest / "deploy/docker").mkdir(parents=True)
     for name in ("requirements.py", "pip-install.sh"):
