@@ -88,8 +88,8 @@ def per_call(fn: Callable[[], None], iters: int, warmup: int, cuda: bool) -> flo
 
 
 def _config(batch: int, size: int, device: str, normalize: bool = False) -> LoaderConfig:
-    return LoaderConfig(endpoint="tcp://127.0.0.1:1", batch_size=batch, image_size=size, device=device,
-                        normalize=normalize)
+    return LoaderConfig.of("tcp://127.0.0.1:1", batch_size=batch, image_size=size, device=device,
+                           normalize=normalize)
 
 
 def h2d(batch: int, size: int, iters: int, warmup: int) -> dict:

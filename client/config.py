@@ -1,12 +1,15 @@
-"""The loader's settings: one frozen dataclass, validated on construction."""
+"""The loader's settings: one frozen dataclass, validated on construction. The job's own fields
+(what every rank shares: batch size, seed, dataset, ...) are its :class:`~wire.jobspec.JobSpec`."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 from client.errors import LoaderError
+from wire.errors import ProtocolError
+from wire.jobspec import JobSpec
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -14,22 +17,16 @@ IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 @dataclass(frozen=True)
 class LoaderConfig:
+    """This loader's settings. Build it from flat keywords (as :class:`~client.RemoteLoader`
+    takes them) with :meth:`of`."""
+
     endpoint: str
-    batch_size: int
+    spec: JobSpec  # the job: what every rank shares
     rank: int = 0
-    world_size: int = 1
-    seed: int = 0
-    shuffle: bool = True
-    drop_last: bool = False
-    image_size: int = 224
-    train: bool = True
     prefetch: int = 4
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"; "cuda" becomes "cuda:<current device>" here
-    dataset: Optional[str] = None
     timeout: float = 60.0  # seconds without any message before LoaderTimeout
     job: str = ""
-    scale: Tuple[float, float] = (0.08, 1.0)
-    ratio: Tuple[float, float] = (3 / 4, 4 / 3)
     normalize: Union[bool, Tuple[str, ...]] = False  # True: every RGB output; or the output names to normalize
     mean: Tuple[float, ...] = IMAGENET_MEAN  # on the 0..255 scale
     std: Tuple[float, ...] = IMAGENET_STD
@@ -40,22 +37,40 @@ class LoaderConfig:
     heartbeat_s: float = 2.0  # ZMTP heartbeat towards the service; a silent one counts as down after 3x
     epoch_lookahead: bool = True  # start epoch e+1 on the service once all of epoch e is asked for
     curve_keys: Optional[str] = None  # a keys dir (client.key_secret + server.key) for CURVE; None: env LOADER_CURVE_KEYS
-    pipeline: Optional[str] = None  # a pipeline the service offers; None: the built-in train/eval recipe
-    pipeline_args: Optional[Dict[str, Any]] = None  # plain (msgpack) values, checked by the pipeline
+
+    @classmethod
+    def of(cls, endpoint: str, **settings: Any) -> "LoaderConfig":
+        """From flat keyword settings: those that name a :class:`JobSpec` field form the spec
+        (``pipeline=None`` and ``pipeline_args=None`` mean none), the rest are the loader's own."""
+        job = {k: settings.pop(k) for k in JobSpec.names() if k in settings}
+        if job.get("pipeline") is None:
+            job.pop("pipeline", None)
+        if job.get("pipeline_args") is None:
+            job.pop("pipeline_args", None)
+        elif not isinstance(job["pipeline_args"], dict):
+            raise ValueError(f"pipeline_args must be a dict, got {type(job['pipeline_args']).__name__}")
+        for name in ("scale", "ratio"):
+            if name in job:
+                job[name] = list(job[name])
+        if "batch_size" not in job:
+            raise ValueError("batch_size is required")
+        return cls(endpoint=endpoint, spec=JobSpec(**job), **settings)
 
     @property
     def max_frame_bytes(self) -> int:
         """The largest frame this loader accepts: a full batch of images plus 1 MiB for the
         header (indices, skip reasons, an error's traceback). A peer sending more is dropped."""
-        return self.batch_size * self.image_size * self.image_size * 3 + (1 << 20)
+        return self.spec.batch_size * self.spec.image_size * self.spec.image_size * 3 + (1 << 20)
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
             raise ValueError(f"endpoint must look like tcp://host:port, got {self.endpoint!r}")
+        try:
+            self.spec.check()
+        except ProtocolError as exc:
+            raise ValueError(f"invalid job setting: {exc}") from None
         checks = [
-            ("batch_size", self.batch_size >= 1), ("world_size", self.world_size >= 1),
-            ("rank", 0 <= self.rank < self.world_size), ("seed", self.seed >= 0),
-            ("image_size", self.image_size >= 8), ("prefetch", 1 <= self.prefetch <= 256),
+            ("rank", 0 <= self.rank < self.spec.world_size), ("prefetch", 1 <= self.prefetch <= 256),
             ("timeout", self.timeout > 0), ("echo", self.echo >= 1),
             ("replica_timeout", self.replica_timeout > 0), ("heartbeat_s", self.heartbeat_s > 0),
             ("device_prefetch", 1 <= self.device_prefetch <= 8),
@@ -65,10 +80,6 @@ class LoaderConfig:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name.split('/')[0], None)!r}")
-        if self.pipeline_args is not None and not self.pipeline:
-            raise ValueError("pipeline_args given without pipeline")
-        if self.pipeline_args is not None and not isinstance(self.pipeline_args, dict):
-            raise ValueError(f"pipeline_args must be a dict, got {type(self.pipeline_args).__name__}")
         if not isinstance(self.normalize, bool):
             names = (self.normalize,) if isinstance(self.normalize, str) else tuple(self.normalize)
             object.__setattr__(self, "normalize", names)

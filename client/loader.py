@@ -32,6 +32,7 @@ from wire.plan import num_batches
 
 from client.batch import Batch
 from client.config import LoaderConfig
+from wire.jobspec import JobSpec
 from client.curve import client_keys
 from client.errors import LoaderError, LoaderTimeout
 from client.flow import EpochFlow, InOrder
@@ -42,7 +43,7 @@ log = logging.getLogger("client")
 
 STATE_VERSION = 1
 PROBE_S = 5.0  # silence, while batches are owed, after which the loader asks again
-_PLAN_KEYS = ("seed", "world_size", "rank", "batch_size", "shuffle", "drop_last", "dataset")
+_PLAN_KEYS = JobSpec.order_fields() + ("rank",)  # what fixes this rank's batches: a resume must match them
 
 
 @dataclass
@@ -76,18 +77,18 @@ class RemoteLoader:
         if not endpoints:
             raise ValueError("endpoint: give at least one tcp://host:port")
         self.endpoints = endpoints
-        self.config = LoaderConfig(endpoint=endpoints[0], batch_size=batch_size, rank=rank, world_size=world_size,
-                                   seed=seed, shuffle=shuffle, drop_last=drop_last, image_size=image_size,
-                                   train=train, prefetch=prefetch, device=str(device), **options)
+        self.config = LoaderConfig.of(endpoints[0], batch_size=batch_size, rank=rank, world_size=world_size,
+                                      seed=seed, shuffle=shuffle, drop_last=drop_last, image_size=image_size,
+                                      train=train, prefetch=prefetch, device=str(device), **options)
         for e in endpoints[1:]:
-            LoaderConfig(endpoint=e, batch_size=batch_size)  # validates the address
+            LoaderConfig(endpoint=e, spec=self.config.spec)  # validates the address
         # batches this rank may have asked for or hold (received, in the device sink) at once;
         # any one replica may be asked for all of them if it is the one that delivers soonest
         self._window = self.config.prefetch * len(endpoints)
         self._curve = client_keys(self.config.curve_keys)  # None: plain ZMTP
         # a named pipeline's outputs (and so the sink and the frame cap) come with the dataset's description
         self._frame_cap = self.config.max_frame_bytes
-        self._sink = None if self.config.pipeline else make_sink(self.config, self._window)
+        self._sink = None if self.config.spec.pipeline else make_sink(self.config, self._window)
         self._ctx: Optional[zmq.Context] = None
         self._replicas: List[Replica] = []
         self._spare: List[Replica] = []  # a second connection per replica, for epoch lookahead
@@ -112,7 +113,7 @@ class RemoteLoader:
             self._describe()
         assert self._dataset_length is not None
         c = self.config
-        return num_batches(self._dataset_length, c.batch_size, c.world_size, c.drop_last) * c.echo
+        return num_batches(self._dataset_length, c.spec.batch_size, c.spec.world_size, c.spec.drop_last) * c.echo
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration serves (as with DistributedSampler). Called while
@@ -167,15 +168,15 @@ class RemoteLoader:
         """The cursor: where the next iteration starts. Small, JSON-friendly."""
         c = self.config
         state = {"version": STATE_VERSION, "epoch": self._epoch, "next_batch": self._next_batch}
-        state.update({k: getattr(c, k) for k in _PLAN_KEYS})
+        state.update({k: getattr(c, k) if k == "rank" else getattr(c.spec, k) for k in _PLAN_KEYS})
         return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``; the plan-defining settings must match this loader's."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported loader state version {state.get('version')!r}")
-        mismatched = {k: (state.get(k), getattr(self.config, k)) for k in _PLAN_KEYS
-                      if state.get(k) != getattr(self.config, k)}
+        mine = self.state_dict()
+        mismatched = {k: (state.get(k), mine[k]) for k in _PLAN_KEYS if state.get(k) != mine[k]}
         if mismatched:
             detail = ", ".join(f"{k}: saved {a!r} vs loader {b!r}" for k, (a, b) in mismatched.items())
             raise ValueError(f"loader state does not match this loader's plan ({detail})")
@@ -219,7 +220,7 @@ class RemoteLoader:
     def _raw_len(self) -> int:
         c = self.config
         assert self._dataset_length is not None
-        return num_batches(self._dataset_length, c.batch_size, c.world_size, c.drop_last)
+        return num_batches(self._dataset_length, c.spec.batch_size, c.spec.world_size, c.spec.drop_last)
 
     def _iterate(self, epoch: int, start: int) -> Iterator[Batch]:
         """One epoch from batch ``start``, in plan order. Three stages, one job each: the
@@ -378,11 +379,8 @@ class RemoteLoader:
         c = self.config
         self._stream += 1
         r.hello(self._stream, P.Hello(
-            stream=self._stream, batch_size=c.batch_size, image_size=c.image_size, seed=c.seed, epoch=epoch,
-            rank=c.rank, world_size=c.world_size, shuffle=c.shuffle, drop_last=c.drop_last, train=c.train,
-            prefetch=c.prefetch, dataset=c.dataset, scale=list(c.scale), ratio=list(c.ratio), job=c.job,
-            batches=list(batches), lookahead=lookahead, on_demand=True, client=self._client_id,
-            pipeline=c.pipeline or "", pipeline_args=c.pipeline_args or {}))
+            stream=self._stream, spec=c.spec, epoch=epoch, rank=c.rank, prefetch=c.prefetch, job=c.job,
+            batches=list(batches), lookahead=lookahead, on_demand=True, client=self._client_id))
 
     def _restart(self, r: Replica, flow: EpochFlow) -> None:
         """A new stream on ``r`` for the batches it was asked for and has not delivered."""
@@ -538,7 +536,7 @@ class RemoteLoader:
         """Learn the dataset's length from whichever replica answers first."""
         reps = self._connect()
         c = self.config
-        describe = P.Describe(dataset=c.dataset, pipeline=c.pipeline or "", pipeline_args=c.pipeline_args or {})
+        describe = P.Describe(dataset=c.spec.dataset, pipeline=c.spec.pipeline, pipeline_args=c.spec.pipeline_args)
         for r in reps:
             r.send(describe)
         poller = zmq.Poller()
@@ -558,7 +556,7 @@ class RemoteLoader:
                 if r.sock in events:
                     msg, _ = self._recv(r)
                     if isinstance(msg, P.DatasetInfo):
-                        if c.pipeline and self._sink is None:
+                        if c.spec.pipeline and self._sink is None:
                             self._use_outputs(r.endpoint, msg.outputs)
                         self._dataset_length = msg.length
                         return
@@ -568,10 +566,10 @@ class RemoteLoader:
         c = self.config
         if not outputs:
             raise LoaderError(P.ErrorCode.BAD_JOB, f"the service at {endpoint} did not describe pipeline "
-                              f"{c.pipeline!r}: it predates named pipelines; upgrade it")
+                              f"{c.spec.pipeline!r}: it predates named pipelines; upgrade it")
         layout = [(str(name), tuple(int(d) for d in shape)) for name, shape in outputs]
         self._sink = make_sink(c, self._window, layout)
-        cap = c.batch_size * max(math.prod(s) for _, s in layout) + (1 << 20)
+        cap = c.spec.batch_size * max(math.prod(s) for _, s in layout) + (1 << 20)
         if cap > self._frame_cap:  # the connections were opened with a smaller cap: open them again
             self._frame_cap = cap
             for r in self._replicas:

@@ -66,7 +66,7 @@ Outputs = List[Tuple[str, Tuple[int, ...]]]  # (name, per-sample shape) of each 
 
 def legacy_outputs(config: LoaderConfig) -> Outputs:
     """The one image output of a job that names no pipeline."""
-    return [("image", (config.image_size, config.image_size, 3))]
+    return [("image", (config.spec.image_size, config.spec.image_size, 3))]
 
 
 def make_sink(config: LoaderConfig, held: int, outputs: Optional[Outputs] = None):
@@ -215,11 +215,11 @@ class CudaSink:
             raise ValueError(f"CudaSink needs an explicit device index, got {config.device!r}")
         self.outputs = outputs or legacy_outputs(config)
         self.normalize = _normalizers(config, self.outputs)
-        self._output_bytes = [config.batch_size * math.prod(shape) for _, shape in self.outputs]
+        self._output_bytes = [config.spec.batch_size * math.prod(shape) for _, shape in self.outputs]
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(device=self.device)
             # one slot per batch the loader may hold before pushing it, plus one to receive into
-            self._slots = [_Slot(self._output_bytes, config.batch_size) for _ in range(held + 1)]
+            self._slots = [_Slot(self._output_bytes, config.spec.batch_size) for _ in range(held + 1)]
         self._free: Deque[_Slot] = deque(self._slots)  # oldest copy first: most likely finished
         self._done: Dict[int, torch.cuda.Event] = {}  # batch index -> its copy + normalize finished
         self._handed: Optional[Tuple[int, torch.cuda.Event]] = None  # the last batch handed over (echo)
@@ -227,9 +227,9 @@ class CudaSink:
 
     def receive(self, sock: zmq.Socket, msg: P.Batch):
         shapes = _check_outputs(msg, self.outputs)
-        if len(msg.indices) > self.config.batch_size:
+        if len(msg.indices) > self.config.spec.batch_size:
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"batch of {len(msg.indices)} samples exceeds the loader's "
-                              f"slots ({self.config.batch_size})")
+                              f"slots ({self.config.spec.batch_size})")
         slot = self._take_slot()
         n = len(msg.indices)
         host = [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(slot.outputs, shapes)]

@@ -146,7 +146,7 @@ def test_loader_config_validation_names_the_field(kwargs, field):
     args = dict(endpoint="tcp://127.0.0.1:9", batch_size=4)
     args.update(kwargs)
     with pytest.raises(ValueError, match=field):
-        LoaderConfig(**args)
+        LoaderConfig.of(**args)
 
 
 def test_closed_loader_refuses_to_iterate(service):

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from wire import protocol as P
+from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
 from loader_service.dispatch.dispatcher import Dispatcher
 
@@ -70,7 +71,7 @@ def _send(d: Dispatcher, ident: bytes, msg: P.Message, fd: int = FD) -> None:
 
 
 def _hello(stream: int = 1) -> P.Hello:
-    return P.Hello(stream=stream, batch_size=4, image_size=32, prefetch=2)
+    return P.Hello(stream=stream, spec=JobSpec(batch_size=4, image_size=32), prefetch=2)
 
 
 def test_disconnect_of_an_earlier_connection_on_the_same_fd_keeps_the_new_client(dispatcher):
@@ -120,7 +121,7 @@ def tight_dispatcher(demo_source):
 
 
 def _big_hello(stream: int = 1, **kw) -> P.Hello:
-    return P.Hello(stream=stream, batch_size=64, image_size=128, prefetch=2, **kw)
+    return P.Hello(stream=stream, spec=JobSpec(batch_size=64, image_size=128), prefetch=2, **kw)
 
 
 def test_a_stream_waits_for_the_slots_of_a_stream_that_is_still_ending(tight_dispatcher):
@@ -157,7 +158,7 @@ def test_a_stream_that_cannot_fit_even_after_the_ending_ones_is_refused_at_once(
     _send(d, first, _big_hello(stream=2), fd=21)  # its next epoch, while a task reads the old slots
     assert d.sessions.get(first).stream is None and first in d.waiting  # its own old slots: it waits
 
-    _send(d, second, P.Hello(stream=1, batch_size=64, image_size=128, prefetch=4), fd=22)  # 12 MiB > 10
+    _send(d, second, P.Hello(stream=1, spec=JobSpec(batch_size=64, image_size=128), prefetch=4), fd=22)  # 12 MiB > 10
     assert d.sessions.get(second).stream is None and second not in d.waiting
     refusal = [m for i, m in d.sent if i == second]
     assert len(refusal) == 1 and refusal[0].code == P.ErrorCode.NO_CAPACITY and refusal[0].fatal

@@ -15,6 +15,7 @@ from client import RemoteLoader
 from client.curve import HandshakeWatch
 from client.errors import LoaderError, LoaderTimeout
 from wire import protocol as P
+from wire.jobspec import JobSpec
 from loader_service.cli.main import main as cli
 from loader_service.dispatch.curve import RefusalLog
 from wire.keys import make_keys
@@ -164,8 +165,8 @@ def raw_dealer(ctx, endpoint, keys_dir=None):
         s.curve_serverkey, _ = zmq.auth.load_certificate(os.path.join(keys_dir, "server.key"))
     s.connect(endpoint)
     s.send_multipart(P.encode(P.Describe(dataset="nope")))
-    s.send_multipart(P.encode(P.Hello(stream=1, batch_size=8, image_size=32, seed=0, epoch=0, rank=0,
-                                      world_size=1)))
+    s.send_multipart(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=8, image_size=32, seed=0, world_size=1),
+                                      epoch=0, rank=0)))
     return s
 
 

@@ -16,6 +16,7 @@ import zmq
 
 from client import LoaderError, RemoteLoader
 from wire import protocol as P
+from wire.jobspec import JobSpec
 from loader_service.sources.fault import FaultSource
 from loader_service.testing import ServiceProcess, free_port
 
@@ -181,7 +182,7 @@ def random_frames(rng: random.Random):
     if kind == 1:
         return [msgpack.packb({rng.choice(["v", "t", "x"]): rng.choice([1, "a", None, [1], 2**40])})]
     if kind == 2:
-        good = P.encode_header(P.Hello(stream=1, batch_size=4, image_size=32))
+        good = P.encode_header(P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32)))
         return [good[: rng.randrange(1, len(good))]]
     if kind == 3:
         return [P.encode_header(P.Credit(stream=rng.randrange(0, 5), n=1)), rng.randbytes(10)]

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from wire import protocol as P
+from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
 
 from .test_connections import _loopless, _send
@@ -44,8 +45,8 @@ class MemoryModel(RuleBasedStateMachine):
     def hello(self, k, slots, first):  # 16/32/48 slots: 192/384/576 KiB of a 1 MiB cap
         self.stream_no[k] += 1
         self.asked[k] = first
-        _send(self.d, self.ids[k], P.Hello(stream=self.stream_no[k], batch_size=4, image_size=32, prefetch=slots,
-                                           on_demand=True, batches=list(range(first))), fd=100 + k)
+        _send(self.d, self.ids[k], P.Hello(stream=self.stream_no[k], spec=JobSpec(batch_size=4, image_size=32),
+                                           prefetch=slots, on_demand=True, batches=list(range(first))), fd=100 + k)
 
     @rule(k=st.integers(0, CLIENTS - 1), n=st.integers(1, 3))
     def request(self, k, n):
@@ -151,8 +152,8 @@ def test_a_stream_that_lent_its_slots_waits_for_them_then_takes_them_from_one_th
                                 reclaim_idle_s=0), demo_source)
     try:
         a, b = uuid.uuid4().bytes, uuid.uuid4().bytes
-        _send(d, a, P.Hello(stream=1, batch_size=4, image_size=32, prefetch=48, on_demand=True), fd=100)
-        _send(d, b, P.Hello(stream=1, batch_size=4, image_size=32, prefetch=48, on_demand=True, batches=[0]), fd=101)
+        _send(d, a, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), prefetch=48, on_demand=True), fd=100)
+        _send(d, b, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), prefetch=48, on_demand=True, batches=[0]), fd=101)
         sa, sb = d.sessions.get(a).stream, d.sessions.get(b).stream
         assert sa.segment is None and sb.segment is not None  # a asked for nothing: it lent its slots to b
 

@@ -8,10 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wire import protocol as P
+from wire.jobspec import JobSpec
 
 SAMPLES = [
-    P.Hello(stream=1, batch_size=32, image_size=224, seed=3, epoch=2, rank=1, world_size=4, shuffle=False,
-            drop_last=True, train=False, start_batch=5, prefetch=8, dataset="demo", job="resnet"),
+    P.Hello(stream=1, spec=JobSpec(batch_size=32, image_size=224, seed=3, world_size=4, shuffle=False, drop_last=True,
+                                   train=False, dataset="demo"), epoch=2, rank=1, start_batch=5, prefetch=8, job="resnet"),
+    P.Hello(stream=2, spec=JobSpec(batch_size=8, image_size=64, scale=[0.25, 1.0], pipeline="multicrop",
+                                   pipeline_args={"crops": 2})),
     P.Credit(stream=3, n=2, wait_s=1.5, h2d_s=0.25, consumed=9),
     P.Bye(),
     P.Describe(dataset=None),
@@ -20,8 +23,8 @@ SAMPLES = [
     P.Error(code=P.ErrorCode.BAD_JOB, message="nope", stream=4, fatal=False, traceback="tb"),
     P.DatasetInfo(dataset="demo", length=10, num_classes=2),
     P.Ready(worker=1, pid=123),
-    P.Task(task=1, dataset="d", shm="loader_service-1-x", offset=0, indices=[1, 2], seed=0, epoch=0, train=True,
-           image_size=8, scale=[0.08, 1.0], ratio=[0.75, 1.33]),
+    P.Task(task=1, dataset="d", shm="loader_service-1-x", offset=0, indices=[1, 2], seed=0, epoch=0,
+           pipeline="train", pipeline_args={"size": 8, "scale": [0.08, 1.0], "ratio": [0.75, 1.33]}),
     P.Done(task=1, worker=2, ok=True, read_s=0.1, skipped=[[0, 5, "bad"]]),
     P.Stop(),
 ]
@@ -67,14 +70,17 @@ def header(**fields):
     (msgpack.packb({"t": 1}), P.ErrorCode.BAD_VERSION, "version None"),
     (header(t=77), P.ErrorCode.BAD_MESSAGE, "unknown message type 77"),
     (header(t=True), P.ErrorCode.BAD_MESSAGE, "unknown message type True"),
-    (header(t=1, stream=1, batch_size=2), P.ErrorCode.BAD_MESSAGE, "missing field 'image_size'"),
-    (header(t=1, stream=1, batch_size="2", image_size=8), P.ErrorCode.BAD_MESSAGE, "batch_size must be int"),
-    (header(t=1, stream=1, batch_size=True, image_size=8), P.ErrorCode.BAD_MESSAGE, "batch_size must be int"),
-    (header(t=1, stream=1, batch_size=0, image_size=8), P.ErrorCode.BAD_JOB, r"batch_size must be \[1"),
-    (header(t=1, stream=1, batch_size=2, image_size=8, rank=2, world_size=2), P.ErrorCode.BAD_JOB, "rank"),
-    (header(t=1, stream=1, batch_size=2, image_size=8, scale=[0.5]), P.ErrorCode.BAD_JOB, "scale must be two"),
-    (header(t=1, stream=1, batch_size=2, image_size=8, scale=[0.5, 2]), P.ErrorCode.BAD_JOB, "scale max"),
-    (header(t=1, stream=1, batch_size=2, image_size=8, evil=1), P.ErrorCode.BAD_MESSAGE, "no field"),
+    (header(t=1, stream=1), P.ErrorCode.BAD_MESSAGE, "missing field 'spec'"),
+    (header(t=1, stream=1, spec={"image_size": 8}), P.ErrorCode.BAD_MESSAGE, "JobSpec is missing field 'batch_size'"),
+    (header(t=1, stream=1, spec=[2, 8]), P.ErrorCode.BAD_MESSAGE, "spec must be a map"),
+    (header(t=1, stream=1, spec={"batch_size": "2", "image_size": 8}), P.ErrorCode.BAD_MESSAGE, "batch_size must be int"),
+    (header(t=1, stream=1, spec={"batch_size": True, "image_size": 8}), P.ErrorCode.BAD_MESSAGE, "batch_size must be int"),
+    (header(t=1, stream=1, spec={"batch_size": 0, "image_size": 8}), P.ErrorCode.BAD_JOB, r"batch_size must be \[1"),
+    (header(t=1, stream=1, spec={"batch_size": 2, "world_size": 2}, rank=2), P.ErrorCode.BAD_JOB, "rank"),
+    (header(t=1, stream=1, spec={"batch_size": 2, "scale": [0.5]}), P.ErrorCode.BAD_JOB, "scale must be two"),
+    (header(t=1, stream=1, spec={"batch_size": 2, "scale": [0.5, 2]}), P.ErrorCode.BAD_JOB, "scale max"),
+    (header(t=1, stream=1, spec={"batch_size": 2}, evil=1), P.ErrorCode.BAD_MESSAGE, "no field"),
+    (header(t=1, stream=1, spec={"batch_size": 2, "evil": 1}), P.ErrorCode.BAD_MESSAGE, "JobSpec has no field"),
     (header(t=2, stream=1, n=0), P.ErrorCode.BAD_JOB, "Credit.n"),
     (msgpack.packb({"v": 1, "t": 1, 5: 1}), P.ErrorCode.BAD_MESSAGE, "not valid msgpack"),
 ])
@@ -109,7 +115,8 @@ json_like = st.recursive(
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(t=st.sampled_from([int(x) for x in P.MsgType] + [0, 99]), fields=st.dictionaries(
     st.sampled_from(["stream", "batch_size", "image_size", "n", "indices", "shape", "scale", "ratio", "code",
-                     "message", "task", "worker", "rank", "world_size", "epoch", "dataset", "x"]), json_like, max_size=8),
+                     "message", "task", "worker", "rank", "world_size", "epoch", "dataset", "spec", "x"]), json_like,
+    max_size=8),
        extra=st.lists(st.binary(max_size=64), max_size=3))
 def test_fuzzed_headers_raise_protocol_error_or_decode(t, fields, extra):
     frames = [header(t=t, **fields), *extra]
@@ -119,6 +126,19 @@ def test_fuzzed_headers_raise_protocol_error_or_decode(t, fields, extra):
         return
     # whatever decodes must re-encode to an equal message
     again, _ = P.decode(P.encode(msg, *data))
+    assert again == msg
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=st.dictionaries(st.sampled_from([*JobSpec.names(), "x"]), json_like, max_size=6),
+       rank=st.integers(-1, 3))
+def test_fuzzed_job_specs_raise_protocol_error_or_decode(spec, rank):
+    try:
+        msg, _ = P.decode([header(t=int(P.MsgType.HELLO), stream=1, rank=rank, spec=spec)])
+    except P.ProtocolError:
+        return
+    assert isinstance(msg.spec, JobSpec) and 0 <= msg.rank < msg.spec.world_size
+    again, _ = P.decode(P.encode(msg))
     assert again == msg
 
 

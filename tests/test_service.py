@@ -11,6 +11,7 @@ import zmq
 
 from client import LoaderError, LoaderTimeout, RemoteLoader
 from wire import protocol as P
+from wire.jobspec import JobSpec
 from loader_service import shm
 from loader_service.config import ServiceConfig
 from wire.plan import PlanSpec, epoch_permutation, make_plan
@@ -153,7 +154,8 @@ def reply(sock, timeout_ms=10000):
 @pytest.mark.parametrize("frames, code, match", [
     ([b"garbage"], "bad_message", "not valid msgpack"),
     ([b"\x82\xa1v\x63\xa1t\x01"], "bad_version", "version 99"),
-    ([P.encode_header(P.Hello(stream=1, batch_size=4, image_size=32)), b"extra frame"], "bad_message", "data frames"),
+    ([P.encode_header(P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32))), b"extra frame"], "bad_message",
+     "data frames"),
     ([P.encode_header(P.Accept(stream=1, epoch=0, num_batches=1, num_samples=1, dataset_length=1, dataset="d"))],
      "bad_message", "unexpected message Accept"),
 ])
@@ -176,19 +178,19 @@ def test_malformed_frames_get_an_error_reply_and_harm_no_one(service, frames, co
 def test_bad_job_spec_gets_an_error_naming_the_field(service):
     s = raw_client(service.endpoint)
     try:
-        hello = P.encode_header(P.Hello(stream=1, batch_size=4, image_size=32))
+        hello = P.encode_header(P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32)))
         raw = __import__("msgpack").unpackb(hello)
-        raw["world_size"] = 0
+        raw["spec"]["world_size"] = 0
         s.send_multipart([__import__("msgpack").packb(raw)])
         err = reply(s)
-        assert err.code == "bad_job" and "Hello.world_size" in err.message and err.stream == 1
-        s.send_multipart(P.encode(P.Hello(stream=2, batch_size=4, image_size=32, start_batch=10**6)))
+        assert err.code == "bad_job" and "JobSpec.world_size" in err.message and err.stream == 1
+        s.send_multipart(P.encode(P.Hello(stream=2, spec=JobSpec(batch_size=4, image_size=32), start_batch=10**6)))
         err = reply(s)
         assert err.code == "bad_job" and "past the end of the epoch" in err.message
-        s.send_multipart(P.encode(P.Hello(stream=3, batch_size=4, image_size=32, prefetch=256)))
+        s.send_multipart(P.encode(P.Hello(stream=3, spec=JobSpec(batch_size=4, image_size=32), prefetch=256)))
         # 256 slots x 12 KiB fits, but an absurd batch does not
         assert isinstance(reply(s), P.Accept)
-        s.send_multipart(P.encode(P.Hello(stream=4, batch_size=60000, image_size=4096, prefetch=8)))
+        s.send_multipart(P.encode(P.Hello(stream=4, spec=JobSpec(batch_size=60000, image_size=4096), prefetch=8)))
         err = reply(s)
         assert err.code == "no_capacity" and "raise --max-shm-mb" in err.message
     finally:

@@ -27,18 +27,18 @@ def fake_cuda(monkeypatch):
                                              ("cuda:1", "cuda:1")])
 def test_device_resolves_to_an_explicit_index_at_construction(fake_cuda, given, resolved):
     assert resolve_device(given) == resolved
-    assert LoaderConfig(endpoint="tcp://127.0.0.1:9", batch_size=4, device=given).device == resolved
+    assert LoaderConfig.of("tcp://127.0.0.1:9", batch_size=4, device=given).device == resolved
 
 
 def test_a_device_index_beyond_the_machine_is_refused_with_the_count(fake_cuda):
     with pytest.raises(LoaderError, match=r"has 2 CUDA device\(s\): use cuda:0..cuda:1"):
-        LoaderConfig(endpoint="tcp://127.0.0.1:9", batch_size=4, device="cuda:2")
+        LoaderConfig.of("tcp://127.0.0.1:9", batch_size=4, device="cuda:2")
 
 
 @pytest.mark.parametrize("bad", ["gpu", "cuda:", "cuda:x", "cuda:-1", "cpu:0", "CUDA", " cuda", ""])
 def test_malformed_device_names_the_field(bad):
     with pytest.raises(ValueError, match="invalid device"):
-        LoaderConfig(endpoint="tcp://127.0.0.1:9", batch_size=4, device=bad)
+        LoaderConfig.of("tcp://127.0.0.1:9", batch_size=4, device=bad)
 
 
 def test_cuda_without_cuda_is_a_clear_error(monkeypatch):

@@ -18,7 +18,10 @@ from typing import Any, ClassVar, Optional, Sequence, Union, get_args, get_origi
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: on-demand streams (Hello.on_demand + Request), stall figures as deltas
+from wire.errors import ErrorCode, ProtocolError
+from wire.jobspec import JobSpec, check_pipeline
+
+PROTOCOL_VERSION = 3  # 2: on-demand streams, stall figures as deltas; 3: Hello carries the job as one JobSpec map
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, zmq copying is cheaper than tracking a buffer
@@ -45,29 +48,6 @@ class MsgType(IntEnum):
     TASK = 21
     DONE = 22
     STOP = 23
-
-
-class ErrorCode:
-    """Stable error codes carried by :class:`Error` (strings, so logs and clients read them)."""
-
-    BAD_MESSAGE = "bad_message"
-    BAD_VERSION = "bad_version"
-    BAD_JOB = "bad_job"
-    UNKNOWN_DATASET = "unknown_dataset"
-    UNKNOWN_CLIENT = "unknown_client"
-    NO_CAPACITY = "no_capacity"
-    SAMPLE_FAILED = "sample_failed"
-    SHUTTING_DOWN = "shutting_down"
-    REPLACED = "replaced"  # a newer client took over this (job, rank)
-    INTERNAL = "internal"
-
-
-class ProtocolError(ValueError):
-    """A message that does not follow this protocol. ``code`` is an :class:`ErrorCode`."""
-
-    def __init__(self, message: str, code: str = ErrorCode.BAD_MESSAGE):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -101,48 +81,25 @@ class Hello(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
     stream: int
-    batch_size: int
-    image_size: int
-    seed: int = 0
+    spec: JobSpec  # what every rank of the job shares (see wire.jobspec)
     epoch: int = 0
     rank: int = 0
-    world_size: int = 1
-    shuffle: bool = True
-    drop_last: bool = False
-    train: bool = True
     start_batch: int = 0
     prefetch: int = 4
-    dataset: Optional[str] = None
-    scale: list = field(default_factory=lambda: [0.08, 1.0])
-    ratio: list = field(default_factory=lambda: [3 / 4, 4 / 3])
     job: str = ""
     batches: list = field(default_factory=list)
     lookahead: bool = False  # the next epoch, started early: served only when nothing else waits
     on_demand: bool = False
     client: str = ""  # the loader instance (all its connections): one (job, rank) belongs to one client
-    pipeline: str = ""  # a pipeline the service offers ("": the built-in train/eval recipe from the fields above)
-    pipeline_args: dict = field(default_factory=dict)  # plain values, checked by the pipeline
 
     def check(self) -> None:
         _range(self, "stream", 0)
-        _check_pipeline(self)
+        self.spec.check()
         _check_batches(self.batches)
-        _range(self, "batch_size", 1, 1 << 16)
-        _range(self, "image_size", 8, 4096)
-        _range(self, "seed", 0, (1 << 63) - 1)
         _range(self, "epoch", 0, (1 << 31) - 1)
-        _range(self, "world_size", 1, 1 << 16)
-        _range(self, "rank", 0, self.world_size - 1)
+        _range(self, "rank", 0, self.spec.world_size - 1)
         _range(self, "start_batch", 0)
         _range(self, "prefetch", 1, 256)
-        for name in ("scale", "ratio"):
-            v = getattr(self, name)
-            if len(v) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-                raise ProtocolError(f"{name} must be two numbers, got {v!r}", ErrorCode.BAD_JOB)
-            if not 0 < v[0] <= v[1]:
-                raise ProtocolError(f"{name} must satisfy 0 < min <= max, got {v!r}", ErrorCode.BAD_JOB)
-        if self.scale[1] > 1:
-            raise ProtocolError(f"scale max must be <= 1, got {self.scale[1]}", ErrorCode.BAD_JOB)
         if len(self.job) > 256 or len(self.client) > 64:
             raise ProtocolError("job name longer than 256 characters, or client id longer than 64", ErrorCode.BAD_JOB)
 
@@ -212,7 +169,7 @@ class Describe(Message):
     pipeline_args: dict = field(default_factory=dict)
 
     def check(self) -> None:
-        _check_pipeline(self)
+        check_pipeline(type(self).__name__, self.pipeline, self.pipeline_args)
 
 
 # --------------------------------------------------------------------------- service -> client
@@ -353,16 +310,12 @@ class Task(Message):
     shm: str
     offset: int
     indices: list
-    seed: int
+    seed: int  # with epoch and the sample's index: its random draws (see decode.transforms.sample_rng)
     epoch: int
-    train: bool
-    image_size: int
-    scale: list
-    ratio: list
     on_error: str = "raise"
     pipeline: str = ""  # its name, for errors
     target: str = ""  # MODULE:CALLABLE of its factory
-    pipeline_args: dict = field(default_factory=dict)
+    pipeline_args: dict = field(default_factory=dict)  # resolved: the built-in recipe's args come from the JobSpec
     capacity: int = 0  # samples per output block of the slot at ``offset``
     position: int = 0  # where in each block the first of ``indices`` goes
 
@@ -401,15 +354,21 @@ def encode_header(msg: Message) -> bytes:
     """Frame 0 of ``msg`` alone (for senders that build data frames themselves). Fields left at
     their default are not written (the receiver fills them in), so a message that uses no newer
     field still decodes on a peer that predates it."""
-    header = {"v": PROTOCOL_VERSION, "t": int(msg.TYPE)}
-    defaults = _DEFAULTS.get(type(msg))
-    if defaults is None:
-        defaults = _DEFAULTS[type(msg)] = _defaults(type(msg))
-    for f in fields(msg):
-        value = getattr(msg, f.name)
-        if f.name not in defaults or value != defaults[f.name]:
-            header[f.name] = value
+    header = {"v": PROTOCOL_VERSION, "t": int(msg.TYPE), **_changed(msg)}
     return msgpack.packb(header, use_bin_type=True)
+
+
+def _changed(obj: Any) -> dict:
+    """The fields of a message (or of a :class:`JobSpec` inside one) that differ from their defaults."""
+    defaults = _DEFAULTS.get(type(obj))
+    if defaults is None:
+        defaults = _DEFAULTS[type(obj)] = _defaults(type(obj))
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.name not in defaults or value != defaults[f.name]:
+            out[f.name] = _changed(value) if isinstance(value, JobSpec) else value
+    return out
 
 
 def _defaults(cls: type) -> dict:
@@ -474,7 +433,8 @@ def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
             raise ProtocolError(f"Batch frames are {list(sizes)} bytes, header says {want}")
 
 
-def _build(cls: type, header: dict) -> Message:
+def _build(cls: type, header: dict) -> Any:
+    """``cls`` (a message, or a :class:`JobSpec` inside one) from a decoded map, every field checked."""
     kwargs = {}
     known = {f.name: f for f in fields(cls)}
     unknown = set(header) - set(known)
@@ -512,6 +472,10 @@ def _coerce(cls: type, name: str, hint: Any, value: Any) -> Any:
         ok = isinstance(value, list)
     elif hint is dict:
         ok = isinstance(value, dict)
+    elif hint is JobSpec:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ProtocolError(f"{where} must be a map of the job's fields, got {type(value).__name__}")
+        return _build(JobSpec, value)
     else:  # pragma: no cover - a field type this module does not know is a programming error
         raise TypeError(f"unsupported field type {hint!r} for {where}")
     if not ok:
@@ -538,15 +502,6 @@ def _check_stall(msg: Message) -> None:
     for name in ("wait_s", "h2d_s"):
         if getattr(msg, name) < 0:
             raise ProtocolError(f"{type(msg).__name__}.{name} is a delta and must be >= 0", ErrorCode.BAD_MESSAGE)
-
-
-def _check_pipeline(msg: Message) -> None:
-    if len(msg.pipeline) > 64:
-        raise ProtocolError(f"{type(msg).__name__}.pipeline: a name of at most 64 characters", ErrorCode.BAD_JOB)
-    if msg.pipeline_args and not msg.pipeline:
-        raise ProtocolError("pipeline_args given without a pipeline name", ErrorCode.BAD_JOB)
-    if not all(isinstance(k, str) for k in msg.pipeline_args):
-        raise ProtocolError("pipeline_args keys must be strings", ErrorCode.BAD_JOB)
 
 
 def _check_outputs(outputs: list) -> None:

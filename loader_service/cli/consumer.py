@@ -19,6 +19,7 @@ import numpy as np
 import zmq
 
 from wire import protocol as P
+from wire.jobspec import JobSpec
 from wire.progress import EpochProgress
 
 
@@ -55,9 +56,9 @@ class Consumer:
         """The batches of one epoch, in the order they arrive."""
         self.stream += 1
         self.wait_s, consumed = 0.0, 0
-        self.sock.send_multipart(P.encode(P.Hello(
-            stream=self.stream, batch_size=self.batch_size, image_size=self.image_size, seed=self.seed, epoch=epoch,
-            prefetch=self.prefetch, job=self.job, dataset=self.dataset)))
+        spec = JobSpec(batch_size=self.batch_size, image_size=self.image_size, seed=self.seed, dataset=self.dataset)
+        self.sock.send_multipart(P.encode(P.Hello(stream=self.stream, spec=spec, epoch=epoch, prefetch=self.prefetch,
+                                                  job=self.job)))
         while True:
             t0 = time.perf_counter()
             msg, data = self._recv()

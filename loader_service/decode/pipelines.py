@@ -32,6 +32,7 @@ import numpy as np
 
 from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
 from loader_service.sources.base import Sample
+from wire.jobspec import JobSpec
 
 MAX_SAMPLE_OUTPUT_BYTES = 256 << 20  # one sample's outputs together; a bigger declaration is a mistake
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
@@ -314,11 +315,16 @@ class JobPipeline:
         return [[k, list(v)] for k, v in self.pipeline.outputs.items()]
 
 
-def job_pipeline(registry: Registry, pipeline: str, args: Mapping[str, Any], image_size: int = 224,
-                 train: bool = True, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> JobPipeline:
-    """What a Hello (or a Describe) asks for; PipelineError when the service cannot run it."""
-    named = bool(pipeline)
-    if not named:
-        pipeline, args = legacy_args(image_size, train, scale, ratio)
+def job_pipeline(registry: Registry, spec: JobSpec) -> JobPipeline:
+    """What a job's spec asks for (a named pipeline, else the built-in recipe its fields
+    describe); PipelineError when the service cannot run it."""
+    if spec.pipeline:
+        return named_pipeline(registry, spec.pipeline, spec.pipeline_args)
+    pipeline, args = legacy_args(spec.image_size, spec.train, spec.scale, spec.ratio)
+    return JobPipeline(pipeline, registry.targets.get(pipeline, ""), args, registry.build(pipeline, args), False)
+
+
+def named_pipeline(registry: Registry, pipeline: str, args: Mapping[str, Any]) -> JobPipeline:
+    """A pipeline the service offers, by name (a job's, or a Describe's)."""
     args = dict(args)
-    return JobPipeline(pipeline, registry.targets.get(pipeline, ""), args, registry.build(pipeline, args), named)
+    return JobPipeline(pipeline, registry.targets.get(pipeline, ""), args, registry.build(pipeline, args), True)

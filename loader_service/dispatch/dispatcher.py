@@ -51,10 +51,10 @@ from loader_service import shm
 from loader_service.config import ServiceConfig
 from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
 from loader_service.dispatch.deadlines import TaskDeadlines
-from loader_service.dispatch.jobs import conflicts, describe_conflicts, plan_params
+from loader_service.dispatch.jobs import describe_conflicts
 from loader_service.decode.jpeg import decode_path
-from loader_service.decode.pipelines import JobPipeline, PipelineError, Registry, job_pipeline
-from wire.plan import PlanSpec, RankPlan, make_plan
+from loader_service.decode.pipelines import JobPipeline, PipelineError, Registry, job_pipeline, named_pipeline
+from wire.plan import RankPlan, make_plan
 from loader_service.workers.pool import WorkerPool, describe_exit
 from loader_service.dispatch.scheduler import Scheduler
 from loader_service.dispatch.sessions import Session, Sessions
@@ -454,7 +454,7 @@ class Dispatcher:
         outputs = []
         if msg.pipeline:
             try:
-                outputs = job_pipeline(self.pipelines, msg.pipeline, msg.pipeline_args).outputs()
+                outputs = named_pipeline(self.pipelines, msg.pipeline, msg.pipeline_args).outputs()
             except PipelineError as exc:
                 return self._send(ident, P.Error(code=P.ErrorCode.BAD_JOB, message=str(exc)))
         self._send(ident, P.DatasetInfo(dataset=source.name, length=len(source), num_classes=source.num_classes,
@@ -480,7 +480,7 @@ class Dispatcher:
         self.waiting.pop(ident, None)
         if session.stream is not None:
             self._retire(session.stream)
-        source = self._source(ident, hello.dataset, hello.stream)
+        source = self._source(ident, hello.spec.dataset, hello.stream)
         if source is None:
             return
         if hello.job and not self._admit_rank(session, hello, source.name):
@@ -488,8 +488,7 @@ class Dispatcher:
         if self.pool.broken:
             return self._refuse(ident, hello, P.ErrorCode.INTERNAL, self.pool.broken)
         try:
-            plan = make_plan(PlanSpec(len(source), hello.batch_size, hello.seed, hello.epoch, hello.rank,
-                                      hello.world_size, hello.shuffle, hello.drop_last))
+            plan = make_plan(hello.spec.plan(len(source), hello.epoch, hello.rank))
         except ValueError as exc:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB, str(exc))
         nb = plan.num_batches
@@ -508,11 +507,10 @@ class Dispatcher:
             granted, final = hello.prefetch, True
             nslots = max(1, min(hello.prefetch, len(order)))
         try:
-            pipe = job_pipeline(self.pipelines, hello.pipeline, hello.pipeline_args, hello.image_size, hello.train,
-                                hello.scale, hello.ratio)
+            pipe = job_pipeline(self.pipelines, hello.spec)
         except PipelineError as exc:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB, str(exc))
-        slot_bytes = hello.batch_size * pipe.pipeline.sample_bytes
+        slot_bytes = hello.spec.batch_size * pipe.pipeline.sample_bytes
         opening = _Opening(session, hello, source, plan, order, granted, final, nslots, slot_bytes, pipe)
         if not self._open_stream(opening):
             self.waiting[ident] = opening
@@ -552,7 +550,7 @@ class Dispatcher:
                                    num_samples=plan.num_samples, dataset_length=len(source),
                                    dataset=source.name, service=self.instance))
         log.info("client %s job %r rank %d/%d epoch %d: stream %d %s %d of %d batches%s", session.name,
-                 hello.job, hello.rank, hello.world_size, hello.epoch, hello.stream,
+                 hello.job, hello.rank, hello.spec.world_size, hello.epoch, hello.stream,
                  "on demand, asked at once for" if hello.on_demand else "serves", len(order), nb,
                  " (lookahead)" if hello.lookahead else "")
         self._apply(stream, state.start())
@@ -561,11 +559,11 @@ class Dispatcher:
     def _admit_rank(self, session: Session, hello: P.Hello, dataset: str) -> bool:
         """The job rules (jobs.py): refuse a rank whose plan differs from its job's connected
         ranks; take a (job, rank) over from an older client. False: refused."""
-        params = plan_params(hello, dataset)
-        others = [x for x in self.sessions if x is not session and x.plan is not None and x.job == hello.job
+        spec = hello.spec.on(dataset)
+        others = [x for x in self.sessions if x is not session and x.spec is not None and x.job == hello.job
                   and x.client_id != hello.client]
         for other in others:
-            diff = conflicts(params, other.plan)
+            diff = spec.differences(other.spec)
             if diff:
                 self._refuse(session.ident, hello, P.ErrorCode.BAD_JOB,
                              describe_conflicts(hello.job, hello.rank, other.rank, diff))
@@ -575,12 +573,12 @@ class Dispatcher:
                 why = (f"rank {hello.rank} of job {hello.job!r} was taken over by a newer client "
                        f"({session.name}); two loaders must not serve one rank")
                 log.warning("client %s: %s", other.name, why)
-                other.plan = None
+                other.spec = None
                 if other.stream is not None:
                     self._end_stream(other.stream, Fail(P.ErrorCode.REPLACED, why))
                 else:
                     self._send(other.ident, P.Error(code=P.ErrorCode.REPLACED, message=why))
-        session.rank, session.plan = hello.rank, params
+        session.rank, session.spec = hello.rank, spec
         return True
 
     def _on_credit(self, ident: bytes, session: Optional[Session], msg) -> None:
@@ -833,7 +831,7 @@ class Dispatcher:
             self._slots_freed()
 
     def _send_batch(self, s: Stream, e: SendBatch) -> None:
-        layout = s.pipe.pipeline.layout(s.hello.batch_size)
+        layout = s.pipe.pipeline.layout(s.hello.spec.batch_size)
         indices = s.plan.batch(e.batch)
         padding = s.plan.batch_padding(e.batch)
         skipped = []
@@ -920,9 +918,8 @@ class Dispatcher:
             indices, position = batch.tolist(), 0
         h, p = s.hello, s.pipe
         task = P.Task(task=t.task, dataset=s.source.name, shm=s.segment.name, offset=t.slot * s.slot_bytes,
-                      indices=indices, seed=h.seed, epoch=h.epoch, train=h.train, image_size=h.image_size,
-                      scale=list(h.scale), ratio=list(h.ratio), on_error=self.config.on_error, pipeline=p.name,
-                      target=p.target, pipeline_args=p.args, capacity=h.batch_size, position=position)
+                      indices=indices, seed=h.spec.seed, epoch=h.epoch, on_error=self.config.on_error, pipeline=p.name,
+                      target=p.target, pipeline_args=p.args, capacity=h.spec.batch_size, position=position)
         now = time.monotonic()
         deadline = now + self.deadlines.deadline_s(len(indices))
         self.running[t.task] = _Running(s, worker.id, len(indices), now, deadline)
@@ -1011,7 +1008,7 @@ class Dispatcher:
                    for c in self._one_session_per_client()]
         c = self.counters
         problem = self.failure or pool.broken
-        sizes = [s.hello.batch_size for s in (x.stream for x in self.sessions) if s is not None] or [1]
+        sizes = [s.hello.spec.batch_size for s in (x.stream for x in self.sessions) if s is not None] or [1]
         return ServiceStatus(
             instance=self.instance, uptime_s=round(time.time() - self.started, 1), healthy=not problem,
             problem=problem, data_port=self.data_port, data_port_curve=self.guard.curve,
@@ -1069,8 +1066,8 @@ class Dispatcher:
         if s is not None:
             st, h = s.state, s.hello
             stream = StreamStatus(
-                id=s.id, dataset=s.source.name, epoch=h.epoch, rank=h.rank, world_size=h.world_size,
-                batch_size=h.batch_size,
+                id=s.id, dataset=s.source.name, epoch=h.epoch, rank=h.rank, world_size=h.spec.world_size,
+                batch_size=h.spec.batch_size,
                 next_batch=st.order[st.next_send] if st.next_send < len(st.order) else s.plan.num_batches,
                 sent=st.next_send, to_send=st.to_send, num_batches=s.plan.num_batches,
                 credits=st.granted - st.next_send, in_flight=len(st.tasks), lookahead=s.lookahead,

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
 
+from wire.jobspec import JobSpec
+
 
 @dataclass
 class Session:
@@ -25,7 +27,7 @@ class Session:
     job: str = ""
     client_id: str = ""  # the loader instance behind this connection (Hello.client)
     rank: int = -1
-    plan: Optional[dict] = None  # its job's plan parameters while it holds a rank of a named job (jobs.py)
+    spec: Optional[JobSpec] = None  # its job's spec (dataset resolved) while it holds a rank of a named job (jobs.py)
     stream_id: int = -1  # highest stream this client started
     stream: Optional[object] = None  # its current dispatcher Stream, if any
     connected: float = field(default_factory=time.monotonic)

@@ -1,0 +1,77 @@
+"""JobSpec: the job's fields declared once, and what the wire, the job rules, the plan and the
+loader's resume check take from it."""
+
+import dataclasses
+
+import pytest
+
+from client.config import LoaderConfig
+from wire import protocol as P
+from wire.jobspec import JobSpec
+from wire.plan import PlanSpec
+
+
+def test_the_order_fields_are_those_that_fix_which_samples_come_in_which_batch():
+    assert set(JobSpec.order_fields()) == {"batch_size", "seed", "world_size", "shuffle", "drop_last", "dataset"}
+    assert set(JobSpec.order_fields()) < set(JobSpec.names())
+
+
+def test_plan_carries_every_order_field_and_the_rank_and_epoch():
+    spec = JobSpec(batch_size=8, seed=3, world_size=4, shuffle=False, drop_last=True, dataset="d")
+    assert spec.plan(100, epoch=2, rank=1) == PlanSpec(100, 8, 3, 2, 1, 4, False, True)
+
+
+def test_differences_name_each_field_with_both_values():
+    a = JobSpec(batch_size=8, seed=1, image_size=64)
+    b = JobSpec(batch_size=8, seed=2, image_size=32, train=False)
+    assert a.differences(b) == [("image_size", 64, 32), ("seed", 1, 2), ("train", True, False)]
+    assert a.differences(a) == []
+
+
+def test_on_resolves_the_dataset_and_makes_equal_numbers_compare_equal():
+    ints = JobSpec(batch_size=8, scale=[1, 1], ratio=[1, 1])
+    floats = JobSpec(batch_size=8, dataset="demo", scale=[1.0, 1.0], ratio=[1.0, 1.0])
+    assert ints.on("demo").differences(floats.on("demo")) == []
+    assert ints.on("demo").dataset == "demo" and ints.dataset is None
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(batch_size=0), r"JobSpec.batch_size must be \[1"),
+    (dict(image_size=7), r"JobSpec.image_size must be \[8"),
+    (dict(seed=-1), r"JobSpec.seed must be \[0"),
+    (dict(world_size=0), r"JobSpec.world_size must be \[1"),
+    (dict(scale=[0.5]), "scale must be two numbers"),
+    (dict(ratio=[2.0, 1.0]), "ratio must satisfy 0 < min <= max"),
+    (dict(scale=[0.5, 1.5]), "scale max must be <= 1"),
+    (dict(pipeline="x" * 65), "at most 64 characters"),
+    (dict(pipeline_args={"a": 1}), "pipeline_args given without a pipeline name"),
+    (dict(pipeline="p", pipeline_args={1: 1}), "pipeline_args keys must be strings"),
+])
+def test_check_refuses_each_bad_value_as_a_bad_job_naming_it(changes, match):
+    with pytest.raises(P.ProtocolError, match=match) as info:
+        JobSpec(**{"batch_size": 4, **changes}).check()
+    assert info.value.code == P.ErrorCode.BAD_JOB
+
+
+def test_a_hello_sends_only_the_fields_that_differ_from_their_defaults():
+    import msgpack
+
+    hello = P.Hello(stream=1, spec=JobSpec(batch_size=8, seed=5))
+    raw = msgpack.unpackb(P.encode(hello)[0])
+    assert raw["spec"] == {"batch_size": 8, "seed": 5}
+    assert P.decode(P.encode(hello))[0] == hello
+
+
+def test_the_loader_config_splits_flat_settings_into_the_spec_and_its_own():
+    c = LoaderConfig.of("tcp://127.0.0.1:9", batch_size=4, seed=7, dataset="d", scale=(0.5, 1.0), rank=1,
+                        world_size=2, prefetch=3, pipeline=None, pipeline_args=None)
+    assert c.spec == JobSpec(batch_size=4, seed=7, dataset="d", scale=[0.5, 1.0], world_size=2)
+    assert (c.rank, c.prefetch) == (1, 3)
+    assert not any(f.name in JobSpec.names() for f in dataclasses.fields(LoaderConfig) if f.name != "spec")
+
+
+def test_the_loader_config_refuses_a_bad_job_setting_as_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="JobSpec.image_size"):
+        LoaderConfig.of("tcp://127.0.0.1:9", batch_size=4, image_size=4)
+    with pytest.raises(ValueError, match="pipeline_args must be a dict"):
+        LoaderConfig.of("tcp://127.0.0.1:9", batch_size=4, pipeline="p", pipeline_args=[1])

@@ -1,0 +1,24 @@
+"""The protocol's error codes and the error a malformed message raises (shared by the wire modules)."""
+
+
+class ErrorCode:
+    """Stable error codes carried by :class:`Error` (strings, so logs and clients read them)."""
+
+    BAD_MESSAGE = "bad_message"
+    BAD_VERSION = "bad_version"
+    BAD_JOB = "bad_job"
+    UNKNOWN_DATASET = "unknown_dataset"
+    UNKNOWN_CLIENT = "unknown_client"
+    NO_CAPACITY = "no_capacity"
+    SAMPLE_FAILED = "sample_failed"
+    SHUTTING_DOWN = "shutting_down"
+    REPLACED = "replaced"  # a newer client took over this (job, rank)
+    INTERNAL = "internal"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this protocol. ``code`` is an :class:`ErrorCode`."""
+
+    def __init__(self, message: str, code: str = ErrorCode.BAD_MESSAGE):
+        super().__init__(message)
+        self.code = code
