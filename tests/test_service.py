@@ -175,6 +175,38 @@ def test_malformed_frames_get_an_error_reply_and_harm_no_one(service, frames, co
     assert status(service)["totals"]["bad_messages"] >= 1
 
 
+def test_job_settings_that_would_break_every_sample_are_refused_naming_the_setting(service):
+    """A ratio that passed validation used to fail every sample with an error naming an image
+    file; a deep or huge pipeline_args got an internal error or a reply as large as the input."""
+    s = raw_client(service.endpoint)
+    try:
+        cases = [
+            (JobSpec(batch_size=4, image_size=32, ratio=[1e-9, 1e-9]), "ratio must lie within"),
+            (JobSpec(batch_size=4, image_size=32, ratio=[1e308, 1e308]), "ratio must lie within"),
+            (JobSpec(batch_size=4, image_size=32, pipeline="train", pipeline_args={"ratio": [1e-9, 1e-9]}),
+             "argument 'ratio' must be two numbers"),
+            (JobSpec(batch_size=4, image_size=32, pipeline="train", pipeline_args={"size": "x" * 30_000}),
+             "argument 'size' must be an int"),
+        ]
+        for stream, (spec, match) in enumerate(cases, 1):
+            s.send_multipart(P.encode(P.Hello(stream=stream, spec=spec)))
+            err = reply(s)
+            assert err.code == "bad_job" and match in err.message and err.stream == stream, err
+            assert len(err.message) < 400 and ".jpg" not in err.message
+        deep: object = 1
+        for _ in range(990):
+            deep = [deep]
+        raw = __import__("msgpack").unpackb(P.encode_header(P.Hello(stream=9, spec=JobSpec(batch_size=4))))
+        raw["spec"].update(pipeline="train", pipeline_args={"a": deep})
+        s.send_multipart([__import__("msgpack").packb(raw)])
+        err = reply(s)
+        assert err.code == "bad_job" and "nest deeper than 8 levels" in err.message
+        s.send_multipart(P.encode(P.Hello(stream=10, spec=JobSpec(batch_size=4, image_size=32))))
+        assert isinstance(reply(s), P.Accept)  # and the service serves on
+    finally:
+        s.close(0)
+
+
 def test_bad_job_spec_gets_an_error_naming_the_field(service):
     s = raw_client(service.endpoint)
     try:

@@ -1,9 +1,12 @@
 """Decode + augment: formats, determinism, geometry, errors."""
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from loader_service.decode import transforms as T
+from wire.jobspec import RATIO_LIMITS
 from loader_service.sources.demo import demo_image, encode_jpeg
 
 
@@ -160,6 +163,22 @@ def test_random_resized_crop_params_stay_inside_and_respect_ranges():
         h, w = int(rng.integers(1, 600)), int(rng.integers(1, 600))
         top, left, ch, cw = T.random_resized_crop_params(h, w, (0.08, 1.0), (3 / 4, 4 / 3), rng)
         assert 0 <= top and 0 <= left and 0 < ch and 0 < cw and top + ch <= h and left + cw <= w
+
+
+@settings(max_examples=400, deadline=None)
+@given(h=st.integers(1, 5000), w=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1),
+       scale=st.tuples(st.floats(1e-9, 1.0), st.floats(1e-9, 1.0)).map(sorted),
+       ratio=st.tuples(st.floats(RATIO_LIMITS[0], RATIO_LIMITS[1]), st.floats(RATIO_LIMITS[0], RATIO_LIMITS[1])).map(sorted))
+def test_every_allowed_scale_and_ratio_gives_a_crop_inside_the_image(h, w, seed, scale, ratio):
+    """The job's ranges are those every image survives: no empty side, no overflow, at any size."""
+    top, left, ch, cw = T.random_resized_crop_params(h, w, scale, ratio, np.random.default_rng(seed))
+    assert 0 <= top and 0 <= left and 0 < ch and 0 < cw and top + ch <= h and left + cw <= w
+
+
+@pytest.mark.parametrize("ratio", [(1e-9, 1e-9), (1e308, 1e308), (1e-4, 1.0), (1.0, 1e4), (0.5, float("inf"))])
+def test_an_aspect_ratio_that_would_break_a_crop_is_refused_naming_ratio(ratio):
+    with pytest.raises(ValueError, match="ratio"):
+        T.TransformSpec(ratio=ratio)
 
 
 def test_transform_spec_validation():

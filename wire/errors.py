@@ -1,5 +1,7 @@
 """The protocol's error codes and the error a malformed message raises (shared by the wire modules)."""
 
+BRIEF_CHARS = 80  # a value quoted in an error: never the whole of a hostile input
+
 
 class ErrorCode:
     """Stable error codes carried by :class:`Error` (strings, so logs and clients read them)."""
@@ -22,3 +24,10 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, code: str = ErrorCode.BAD_MESSAGE):
         super().__init__(message)
         self.code = code
+
+
+def brief(value: object, limit: int = BRIEF_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error names what it refused without
+    echoing a large input back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -11,11 +11,20 @@ check follow.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from wire.errors import ErrorCode, ProtocolError
+import msgpack
+
+from wire.errors import ErrorCode, ProtocolError, brief
 from wire.plan import PlanSpec
+
+# RandomResizedCrop's ranges that every sample survives: an aspect ratio beyond 1000:1 overflows
+# the crop arithmetic or rounds a side to nothing, so it is refused here, not failed per image
+RATIO_LIMITS = (1e-3, 1e3)
+MAX_ARGS_DEPTH = 8  # pipeline_args nest at most this deep (a list in a map in a list ...)
+MAX_ARGS_BYTES = 64 * 1024  # and pack to at most this many bytes
 
 _ORDER = {"order": True}  # the field fixes the order of samples (the plan), not only their bytes
 
@@ -44,14 +53,7 @@ class JobSpec:
         _range("image_size", self.image_size, 8, 4096)
         _range("seed", self.seed, 0, (1 << 63) - 1)
         _range("world_size", self.world_size, 1, 1 << 16)
-        for name in ("scale", "ratio"):
-            v = getattr(self, name)
-            if len(v) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-                raise ProtocolError(f"{name} must be two numbers, got {v!r}", ErrorCode.BAD_JOB)
-            if not 0 < v[0] <= v[1]:
-                raise ProtocolError(f"{name} must satisfy 0 < min <= max, got {v!r}", ErrorCode.BAD_JOB)
-        if self.scale[1] > 1:
-            raise ProtocolError(f"scale max must be <= 1, got {self.scale[1]}", ErrorCode.BAD_JOB)
+        check_crop(self.scale, self.ratio)
         check_pipeline(type(self).__name__, self.pipeline, self.pipeline_args)
 
     def plan(self, length: int, epoch: int, rank: int) -> PlanSpec:
@@ -83,13 +85,48 @@ class JobSpec:
         return tuple(f.name for f in fields(cls) if f.metadata.get("order"))
 
 
+def check_crop(scale: Any, ratio: Any) -> None:
+    """RandomResizedCrop's ``scale`` (area fraction) and ``ratio`` (aspect): two finite numbers
+    each, ``0 < min <= max``, scale at most 1, ratio within :data:`RATIO_LIMITS`."""
+    for name, v in (("scale", scale), ("ratio", ratio)):
+        if (not isinstance(v, (list, tuple)) or len(v) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
+            raise ProtocolError(f"{name} must be two finite numbers, got {brief(v)}", ErrorCode.BAD_JOB)
+        if not 0 < v[0] <= v[1]:
+            raise ProtocolError(f"{name} must satisfy 0 < min <= max, got {brief(v)}", ErrorCode.BAD_JOB)
+    if scale[1] > 1:
+        raise ProtocolError(f"scale max must be <= 1, got {scale[1]}", ErrorCode.BAD_JOB)
+    lo, hi = RATIO_LIMITS
+    if not lo <= ratio[0] <= ratio[1] <= hi:
+        raise ProtocolError(f"ratio must lie within [{lo:g}, {hi:g}] (an aspect beyond that leaves no pixels to "
+                            f"crop), got {brief(ratio)}", ErrorCode.BAD_JOB)
+
+
 def check_pipeline(where: str, pipeline: str, pipeline_args: dict) -> None:
+    """A pipeline's name and arguments, before anything builds it: plain, shallow and small."""
     if len(pipeline) > 64:
         raise ProtocolError(f"{where}.pipeline: a name of at most 64 characters", ErrorCode.BAD_JOB)
     if pipeline_args and not pipeline:
         raise ProtocolError("pipeline_args given without a pipeline name", ErrorCode.BAD_JOB)
     if not all(isinstance(k, str) for k in pipeline_args):
         raise ProtocolError("pipeline_args keys must be strings", ErrorCode.BAD_JOB)
+    if _deeper_than(pipeline_args, MAX_ARGS_DEPTH):
+        raise ProtocolError(f"pipeline_args nest deeper than {MAX_ARGS_DEPTH} levels", ErrorCode.BAD_JOB)
+    size = len(msgpack.packb(pipeline_args, use_bin_type=True))
+    if size > MAX_ARGS_BYTES:
+        raise ProtocolError(f"pipeline_args take {size} bytes packed; at most {MAX_ARGS_BYTES}", ErrorCode.BAD_JOB)
+
+
+def _deeper_than(value: Any, levels: int) -> bool:
+    """Whether ``value`` nests more than ``levels`` containers deep (stops at the limit, so a
+    hostile nesting costs no more than ``levels`` frames)."""
+    if isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        return False
+    return levels <= 0 or any(_deeper_than(v, levels - 1) for v in items)
 
 
 def _range(name: str, v: int, lo: int, hi: int) -> None:
@@ -97,4 +134,4 @@ def _range(name: str, v: int, lo: int, hi: int) -> None:
         raise ProtocolError(f"JobSpec.{name} must be [{lo}, {hi}], got {v}", ErrorCode.BAD_JOB)
 
 
-__all__ = ["JobSpec", "check_pipeline"]
+__all__ = ["JobSpec", "check_crop", "check_pipeline", "RATIO_LIMITS", "MAX_ARGS_DEPTH", "MAX_ARGS_BYTES"]

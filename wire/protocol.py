@@ -18,12 +18,13 @@ from typing import Any, ClassVar, Optional, Sequence, Union, get_args, get_origi
 
 import msgpack
 
-from wire.errors import ErrorCode, ProtocolError
+from wire.errors import ErrorCode, ProtocolError, brief
 from wire.jobspec import JobSpec, check_pipeline
 
 PROTOCOL_VERSION = 3  # 2: on-demand streams, stall figures as deltas; 3: Hello carries the job as one JobSpec map
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
+MAX_ERROR_MESSAGE = 2048  # characters of an Error's message (its traceback is the worker's own, kept whole)
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, zmq copying is cheaper than tracking a buffer
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -207,13 +208,13 @@ class Batch(Message):
 
     def check(self) -> None:
         if self.dtype != "uint8":
-            raise ProtocolError(f"unsupported dtype {self.dtype!r}")
+            raise ProtocolError(f"unsupported dtype {brief(self.dtype)}")
         if self.outputs:
             _check_outputs(self.outputs)
             if len(self.shape) != 1 or not _is_int(self.shape[0]) or self.shape[0] < 0:
-                raise ProtocolError(f"shape must be [n] when outputs are named, got {self.shape!r}")
+                raise ProtocolError(f"shape must be [n] when outputs are named, got {brief(self.shape)}")
         elif len(self.shape) != 4 or not all(_is_int(x) and x >= 0 for x in self.shape):
-            raise ProtocolError(f"shape must be 4 non-negative ints, got {self.shape!r}")
+            raise ProtocolError(f"shape must be 4 non-negative ints, got {brief(self.shape)}")
         if not all(_is_int(x) and x >= 0 for x in self.indices):
             raise ProtocolError("indices must be non-negative ints")
         if self.shape[0] != len(self.indices):
@@ -257,6 +258,12 @@ class Error(Message):
     stream: int = -1
     fatal: bool = True
     traceback: str = ""
+
+    def __post_init__(self) -> None:
+        # a reply never grows with what it answers: a message quoting a hostile input is cut here
+        if len(self.message) > MAX_ERROR_MESSAGE:
+            keep = MAX_ERROR_MESSAGE - 40  # room for the note, so a cut message is not cut again
+            object.__setattr__(self, "message", f"{self.message[:keep]}... ({len(self.message) - keep} characters cut)")
 
 
 @dataclass(frozen=True)
@@ -410,14 +417,14 @@ def decode_header(frame: Any, expect: Optional[tuple] = None) -> Message:
     version = header.pop("v", None)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"protocol version {version!r} not supported (this side speaks {PROTOCOL_VERSION}); "
+            f"protocol version {brief(version)} not supported (this side speaks {PROTOCOL_VERSION}); "
             "upgrade the older of client and service",
             ErrorCode.BAD_VERSION,
         )
     type_code = header.pop("t", None)
     cls = MESSAGES.get(type_code) if _is_int(type_code) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {type_code!r}")
+        raise ProtocolError(f"unknown message type {brief(type_code)}")
     if expect is not None and cls not in expect:
         raise ProtocolError(f"unexpected message {cls.__name__} here")
     return _build(cls, header)
@@ -439,7 +446,7 @@ def _build(cls: type, header: dict) -> Any:
     known = {f.name: f for f in fields(cls)}
     unknown = set(header) - set(known)
     if unknown:
-        raise ProtocolError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+        raise ProtocolError(f"{cls.__name__} has no field(s) {brief(sorted(unknown))}")
     hints = _HINTS.get(cls)
     if hints is None:  # resolved once per class: get_type_hints costs ~80 us, a whole decode ~20
         hints = _HINTS[cls] = get_type_hints(cls)
@@ -509,7 +516,7 @@ def _check_outputs(outputs: list) -> None:
         if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
                 or not isinstance(entry[1], list) or not entry[1]
                 or not all(_is_int(d) and 1 <= d <= 1 << 16 for d in entry[1])):
-            raise ProtocolError(f"outputs must be [[name, [positive ints]], ...], got {entry!r}")
+            raise ProtocolError(f"outputs must be [[name, [positive ints]], ...], got {brief(entry)}")
     if len({e[0] for e in outputs}) != len(outputs):
         raise ProtocolError("outputs names an output twice")
 

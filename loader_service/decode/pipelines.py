@@ -32,7 +32,8 @@ import numpy as np
 
 from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
 from loader_service.sources.base import Sample
-from wire.jobspec import JobSpec
+from wire.errors import brief
+from wire.jobspec import RATIO_LIMITS, JobSpec
 
 MAX_SAMPLE_OUTPUT_BYTES = 256 << 20  # one sample's outputs together; a bigger declaration is a mistake
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
@@ -110,7 +111,7 @@ class Args:
         self._read: set = set()
 
     def _bad(self, name: str, want: str, got: Any) -> PipelineError:
-        return PipelineError(f"pipeline {self.pipeline!r}: argument {name!r} must be {want}, got {got!r}")
+        return PipelineError(f"pipeline {self.pipeline!r}: argument {name!r} must be {want}, got {brief(got)}")
 
     def _get(self, name: str, default: Any) -> Any:
         self._read.add(name)
@@ -164,7 +165,8 @@ def build(name: str, target: str, raw_args: Optional[Mapping[str, Any]]) -> Pipe
     except PipelineError:
         raise
     except (ValueError, TypeError, KeyError) as exc:
-        raise PipelineError(f"pipeline {name!r} refused its arguments: {type(exc).__name__}: {exc}") from None
+        raise PipelineError(f"pipeline {name!r} refused its arguments: {type(exc).__name__}: "
+                            f"{brief(str(exc), 300)[1:-1]}") from None
     if not isinstance(pipe, Pipeline):
         raise PipelineError(f"pipeline {name!r}: {target} returned {type(pipe).__name__}, not a Pipeline")
     unused = args.unused()
@@ -278,7 +280,7 @@ def train_pipeline(args: Args) -> Pipeline:
 
     size = args.int("size", 224, 8, 4096)
     spec = TransformSpec(size, True, args.range("scale", (0.08, 1.0), 1e-9, 1.0),
-                         args.range("ratio", (3 / 4, 4 / 3), 1e-9), args.bool("flip", True))
+                         args.range("ratio", (3 / 4, 4 / 3), *RATIO_LIMITS), args.bool("flip", True))
 
     def process(item: Item, out: Dict[str, np.ndarray]) -> None:
         process_sample(item.data, spec, item.rng, out["image"], item.decode_options)

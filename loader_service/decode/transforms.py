@@ -37,6 +37,7 @@ import numpy as np
 from loader_service.decode import jpeg
 from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
 from loader_service.sources.base import Sample
+from wire.jobspec import check_crop
 
 try:
     import cv2
@@ -73,10 +74,7 @@ class TransformSpec:
     def __post_init__(self) -> None:
         if self.image_size < 1:
             raise ValueError(f"image_size must be >= 1, got {self.image_size}")
-        if not 0 < self.scale[0] <= self.scale[1] <= 1:
-            raise ValueError(f"scale must satisfy 0 < min <= max <= 1, got {self.scale}")
-        if not 0 < self.ratio[0] <= self.ratio[1]:
-            raise ValueError(f"ratio must satisfy 0 < min <= max, got {self.ratio}")
+        check_crop(self.scale, self.ratio)  # the job's rule (a ValueError naming scale or ratio)
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -291,9 +289,9 @@ def random_resized_crop_params(
     # fallback: centre crop at the nearest allowed aspect ratio
     in_ratio = w / h
     if in_ratio < ratio[0]:
-        cw, ch = w, int(round(w / ratio[0]))
+        cw, ch = w, max(1, int(round(w / ratio[0])))
     elif in_ratio > ratio[1]:
-        ch, cw = h, int(round(h * ratio[1]))
+        ch, cw = h, max(1, int(round(h * ratio[1])))  # a thin image at an extreme ratio keeps one pixel
     else:
         cw, ch = w, h
     return (h - ch) // 2, (w - cw) // 2, ch, cw

@@ -40,7 +40,7 @@ def test_on_resolves_the_dataset_and_makes_equal_numbers_compare_equal():
     (dict(image_size=7), r"JobSpec.image_size must be \[8"),
     (dict(seed=-1), r"JobSpec.seed must be \[0"),
     (dict(world_size=0), r"JobSpec.world_size must be \[1"),
-    (dict(scale=[0.5]), "scale must be two numbers"),
+    (dict(scale=[0.5]), "scale must be two finite numbers"),
     (dict(ratio=[2.0, 1.0]), "ratio must satisfy 0 < min <= max"),
     (dict(scale=[0.5, 1.5]), "scale max must be <= 1"),
     (dict(pipeline="x" * 65), "at most 64 characters"),
@@ -75,3 +75,41 @@ def test_the_loader_config_refuses_a_bad_job_setting_as_a_value_error_naming_it(
         LoaderConfig.of("tcp://127.0.0.1:9", batch_size=4, image_size=4)
     with pytest.raises(ValueError, match="pipeline_args must be a dict"):
         LoaderConfig.of("tcp://127.0.0.1:9", batch_size=4, pipeline="p", pipeline_args=[1])
+
+
+@pytest.mark.parametrize("ratio", [[1e-9, 1e-9], [1e308, 1e308], [0.5, float("nan")], [1e-4, 1.0], [1.0, 1e4]])
+def test_an_aspect_ratio_that_breaks_crops_is_refused_naming_ratio_not_a_file(ratio):
+    with pytest.raises(P.ProtocolError, match="ratio must") as info:
+        JobSpec(batch_size=4, ratio=ratio).check()
+    assert info.value.code == P.ErrorCode.BAD_JOB
+
+
+def test_pipeline_args_nested_too_deep_are_refused_without_recursing_into_them():
+    deep: object = 1
+    for _ in range(990):
+        deep = [deep]
+    with pytest.raises(P.ProtocolError, match="nest deeper than 8 levels"):
+        JobSpec(batch_size=4, pipeline="p", pipeline_args={"a": deep}).check()
+    ok: object = 1
+    for _ in range(7):  # pipeline_args itself is the 8th level
+        ok = [ok]
+    JobSpec(batch_size=4, pipeline="p", pipeline_args={"a": ok}).check()
+
+
+def test_large_pipeline_args_are_refused_and_the_refusal_does_not_echo_them():
+    big = {"a": "x" * 900_000}
+    with pytest.raises(P.ProtocolError, match="at most 65536") as info:
+        JobSpec(batch_size=4, pipeline="p", pipeline_args=big).check()
+    assert len(str(info.value)) < 200
+
+
+def test_a_refusal_quotes_a_hostile_value_briefly():
+    with pytest.raises(P.ProtocolError) as info:
+        JobSpec(batch_size=4, scale=list(range(100_000))).check()
+    assert "scale must be two finite numbers" in str(info.value) and len(str(info.value)) < 200
+
+
+def test_an_error_reply_is_cut_to_a_bounded_length():
+    err = P.Error(code=P.ErrorCode.BAD_JOB, message="y" * 100_000)
+    assert len(err.message) <= P.MAX_ERROR_MESSAGE and err.message.endswith("characters cut)")
+    assert P.decode(P.encode(err))[0] == err
