@@ -184,6 +184,7 @@ class Accept(Message):
     dataset_length: int
     dataset: str
     service: str = ""  # the service instance id (changes on restart)
+    fingerprint: str = ""  # the dataset's identity beside its length (Source.fingerprint)
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,7 @@ class DatasetInfo(Message):
     dataset: str
     length: int
     num_classes: int
+    fingerprint: str = ""  # the dataset's identity beside its length (Source.fingerprint)
     outputs: list = field(default_factory=list)  # the asked pipeline's [[name, per-sample shape], ...]
 
     def check(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Tuple, Union
 
@@ -66,9 +67,33 @@ class Source(abc.ABC):
     def close(self) -> None:
         """Release what the source holds. Idempotent."""
 
+    def fingerprint(self) -> str:
+        """The dataset's identity beside its length: a digest of its index (sample names, sizes
+        and labels; never modification times, so two copies of one dataset on two replicas
+        agree). Computed in the service, once; a stream or a resume made on another fingerprint
+        is refused rather than mixed."""
+        fp = getattr(self, "_fingerprint", None)
+        if fp is None:
+            fp = self._fingerprint = digest(type(self).__name__, *self.index_parts())
+        return fp
+
+    def index_parts(self) -> Tuple[Any, ...]:
+        """What :meth:`fingerprint` digests: strings and buffers (numpy arrays) describing every sample."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its index")
+
     @property
     def num_classes(self) -> int:
         return int(self.labels.max()) + 1 if len(self.labels) else 0
+
+
+def digest(*parts: Any) -> str:
+    """A short hex digest of strings and buffers, each part delimited (24 hex characters)."""
+    h = hashlib.blake2b(digest_size=12)
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else memoryview(np.ascontiguousarray(part)).cast("B")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
 
 
 def open_source(spec: SourceSpec) -> Source:

@@ -42,6 +42,9 @@ class FaultSource(Source):
             time.sleep(self.read_delay_s)
         return self.inner.read(i)
 
+    def fingerprint(self) -> str:
+        return self.inner.fingerprint()
+
     def describe(self, i: int) -> str:
         return self.inner.describe(i)
 

@@ -13,7 +13,7 @@ import logging
 import os
 import stat
 import time
-from typing import Callable, Iterator, List, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 log = logging.getLogger("loader_service.sources")
 
@@ -28,13 +28,15 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def read_regular(path: str, max_bytes: int) -> bytes:
+def read_regular(path: str, max_bytes: int, expect: Optional[Tuple[int, int]] = None) -> bytes:
     """The bytes of the regular file ``path``, refusing anything else and anything over ``max_bytes``.
 
     ``O_NONBLOCK`` so that opening a FIFO returns at once (it then fails the regular-file
     check); ``fstat`` on the open descriptor, so a file swapped after a check cannot slip in;
     at most ``max_bytes + 1`` bytes are ever read, whatever ``st_size`` claims (procfs and
-    sysfs files say 0; a file can grow while it is read).
+    sysfs files say 0; a file can grow while it is read). ``expect``: the (size, mtime in ns)
+    the file had when the dataset was scanned; a file changed since is refused, never served
+    with other bytes than the epoch's plan was made for.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
@@ -44,6 +46,9 @@ def read_regular(path: str, max_bytes: int) -> bytes:
         if st.st_size > max_bytes:
             raise ValueError(f"{path} is {st.st_size} bytes, over the sample cap of {max_bytes} bytes "
                              "(max_sample_bytes)")
+        if expect is not None and (st.st_size, st.st_mtime_ns) != expect:
+            raise ValueError(f"{path} changed since the service scanned the dataset ({_changed(expect, st)}); "
+                             "restart the service to serve the folder as it is now")
         chunks, got = [], 0
         while got <= max_bytes:
             chunk = os.read(fd, min(max_bytes + 1 - got, 1 << 20) or 1)
@@ -57,6 +62,12 @@ def read_regular(path: str, max_bytes: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def _changed(expect: Tuple[int, int], st: os.stat_result) -> str:
+    if st.st_size != expect[0]:
+        return f"{expect[0]} bytes then, {st.st_size} now"
+    return f"modified {(st.st_mtime_ns - expect[1]) / 1e9:+.3f}s after the scan's time stamp"
 
 
 def walk_once(top: str, seen: set, skipped: List[Tuple[str, str]],

@@ -144,6 +144,9 @@ class HDF5Source(Source):
         opts = {"images": self.images_key, "labels": self.labels_key, **self.cache}
         return SourceSpec(self.name, "hdf5", self.path, options=tuple(sorted(opts.items())))
 
+    def index_parts(self):
+        return self.images_key, str(self._len), str(os.path.getsize(self.path)), self.labels
+
     @property
     def labels(self) -> np.ndarray:  # type: ignore[override]
         if self._labels is None:  # only a worker gets here; it never needs them for serving

@@ -67,6 +67,9 @@ class PackedSource(Source):
     def spec(self) -> SourceSpec:
         return SourceSpec(self.name, "packed", self.path)
 
+    def index_parts(self):
+        return self.names.blob, self.names.offsets, self.offsets, self.labels
+
 
 def write_packed(
     path: str,

@@ -343,6 +343,9 @@ class WebDatasetSource(Source):
     def spec(self) -> SourceSpec:
         return SourceSpec(self.name, "webdataset", self.root, self.index_dir)
 
+    def index_parts(self):
+        return self.keys.blob, self.keys.offsets, self._size, self.labels
+
     # -------------------------------------------------------------- reading
     def __len__(self) -> int:
         return len(self._size)
