@@ -94,3 +94,51 @@ def test_every_rank_sees_one_permutation():
     plans = all_ranks(97, 5, 4, False, seed=3, epoch=2)
     counts = Counter(i for p in plans for i in p.indices.tolist())
     assert set(counts) == set(range(97))
+
+
+def _taken(length, bs, world, drop_last, seed, start, steps=None):
+    """What every rank of a job at (world, bs) takes from ``start`` on, in ``steps`` steps (None: all),
+    without padding, and the job's position afterwards."""
+    plans = [make_plan(PlanSpec(length, bs, seed, 0, r, world, True, drop_last, start)) for r in range(world)]
+    steps = plans[0].num_batches if steps is None else steps
+    taken = [int(i) for p in plans for b in range(steps) for i, pad in zip(p.batch(b), p.batch_padding(b)) if not pad]
+    positions = {p.position_after(steps) for p in plans}
+    assert len(positions) == 1  # every rank names the same position: any rank's checkpoint will do
+    return taken, positions.pop(), plans
+
+
+@settings(max_examples=300, deadline=None)
+@given(length=st.integers(1, 400), seed=st.integers(0, 999), drop_last=st.booleans(), data=st.data(),
+       world=st.integers(1, 8), bs=st.integers(1, 32), world2=st.integers(1, 8), bs2=st.integers(1, 32))
+def test_a_resume_at_any_world_size_and_batch_size_serves_exactly_the_rest(length, seed, drop_last, data,
+                                                                         world, bs, world2, bs2):
+    """The elastic-resume rule: after k steps the job consumed a prefix of the epoch's global order,
+    whatever its world size and batch size; a plan from that position, at another world size and
+    batch size, serves exactly the rest (each index once; with drop_last, no index twice and only
+    a tail shorter than one step of the new shape left out)."""
+    if drop_last and length < max(world, world2):
+        return
+    first = make_plan(PlanSpec(length, bs, seed, 0, 0, world, True, drop_last))
+    steps = data.draw(st.integers(0, first.num_batches), label="steps before the stop")
+    before, position, _ = _taken(length, bs, world, drop_last, seed, 0, steps)
+    order = epoch_permutation(length, seed, 0, True).tolist()
+    if steps < first.num_batches:
+        assert sorted(before) == sorted(order[:position])  # a prefix of the global order
+    after, end, plans = _taken(length, bs2, world2, drop_last, seed, position)
+    assert end == length
+    assert len({len(p.indices) for p in plans}) == 1 and len({p.num_batches for p in plans}) == 1  # equal shares
+    everything = before + after
+    assert len(everything) == len(set(everything))  # never twice
+    if not drop_last:
+        assert sorted(everything) == list(range(length))  # exactly once
+    else:
+        left_out = set(order[position:]) - set(after)
+        assert len(left_out) < world2 * bs2 + world2  # the tail a full step of the new shape cannot take
+        assert all(len(p.batch(b)) == bs2 for p in plans for b in range(p.num_batches))
+
+
+def test_a_plan_from_the_end_of_the_epoch_is_empty_and_start_is_checked():
+    assert make_plan(PlanSpec(10, 4, start=10)).num_batches == 0
+    assert num_batches(10, 4, 2, False, start=10) == 0 and num_batches(10, 4, 2, False, start=3) == 1
+    with pytest.raises(ValueError, match="start must be in"):
+        PlanSpec(10, 4, start=11)

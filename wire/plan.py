@@ -1,13 +1,20 @@
 """The epoch plan: which dataset indices each rank gets, in which batches.
 
 A pure function of (dataset length, seed, epoch, rank, world_size, batch_size, shuffle,
-drop_last). Client and service compute it independently and always agree; nothing about a
+drop_last, start). Client and service compute it independently and always agree; nothing about a
 plan is ever stored, which is why a restarted service or a resumed client loses nothing.
+
+The epoch's *global order* is one permutation of ``range(n)`` per (seed, epoch); it does not
+depend on world size or batch size. Ranks take it strided (rank ``r`` of ``w`` gets positions
+``r, r + w, r + 2w, ...``), so after ``k`` steps of batch ``b`` the job has consumed exactly the
+prefix ``order[:k * b * w]``. ``start`` is such a position: a plan from ``start`` shards only
+``order[start:]``, by the same rules, at whatever world size and batch size the job has now
+(an elastic resume). ``start=0`` is the whole epoch.
 
 Rules (the same as ``torch.utils.data.DistributedSampler`` + ``DataLoader``):
 
 * shuffle: one permutation of ``range(n)`` per (seed, epoch), shared by all ranks.
-* drop_last=False: the permutation is padded by wrapping around to a multiple of world_size,
+* drop_last=False: the order (from ``start``) is padded by wrapping around to a multiple of world_size,
   so every rank gets ``ceil(n / world_size)`` samples; the last batch may be short. Padding
   repeats at most ``world_size - 1`` samples, always in the last position of a rank, and is
   flagged in :attr:`RankPlan.padding`.
@@ -38,6 +45,7 @@ class PlanSpec:
     world_size: int = 1
     shuffle: bool = True
     drop_last: bool = False
+    start: int = 0  # samples of the epoch's global order the job consumed before this plan (a resume)
 
     def __post_init__(self) -> None:
         if self.length < 1:
@@ -50,6 +58,8 @@ class PlanSpec:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         if self.seed < 0 or self.epoch < 0:
             raise ValueError(f"seed and epoch must be >= 0, got seed={self.seed} epoch={self.epoch}")
+        if not 0 <= self.start <= self.length:
+            raise ValueError(f"start must be in [0, {self.length}] (the epoch's {self.length} samples), got {self.start}")
         if self.drop_last and self.length < self.world_size:
             raise ValueError(
                 f"drop_last with {self.length} samples and world_size {self.world_size} leaves "
@@ -85,6 +95,17 @@ class RankPlan:
         b = self.spec.batch_size
         return self.padding[i * b : (i + 1) * b]
 
+    def position_after(self, steps: int) -> int:
+        """The job's position in the epoch's global order once every rank has taken ``steps``
+        batches of this plan: ``start + steps * batch_size * world_size``, at most the epoch's
+        end (a resume from it serves exactly the rest)."""
+        if not 0 <= steps <= self.num_batches:
+            raise ValueError(f"steps must be in [0, {self.num_batches}], got {steps}")
+        s = self.spec
+        if steps == self.num_batches:
+            return s.length  # the last step ends the epoch (a short batch, padding or dropped tail)
+        return s.start + steps * s.batch_size * s.world_size
+
 
 def epoch_permutation(length: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     if not shuffle:
@@ -95,8 +116,8 @@ def epoch_permutation(length: int, seed: int, epoch: int, shuffle: bool) -> np.n
 
 def make_plan(spec: PlanSpec) -> RankPlan:
     """Compute ``spec.rank``'s plan for ``spec.epoch``."""
-    order = epoch_permutation(spec.length, spec.seed, spec.epoch, spec.shuffle)
-    n, w = spec.length, spec.world_size
+    order = epoch_permutation(spec.length, spec.seed, spec.epoch, spec.shuffle)[spec.start:]
+    n, w = len(order), spec.world_size
     if spec.drop_last:
         total = (n // w) * w
         order = order[:total]
@@ -114,8 +135,9 @@ def make_plan(spec: PlanSpec) -> RankPlan:
     return RankPlan(spec=spec, indices=np.ascontiguousarray(indices), padding=padding.copy())
 
 
-def num_batches(length: int, batch_size: int, world_size: int = 1, drop_last: bool = False) -> int:
-    """Batches per rank per epoch, without building the plan (what ``len(loader)`` returns)."""
+def num_batches(length: int, batch_size: int, world_size: int = 1, drop_last: bool = False, start: int = 0) -> int:
+    """Batches per rank per epoch (from ``start``), without building the plan (what ``len(loader)`` returns)."""
+    n = length - start
     if drop_last:
-        return (length // world_size) // batch_size
-    return -(-(-(-length // world_size)) // batch_size)
+        return (n // world_size) // batch_size
+    return -(-(-(-n // world_size)) // batch_size)
