@@ -88,8 +88,8 @@ def test_a_fixed_deadline_overrides_the_first_guess_and_every_measurement():
     assert d.deadline_s(64) == 3.0
 
 
-@pytest.mark.parametrize("kw", [dict(fixed_s=-1.0), dict(floor_s=0.0), dict(floor_s=-1.0), dict(factor=0.99),
-                                dict(window=0)])
+@pytest.mark.parametrize("kw", [{"fixed_s": -1.0}, {"floor_s": 0.0}, {"floor_s": -1.0}, {"factor": 0.99},
+                                {"window": 0}])
 def test_settings_that_make_no_sense_are_refused(kw):
     with pytest.raises(ValueError, match="fixed_s >= 0, floor_s > 0, factor >= 1, window >= 1"):
         TaskDeadlines(**kw)

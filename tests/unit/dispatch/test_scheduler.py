@@ -8,8 +8,6 @@ object with a count of tasks it can still hand out; ``take`` uses one up and rec
 
 from __future__ import annotations
 
-from typing import Dict, List
-
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -26,9 +24,9 @@ class FakeStream:
         return f"{self.name}(work={self.work}, lookahead={self.lookahead})"
 
 
-def pick(sched: Scheduler, streams: List[FakeStream], idle: int) -> List[str]:
+def pick(sched: Scheduler, streams: list[FakeStream], idle: int) -> list[str]:
     """One pick as the dispatcher makes it; returns the names given a worker, in order."""
-    given: List[str] = []
+    given: list[str] = []
 
     def take(s: FakeStream) -> None:
         assert s.work > 0, f"the scheduler gave a worker to {s}, which has nothing to do"
@@ -40,7 +38,7 @@ def pick(sched: Scheduler, streams: List[FakeStream], idle: int) -> List[str]:
     return given
 
 
-def streams(*specs: str, work: int = 100) -> List[FakeStream]:
+def streams(*specs: str, work: int = 100) -> list[FakeStream]:
     """``"A"`` is a current stream, ``"L*"`` a lookahead one; each with ``work`` tasks."""
     return [FakeStream(name, work, lookahead=name.startswith("L")) for name in specs]
 
@@ -158,7 +156,7 @@ class SchedulerModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.sched = Scheduler()
-        self.streams: List[FakeStream] = []
+        self.streams: list[FakeStream] = []
         self.next_name = 0
 
     @rule(work=st.integers(0, 6), lookahead=st.booleans())
@@ -188,8 +186,8 @@ class SchedulerModel(RuleBasedStateMachine):
 
     @rule(idle=st.integers(0, 8))
     def idle_workers(self, idle):
-        before: Dict[str, int] = {s.name: s.work for s in self.streams}
-        given: List[str] = []
+        before: dict[str, int] = {s.name: s.work for s in self.streams}
+        given: list[str] = []
 
         def take(s: FakeStream) -> None:
             assert s.work > 0, f"{s.name} was given a worker with nothing to do"

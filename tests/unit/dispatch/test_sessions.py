@@ -10,8 +10,6 @@ table is checked on its own.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Set
-
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -183,10 +181,10 @@ class SessionsModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.table = Sessions()
-        self.open: Dict[int, Optional[bytes]] = {}  # fd of an open connection -> who spoke on it
-        self.accepts: Dict[int, int] = {}
-        self.live: Dict[bytes, int] = {}  # identity -> generation of the fd it bound to
-        self.gone: Set[bytes] = set()
+        self.open: dict[int, bytes | None] = {}  # fd of an open connection -> who spoke on it
+        self.accepts: dict[int, int] = {}
+        self.live: dict[bytes, int] = {}  # identity -> generation of the fd it bound to
+        self.gone: set[bytes] = set()
         self.made = 0
 
     def _forget(self, ident: bytes) -> None:
