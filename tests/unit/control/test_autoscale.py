@@ -180,23 +180,28 @@ def test_with_no_clients_the_pool_steps_down_to_the_minimum_whatever_the_workers
     assert scaler.decisions[0]["reason"] == "no clients"
 
 
-def test_a_client_without_a_stream_does_not_count_as_a_client():
-    scaler, svc = started(1, 8, workers=3, clients=0)
-    svc.idle_clients = 2
-    d = scaler.step(svc.starving())
-    assert moves(d) == ("down", 3, 2) and d["reason"] == "no clients"
+ONE_INTERVAL = [
+    # (what it shows, (min, max), workers, (clients with a stream, clients without), interval, decision, reason)
+    ("a client without a stream does not count as a client", (1, 8), 3, (0, 2), "starving", ("down", 3, 2),
+     "no clients"),
+    ("starving clients do not grow the pool beyond the maximum", (1, 4), 4, (1, 0), "starving", ("hold", 4, 4),
+     "within thresholds"),
+    ("clients that wait while workers are idle do not get more workers", (1, 8), 3, (1, 0), "client_bound",
+     ("hold", 3, 3), "within thresholds"),
+    ("a pool below the minimum is raised to it at once", (4, 8), 1, (1, 0), "idle", ("up", 1, 4),
+     "below the minimum"),
+    ("a pool above the maximum is lowered to it at once", (1, 3), 7, (1, 0), "starving", ("down", 7, 3),
+     "above the maximum"),
+]
 
 
-def test_starving_clients_do_not_grow_the_pool_beyond_the_maximum():
-    scaler, svc = started(1, 4, workers=4)
-    d = scaler.step(svc.starving(samples=100))
-    assert moves(d) == ("hold", 4, 4) and d["reason"] == "within thresholds"
-
-
-def test_clients_that_wait_while_workers_are_idle_do_not_get_more_workers():
-    scaler, svc = started(1, 8, workers=3)
-    d = scaler.step(svc.client_bound())
-    assert moves(d) == ("hold", 3, 3) and d["reason"] == "within thresholds"
+@pytest.mark.parametrize("bounds, workers, clients, kind, decision, reason", [c[1:] for c in ONE_INTERVAL],
+                         ids=[c[0].replace(" ", "_") for c in ONE_INTERVAL])
+def test_one_interval_gives_the_decision_its_measurements_call_for(bounds, workers, clients, kind, decision, reason):
+    scaler, svc = started(*bounds, workers=workers, clients=clients[0])
+    svc.idle_clients = clients[1]
+    d = scaler.step(getattr(svc, kind)(samples=100))
+    assert moves(d) == decision and d["reason"] == reason
 
 
 def test_fractions_are_measured_over_the_last_interval_not_since_the_start():
@@ -212,18 +217,6 @@ def test_the_stall_is_the_wait_per_client_and_the_busy_fraction_the_work_per_wor
 
 
 # ------------------------------------------------------------------ bounds
-
-def test_a_pool_below_the_minimum_is_raised_to_it_at_once():
-    scaler, svc = started(4, 8, workers=1)
-    d = scaler.step(svc.idle())
-    assert moves(d) == ("up", 1, 4) and d["reason"] == "below the minimum"
-
-
-def test_a_pool_above_the_maximum_is_lowered_to_it_at_once():
-    scaler, svc = started(1, 3, workers=7)
-    d = scaler.step(svc.starving(samples=100))
-    assert moves(d) == ("down", 7, 3) and d["reason"] == "above the maximum"
-
 
 KINDS = ("starving", "idle", "client_bound")
 
