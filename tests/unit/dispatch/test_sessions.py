@@ -1,0 +1,279 @@
+"""Sessions: the client table by identity, and which client a connection's fd belongs to.
+
+The dispatcher uses it so: ``accepted(fd)`` / ``disconnected(fd)`` on monitor events (for one
+fd strictly alternately), dropping (``pop``) the identity ``disconnected`` names; on a client's
+first Hello ``add`` then ``bind`` to the message's fd; on a message from a known client over
+another fd, ``bind`` again; every identity ``bind`` reports as replaced is dropped.
+``tests/test_connections.py`` drives the dispatcher through the racy event orders; here the
+table is checked on its own.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from loader_service.dispatch.sessions import Session, Sessions
+
+X, Y = b"\x01" * 16, b"\x02" * 16
+
+
+def connected(table: Sessions, ident: bytes, fd: int) -> Session:
+    """A new connection on ``fd`` and its first Hello, as the dispatcher handles them."""
+    table.accepted(fd)
+    s = table.add(ident)
+    assert table.bind(s, fd) == []
+    return s
+
+
+# ------------------------------------------------------------------ by identity
+
+def test_an_added_session_is_found_by_its_identity():
+    table = Sessions()
+    s = table.add(X)
+    assert table.get(X) is s and X in table and len(table) == 1
+    assert s.ident == X
+
+
+def test_an_unknown_identity_is_not_found():
+    table = Sessions()
+    table.add(X)
+    assert table.get(Y) is None and Y not in table
+
+
+def test_a_new_session_has_no_connection_stream_or_counts_yet():
+    s = Sessions().add(X)
+    assert (s.fd, s.fd_gen, s.stream, s.stream_id, s.rank, s.plan, s.batches, s.samples) == \
+        (-1, 0, None, -1, -1, None, 0, 0)
+
+
+def test_a_popped_session_is_returned_once_and_never_found_again():
+    table = Sessions()
+    s = table.add(X)
+    table.add(Y)
+    assert table.pop(X) is s
+    assert table.get(X) is None and X not in table and len(table) == 1
+    assert table.pop(X) is None
+
+
+def test_iterating_gives_every_session_and_tolerates_dropping_them_meanwhile():
+    table = Sessions()
+    a, b = table.add(X), table.add(Y)
+    seen = []
+    for s in table:  # the dispatcher ends streams, which may drop clients, while it iterates
+        seen.append(s)
+        table.pop(s.ident)
+    assert seen == [a, b] and len(table) == 0
+
+
+def test_a_sessions_name_is_the_first_twelve_hex_digits_of_its_identity():
+    assert Sessions().add(bytes(range(16))).name == "000102030405"
+
+
+# ------------------------------------------------------------------ by connection
+
+def test_binding_records_the_fd_and_how_many_connections_that_fd_has_had():
+    table = Sessions()
+    table.accepted(7)
+    table.disconnected(7)
+    table.accepted(7)
+    s = table.add(X)
+    assert table.bind(s, 7) == []
+    assert (s.fd, s.fd_gen) == (7, 2)
+    assert table.fd_owners() == {7: X}
+
+
+def test_a_disconnect_names_the_session_bound_to_that_fd_and_unbinds_it():
+    table = Sessions()
+    connected(table, X, 5)
+    connected(table, Y, 6)
+    assert table.disconnected(5) == X
+    assert table.fd_owners() == {6: Y}
+    assert X in table  # the caller drops it
+
+
+def test_a_disconnect_on_an_fd_no_session_is_bound_to_names_nobody():
+    table = Sessions()
+    connected(table, X, 5)
+    table.accepted(9)  # e.g. a connection that never said Hello
+    assert table.disconnected(9) is None
+    assert table.fd_owners() == {5: X}
+
+
+def test_a_late_disconnect_after_the_owner_said_bye_names_nobody_and_the_next_client_on_that_fd_is_kept():
+    table = Sessions()
+    connected(table, X, 5)
+    table.pop(X)  # Bye
+    assert table.fd_owners() == {}
+    assert table.disconnected(5) is None  # the old connection's report, read late
+    connected(table, Y, 5)  # the kernel gave the new connection the same number
+    assert table.get(Y).fd_gen == 2
+    assert table.disconnected(5) == Y  # and its own disconnect still names it
+
+
+def test_a_session_that_moves_to_another_connection_no_longer_owns_its_old_fd():
+    table = Sessions()
+    s = connected(table, X, 5)
+    table.accepted(8)
+    assert table.bind(s, 8) == []
+    assert (s.fd, s.fd_gen) == (8, 1) and table.fd_owners() == {8: X}
+    assert table.disconnected(5) is None  # the old connection going is not this client leaving
+    assert table.disconnected(8) == X
+
+
+def test_binding_a_session_to_the_fd_another_one_holds_reports_that_one_as_replaced():
+    table = Sessions()
+    connected(table, X, 5)
+    y = table.add(Y)
+    assert table.bind(y, 5) == [X]
+    assert table.fd_owners() == {5: Y}
+
+
+def test_dropping_a_replaced_session_leaves_the_new_owner_of_its_fd_bound():
+    table = Sessions()
+    x = connected(table, X, 5)
+    y = table.add(Y)
+    table.bind(y, 5)
+    assert table.pop(X) is x  # x.fd is still 5, but the fd is no longer its
+    assert table.fd_owners() == {5: Y}
+    assert table.disconnected(5) == Y
+
+
+def test_binding_a_session_again_to_its_own_fd_replaces_nobody():
+    table = Sessions()
+    s = connected(table, X, 5)
+    assert table.bind(s, 5) == []
+    assert table.fd_owners() == {5: X} and s.fd_gen == 1
+
+
+def test_dropping_a_bound_session_frees_its_fd():
+    table = Sessions()
+    connected(table, X, 5)
+    table.pop(X)
+    assert table.fd_owners() == {}
+    assert table.disconnected(5) is None
+
+
+def test_fd_owners_is_a_copy():
+    table = Sessions()
+    connected(table, X, 5)
+    table.fd_owners().clear()
+    assert table.fd_owners() == {5: X}
+
+
+# ------------------------------------------------------------------ connects and disconnects in any order
+
+FDS = st.integers(3, 6)  # few numbers, so that they are reused often
+
+
+@settings(max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+class SessionsModel(RuleBasedStateMachine):
+    """The dispatcher's use of the table, against a model of who is connected on which fd.
+
+    The monitor reports accept and disconnect alternately per fd; a client's message comes over
+    a connection that is open; identities the table reports (replaced, disconnected) are
+    dropped at once, as the dispatcher does; a dropped identity may come back (a DEALER that
+    reconnects keeps its identity). After every step: every live identity is found and no
+    dropped one is; the fd owners are exactly the model's; each session's generation is the
+    number of accepts its fd had when it bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = Sessions()
+        self.open: dict[int, bytes | None] = {}  # fd of an open connection -> who spoke on it
+        self.accepts: dict[int, int] = {}
+        self.live: dict[bytes, int] = {}  # identity -> generation of the fd it bound to
+        self.gone: set[bytes] = set()
+        self.made = 0
+
+    def _forget(self, ident: bytes) -> None:
+        del self.live[ident]
+        self.gone.add(ident)
+        for fd, who in self.open.items():
+            if who == ident:
+                self.open[fd] = None
+
+    def _bind(self, s: Session, fd: int) -> None:
+        prev = self.open[fd]
+        replaced = self.table.bind(s, fd)
+        assert replaced == ([prev] if prev is not None and prev != s.ident else [])
+        for ident in replaced:
+            assert self.table.pop(ident) is not None
+            self._forget(ident)
+        for other, who in self.open.items():
+            if who == s.ident:
+                self.open[other] = None
+        self.open[fd] = s.ident
+        self.live[s.ident] = self.accepts[fd]
+
+    @rule(fd=FDS)
+    def accept(self, fd):
+        if fd in self.open:
+            return  # the monitor never reports two accepts on one fd without a disconnect between
+        self.table.accepted(fd)
+        self.accepts[fd] = self.accepts.get(fd, 0) + 1
+        self.open[fd] = None
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data())
+    def hello_from_a_new_client(self, data):
+        self.made += 1
+        ident = self.made.to_bytes(16, "big")
+        self._bind(self.table.add(ident), data.draw(st.sampled_from(sorted(self.open))))
+
+    @precondition(lambda self: self.open and self.gone)
+    @rule(data=st.data())
+    def hello_from_a_client_that_was_dropped_and_came_back(self, data):
+        ident = data.draw(st.sampled_from(sorted(self.gone)))
+        self.gone.discard(ident)
+        self._bind(self.table.add(ident), data.draw(st.sampled_from(sorted(self.open))))
+
+    @precondition(lambda self: self.open and self.live)
+    @rule(data=st.data())
+    def message_from_a_known_client(self, data):
+        s = self.table.get(data.draw(st.sampled_from(sorted(self.live))))
+        fd = data.draw(st.sampled_from(sorted(self.open)))
+        if s.fd != fd:
+            self._bind(s, fd)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def bye(self, data):
+        ident = data.draw(st.sampled_from(sorted(self.live)))
+        s = self.table.get(ident)
+        assert self.table.pop(ident) is s
+        self._forget(ident)
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data())
+    def disconnect(self, data):
+        fd = data.draw(st.sampled_from(sorted(self.open)))
+        who = self.open.pop(fd)
+        assert self.table.disconnected(fd) == who
+        if who is not None:
+            assert self.table.pop(who) is not None
+            self._forget(who)
+
+    @invariant()
+    def every_live_session_is_found_by_its_identity(self):
+        for ident, gen in self.live.items():
+            s = self.table.get(ident)
+            assert s is not None and s.ident == ident and ident in self.table
+            assert s.fd_gen == gen
+        assert len(self.table) == len(self.live)
+        assert {s.ident for s in self.table} == set(self.live)
+
+    @invariant()
+    def no_dropped_session_is_found(self):
+        for ident in self.gone:
+            assert self.table.get(ident) is None and ident not in self.table
+
+    @invariant()
+    def fd_owners_are_the_clients_last_heard_on_each_open_connection(self):
+        owners = self.table.fd_owners()
+        assert owners == {fd: who for fd, who in self.open.items() if who is not None}
+        assert all(self.table.get(who).fd == fd for fd, who in owners.items())
+
+
+TestSessionsModel = SessionsModel.TestCase
