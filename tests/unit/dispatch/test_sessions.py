@@ -44,7 +44,7 @@ def test_an_unknown_identity_is_not_found():
 
 def test_a_new_session_has_no_connection_stream_or_counts_yet():
     s = Sessions().add(X)
-    assert (s.fd, s.fd_gen, s.stream, s.stream_id, s.rank, s.plan, s.batches, s.samples) == \
+    assert (s.fd, s.fd_gen, s.stream, s.stream_id, s.rank, s.spec, s.batches, s.samples) == \
         (-1, 0, None, -1, -1, None, 0, 0)
 
 
