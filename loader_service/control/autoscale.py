@@ -90,10 +90,15 @@ class Autoscaler:
         if self._probe is not None:
             before = self._probe["rate"]
             self._probe = None
-            if rate < before * (1 + p.min_gain) and n > p.min_workers:
+            # a gain is a rise: from a rate of 0 (tasks longer than an interval), 0 again is none
+            gained = rate >= before * (1 + p.min_gain) if before > 0 else rate > 0
+            if not gained and n > p.min_workers:
                 action, target = "revert", n - 1
                 reason = f"rate {rate:.0f}/s did not beat {before:.0f}/s by {p.min_gain:.0%} after the last worker"
                 self._cooldown = p.cooldown_steps
+            elif not gained:
+                reason = (f"rate {rate:.0f}/s did not beat {before:.0f}/s after the last worker, but the pool is "
+                          "at its minimum")
             else:
                 reason = f"last scale-up raised the rate {before:.0f} -> {rate:.0f}/s"
         elif self._cooldown > 0:

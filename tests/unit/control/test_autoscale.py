@@ -140,8 +140,6 @@ def test_a_scale_up_that_left_the_pool_at_its_minimum_is_not_taken_back():
     assert moves(scaler.step(svc.starving(samples=0))) == ("hold", 2, 2)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (cosmetic): when a scale-up is not taken back only because the pool "
-                                       "is at its minimum, the reason says the rate was raised although it fell")
 def test_a_scale_up_not_taken_back_at_the_minimum_is_not_reported_as_raising_the_rate():
     scaler, svc = started(2, 8, workers=2)
     scaler.step(svc.starving(samples=100))
@@ -149,8 +147,6 @@ def test_a_scale_up_not_taken_back_at_the_minimum_is_not_reported_as_raising_the
     assert "raised the rate" not in d["reason"], d["reason"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a scale-up judged against a rate of 0 is always kept: "
-                                       "0 < 0 * (1 + min_gain) is never true, so 0 -> 0 samples/s counts as a gain")
 def test_a_scale_up_after_an_interval_with_no_samples_is_taken_back_if_there_are_still_none():
     scaler, svc = started(1, 8, workers=2)
     apply(svc, scaler.step(svc.starving(samples=0)))
