@@ -43,7 +43,7 @@ log = logging.getLogger("client")
 
 STATE_VERSION = 1
 PROBE_S = 5.0  # silence, while batches are owed, after which the loader asks again
-_PLAN_KEYS = JobSpec.order_fields() + ("rank",)  # what fixes this rank's batches: a resume must match them
+_PLAN_KEYS = JobSpec.order_fields() + JobSpec.shape_fields() + ("rank",)  # what fixes this rank's batches
 
 
 @dataclass

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wire.plan import PlanSpec, epoch_permutation, make_plan, num_batches
+from wire.plan import PlanSpec, epoch_permutation, make_plan, num_batches, position
 
 
 def all_ranks(length, bs, world, drop_last, seed=0, epoch=0, shuffle=True):
@@ -140,5 +140,8 @@ def test_a_resume_at_any_world_size_and_batch_size_serves_exactly_the_rest(lengt
 def test_a_plan_from_the_end_of_the_epoch_is_empty_and_start_is_checked():
     assert make_plan(PlanSpec(10, 4, start=10)).num_batches == 0
     assert num_batches(10, 4, 2, False, start=10) == 0 and num_batches(10, 4, 2, False, start=3) == 1
+    assert position(10, 2, 2, False, start=0, steps=1) == 4 and position(10, 2, 2, False, start=0, steps=3) == 10
+    with pytest.raises(ValueError, match="steps must be in"):
+        position(10, 2, 2, False, start=0, steps=4)
     with pytest.raises(ValueError, match="start must be in"):
         PlanSpec(10, 4, start=11)

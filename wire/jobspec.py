@@ -26,7 +26,8 @@ RATIO_LIMITS = (1e-3, 1e3)
 MAX_ARGS_DEPTH = 8  # pipeline_args nest at most this deep (a list in a map in a list ...)
 MAX_ARGS_BYTES = 64 * 1024  # and pack to at most this many bytes
 
-_ORDER = {"order": True}  # the field fixes the order of samples (the plan), not only their bytes
+_ORDER = {"order": True}  # the field fixes the epoch's global order of samples (a resume must match it)
+_SHAPE = {"shape": True}  # the field shards that order into ranks' batches (a resume may change it)
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,10 @@ class JobSpec:
     """What one job's epochs are made of. Validated by :meth:`check` (the wire and the loader's
     config call it), so a bad value is refused with the field named before anything runs."""
 
-    batch_size: int = field(metadata=_ORDER)
+    batch_size: int = field(metadata=_SHAPE)
     image_size: int = 224
     seed: int = field(default=0, metadata=_ORDER)
-    world_size: int = field(default=1, metadata=_ORDER)
+    world_size: int = field(default=1, metadata=_SHAPE)
     shuffle: bool = field(default=True, metadata=_ORDER)
     drop_last: bool = field(default=False, metadata=_ORDER)
     train: bool = True
@@ -56,10 +57,11 @@ class JobSpec:
         check_crop(self.scale, self.ratio)
         check_pipeline(type(self).__name__, self.pipeline, self.pipeline_args)
 
-    def plan(self, length: int, epoch: int, rank: int) -> PlanSpec:
-        """The plan of ``rank``'s share of ``epoch`` over a dataset of ``length`` samples."""
+    def plan(self, length: int, epoch: int, rank: int, start: int = 0) -> PlanSpec:
+        """The plan of ``rank``'s share of ``epoch`` over a dataset of ``length`` samples, from
+        position ``start`` of the epoch's global order (0: the whole epoch)."""
         return PlanSpec(length, self.batch_size, self.seed, epoch, rank, self.world_size, self.shuffle,
-                        self.drop_last)
+                        self.drop_last, start)
 
     def on(self, dataset: str) -> "JobSpec":
         """This spec with its dataset resolved (``None`` names the service's default), with the
@@ -81,8 +83,14 @@ class JobSpec:
 
     @classmethod
     def order_fields(cls) -> Tuple[str, ...]:
-        """The fields that fix which samples come in which batch (a resume must match them)."""
+        """The fields that fix the epoch's global order of samples: a resume must match them
+        (with the dataset's identity); world size and batch size only shard it, and may change."""
         return tuple(f.name for f in fields(cls) if f.metadata.get("order"))
+
+    @classmethod
+    def shape_fields(cls) -> Tuple[str, ...]:
+        """The fields that shard the global order into each rank's batches."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("shape"))
 
 
 def check_crop(scale: Any, ratio: Any) -> None:

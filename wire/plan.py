@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PlanSpec", "RankPlan", "make_plan", "num_batches"]
+__all__ = ["PlanSpec", "RankPlan", "make_plan", "num_batches", "position"]
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,8 @@ class RankPlan:
         """The job's position in the epoch's global order once every rank has taken ``steps``
         batches of this plan: ``start + steps * batch_size * world_size``, at most the epoch's
         end (a resume from it serves exactly the rest)."""
-        if not 0 <= steps <= self.num_batches:
-            raise ValueError(f"steps must be in [0, {self.num_batches}], got {steps}")
         s = self.spec
-        if steps == self.num_batches:
-            return s.length  # the last step ends the epoch (a short batch, padding or dropped tail)
-        return s.start + steps * s.batch_size * s.world_size
+        return position(s.length, s.batch_size, s.world_size, s.drop_last, s.start, steps)
 
 
 def epoch_permutation(length: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -133,6 +129,17 @@ def make_plan(spec: PlanSpec) -> RankPlan:
         keep = (len(indices) // spec.batch_size) * spec.batch_size
         indices, padding = indices[:keep], padding[:keep]
     return RankPlan(spec=spec, indices=np.ascontiguousarray(indices), padding=padding.copy())
+
+
+def position(length: int, batch_size: int, world_size: int, drop_last: bool, start: int, steps: int) -> int:
+    """The job's position in the epoch's global order after ``steps`` steps of a plan from
+    ``start`` (see :meth:`RankPlan.position_after`), without building the plan."""
+    total = num_batches(length, batch_size, world_size, drop_last, start)
+    if not 0 <= steps <= total:
+        raise ValueError(f"steps must be in [0, {total}], got {steps}")
+    if steps == total:
+        return length  # the last step ends the epoch (a short batch, padding or a dropped tail)
+    return start + steps * batch_size * world_size
 
 
 def num_batches(length: int, batch_size: int, world_size: int = 1, drop_last: bool = False, start: int = 0) -> int:

@@ -11,14 +11,16 @@ from wire.jobspec import JobSpec
 from wire.plan import PlanSpec
 
 
-def test_the_order_fields_are_those_that_fix_which_samples_come_in_which_batch():
-    assert set(JobSpec.order_fields()) == {"batch_size", "seed", "world_size", "shuffle", "drop_last", "dataset"}
-    assert set(JobSpec.order_fields()) < set(JobSpec.names())
+def test_the_order_fields_fix_the_global_order_and_the_shape_fields_only_shard_it():
+    assert set(JobSpec.order_fields()) == {"seed", "shuffle", "drop_last", "dataset"}
+    assert set(JobSpec.shape_fields()) == {"batch_size", "world_size"}
+    assert set(JobSpec.order_fields() + JobSpec.shape_fields()) < set(JobSpec.names())
 
 
 def test_plan_carries_every_order_field_and_the_rank_and_epoch():
     spec = JobSpec(batch_size=8, seed=3, world_size=4, shuffle=False, drop_last=True, dataset="d")
     assert spec.plan(100, epoch=2, rank=1) == PlanSpec(100, 8, 3, 2, 1, 4, False, True)
+    assert spec.plan(100, epoch=2, rank=1, start=40) == PlanSpec(100, 8, 3, 2, 1, 4, False, True, 40)
 
 
 def test_differences_name_each_field_with_both_values():
