@@ -23,7 +23,8 @@ import time
 import uuid
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Iterator, List, Optional, Sequence, Union
+from collections import deque
+from typing import Deque, Iterator, List, Optional, Sequence, Union
 
 import zmq
 
@@ -240,7 +241,8 @@ class RemoteLoader:
             flow = self._start_epoch(reps, epoch, start, total)
         else:
             reps = self._replicas
-        in_order = InOrder(flow.next_yield, c.device_prefetch, lambda _, item: self._sink.push(*item))
+        in_order = InOrder(flow.next_yield, c.device_prefetch)
+        pushed: Deque[Batch] = deque()  # pushed to the sink (copy issued), not yet yielded
         heard = time.monotonic()  # the last message from a service
         probe_s = min(PROBE_S, c.timeout / 3)
         h2d_seen = self._sink.h2d_s
@@ -253,7 +255,7 @@ class RemoteLoader:
                 t0 = time.perf_counter()
                 heard = max(heard, time.monotonic())  # the trainer's own time is no service's silence
                 probed, told = heard, False
-                while not in_order.ready(flow.next_yield):
+                while not self._push_due(in_order, flow, pushed):
                     now = time.monotonic()
                     wake = min([heard + c.timeout, probed + probe_s, *self._cut_times(reps)])
                     if len(reps) > 1:  # wake up in time to notice a replica that stays down
@@ -290,7 +292,8 @@ class RemoteLoader:
                 self._stats.h2d_s = self._sink.h2d_s
                 for r in reps:
                     r.stall(waited, h2d)
-                batch = in_order.pop(flow.take())
+                flow.take()
+                batch = pushed.popleft()
                 self._ask(reps, flow)  # its place in the window is free
                 self._stats.batches += 1
                 self._stats.samples += len(batch)
@@ -301,9 +304,13 @@ class RemoteLoader:
                 if not r.dead and r.stream >= 0 and r.accepted:
                     r.request([], self._stats.batches, final=True)  # the stream ends; its slots are kept
         finally:
-            for _, payload in in_order.held.values():
-                self._sink.discard(payload)
-            self._sink.end()
+            self._sink.end()  # which also takes back what was received and never pushed
+
+    def _push_due(self, in_order: InOrder, flow: EpochFlow, pushed: Deque[Batch]) -> bool:
+        """Hand the sink what the ordering window lets go now; whether the next batch to yield is pushed."""
+        for msg, payload in in_order.due(flow.next_yield):
+            pushed.append(self._sink.push(msg, payload))
+        return bool(pushed)  # pushed in plan order from next_yield: its head is next_yield
 
     def _start_epoch(self, reps: List[Replica], epoch: int, start: int, total: int,
                      lookahead: bool = False) -> EpochFlow:
@@ -339,7 +346,7 @@ class RemoteLoader:
             elif isinstance(msg, P.Batch):
                 r.progress = None
                 if not flow.on_batch(r.index, msg.index, time.monotonic()):
-                    self._sink.discard(payload)
+                    # (its memory goes back with the rest when the epoch ends)
                     raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
                 in_order.put(msg.index, (msg, payload))
             elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.UNKNOWN_CLIENT:
