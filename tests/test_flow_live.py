@@ -14,6 +14,7 @@ import time
 import pytest
 
 from client import LoaderTimeout, RemoteLoader
+from client.lookahead import Lookahead
 from loader_service.shm import sweep_stale
 from loader_service.testing import ServiceProcess, free_port
 
@@ -243,14 +244,14 @@ def test_a_lookahead_still_in_its_handshake_is_waited_for_and_adopted(make_servi
     with RemoteLoader(svc.endpoint, batch_size=8, image_size=32, seed=6, epoch_lookahead=False) as one:
         ref = [collect(one) for _ in range(2)]
     relay = _GatedRelay(int(svc.endpoint.rsplit(":", 1)[1]), gated=2)
-    adopt = RemoteLoader._adopt_lookahead
+    adopt = Lookahead.adopt
 
     def adopt_after_opening_the_gate(self, *args):
-        if self._ahead is not None:  # (called at every epoch's start)
+        if self.flow is not None:  # (called at every epoch's start)
             relay.gate.set()  # the handshake starts now; adoption sees it in progress
         return adopt(self, *args)
 
-    monkeypatch.setattr(RemoteLoader, "_adopt_lookahead", adopt_after_opening_the_gate)
+    monkeypatch.setattr(Lookahead, "adopt", adopt_after_opening_the_gate)
     try:
         with RemoteLoader(f"tcp://127.0.0.1:{relay.port}", batch_size=8, image_size=32, seed=6, timeout=30) as ld:
             first = collect(ld)
