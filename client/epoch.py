@@ -5,9 +5,9 @@ order, ``device_prefetch`` ahead of the trainer) -> the device sink (copy, then 
 
 The flow control (:class:`~client.flow.EpochFlow`) decides what to ask of which replica; this
 module does the asking and the waiting. Every wait has a deadline: the loader's ``timeout``
-since the last message from a service, a probe after ``PROBE_S`` of silence while batches are
-owed, and, with several replicas, ``replica_timeout`` before a replica that stays down loses its
-batches to the others.
+since the last message from a service, a probe after ``PROBE_S`` (at most a third of the
+timeout) of silence while batches are owed, and, with several replicas, ``replica_timeout``
+before a replica that stays down loses its batches to the others.
 """
 
 from __future__ import annotations
