@@ -56,7 +56,8 @@ def default_keys_dir() -> str:
 
 
 def secure_dealer(sock: zmq.Socket, keys: Optional[ClientKeys]) -> None:
-    """Make ``sock`` (not connected yet) a CURVE client with ``keys``; nothing for None."""
+    """Give ``sock`` (not connected yet) this loader's CURVE ``keys``, in ZeroMQ's CURVE client
+    role; nothing for None."""
     if keys is not None:
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public

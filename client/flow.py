@@ -8,7 +8,7 @@ on-demand sharding):
 
 * **credit tied to plan position**: batch ``b`` may be requested only while
   ``b < next_yield + window``. Every batch between ``next_yield`` and the newest one requested
-  is either requested (not yet received) or received (waiting, in the reorder buffer or the
+  is either requested (not yet received) or received (waiting, in the ordering window or the
   device sink), so those two together never exceed ``window``, and the oldest batch not yet
   yielded always has its place: no full buffer can block it;
 * **on-demand assignment**: a batch goes to the live replica with a free credit (fewer than
@@ -24,7 +24,7 @@ on-demand sharding):
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Dict, Iterable, List, Optional, Set
 
 
 class EpochFlow:
@@ -125,28 +125,28 @@ class EpochFlow:
 
 class InOrder:
     """The ordering window between the transports and the device sink: batches arrive in any
-    order (:meth:`put`) and go to ``push`` strictly in plan order, at most ``ahead`` beyond the
-    next one to yield, so the sink (a device copy) never holds a batch out of order."""
+    order (:meth:`put`) and leave (:meth:`due`) strictly in plan order, at most ``ahead`` beyond
+    the next one to yield, so the sink (a device copy) never holds a batch out of order."""
 
-    def __init__(self, first: int, ahead: int, push: Callable[[int, Any], Any]):
-        self.next_push = first
+    def __init__(self, first: int, ahead: int):
+        if ahead < 1:
+            raise ValueError(f"ahead must be >= 1, got {ahead}")
+        self.next_out = first  # the next batch to leave the window
         self.ahead = ahead
-        self._push = push
-        self.held: Dict[int, Any] = {}  # received, not pushed
-        self.pushed: Dict[int, Any] = {}  # pushed, not yielded
+        self.held: Dict[int, Any] = {}  # received, not yet due
 
     def put(self, index: int, item: Any) -> None:
         self.held[index] = item
 
-    def ready(self, next_yield: int) -> bool:
-        """Push what may go now; whether batch ``next_yield`` has been pushed."""
-        while self.next_push in self.held and self.next_push < next_yield + self.ahead:
-            self.pushed[self.next_push] = self._push(self.next_push, self.held.pop(self.next_push))
-            self.next_push += 1
-        return next_yield in self.pushed
-
-    def pop(self, index: int) -> Any:
-        return self.pushed.pop(index)
+    def due(self, next_yield: int) -> List[Any]:
+        """The held items that may go on now, in plan order, removed from the window: the next
+        ones in sequence below ``next_yield + ahead`` (``next_yield``: the next batch the
+        trainer gets)."""
+        out = []
+        while self.next_out in self.held and self.next_out < next_yield + self.ahead:
+            out.append(self.held.pop(self.next_out))
+            self.next_out += 1
+        return out
 
 
 __all__ = ["EpochFlow", "InOrder"]

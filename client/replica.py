@@ -116,6 +116,21 @@ class Replica:
         at = self.cut_at()
         return at is not None and now >= at
 
+    def has_message(self) -> bool:
+        """A message waits on the socket (never blocks)."""
+        return bool(self.sock.poll(0))
+
+    def has_event(self) -> bool:
+        """A connection event waits on the monitor (never blocks)."""
+        return bool(self.monitor.poll(0))
+
+    def wait(self, timeout_ms: float) -> bool:
+        """Wait up to ``timeout_ms`` for a message or a connection event; True if a message came."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        return self.sock in dict(poller.poll(timeout_ms))
+
     def send(self, msg: P.Message) -> None:
         """Queue ``msg`` (never blocks). A connection libzmq cut for good has nowhere to queue it:
         the message is dropped, and the loader's cut check gives that replica up."""

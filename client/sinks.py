@@ -1,10 +1,11 @@
 """Where received batches go: host tensors (CPU) or the pinned ring + side stream (CUDA).
 
-A sink's life per epoch: ``receive`` the frames of each batch into host memory as they arrive,
-in any order (the loader's reorder buffer holds them) -> ``push`` them *in plan order*, a few
-ahead of the trainer (on CUDA that issues the device copy, so out-of-order batches never sit
-on the GPU) -> ``hand_over`` each batch as ``next()`` returns it to the trainer -> ``end``.
-A received batch the loader will not push (its epoch was left early) goes back with ``discard``.
+A sink's life per epoch (:mod:`client.epoch`): ``receive`` the frames of each batch into host
+memory as they arrive, in any order (the epoch's ordering window holds them) -> ``push`` them
+*in plan order*, a few ahead of the trainer (on CUDA that issues the device copy, so
+out-of-order batches never sit on the GPU) -> ``hand_over`` each batch as ``next()`` returns it
+to the trainer -> ``end``, which also takes back the host memory of batches received and never
+pushed (an epoch left early).
 
 CPU path: the images tensor *is* libzmq's receive buffer (``recv(copy=False)`` wrapped by
 ``torch.frombuffer``): after the kernel's copy into that buffer nothing copies the pixels again,
@@ -184,9 +185,6 @@ class HostSink:
         raw, labels = payload
         return _build(msg, [n for n, _ in self.outputs], raw, labels, self.normalize)
 
-    def discard(self, payload) -> None:
-        pass  # the tensors own their memory
-
     def hand_over(self, batch: Batch) -> Batch:
         return batch  # host tensors need no ordering
 
@@ -266,9 +264,6 @@ class CudaSink:
         self.h2d_s += time.perf_counter() - t0
         self._done[msg.index] = done
         return batch
-
-    def discard(self, payload) -> None:
-        self._free.append(payload[0])
 
     def hand_over(self, batch: Batch) -> Batch:
         """Order ``batch`` before the trainer's work on the stream current now; see the module doc."""

@@ -42,13 +42,18 @@ def run(sim: Sim, max_events: int = 200_000) -> List[int]:
     window = sim.credit * sim.windows_per_replica * sim.replicas
     flow = EpochFlow(sim.start, sim.total, window, sim.credit, sim.replicas)
     pushed_order: List[int] = []
+    pushed = {}  # the sink: pushed, not yielded
 
-    def push(index, item):
-        assert item == ("payload", index)
-        pushed_order.append(index)
-        return index
+    def push_due():
+        """What the window lets go now goes to the sink; whether the next batch is there."""
+        for item in order.due(flow.next_yield):
+            index = sim.start + len(pushed_order)  # the window lets batches go in plan order only
+            assert item == ("payload", index)
+            pushed_order.append(index)
+            pushed[index] = index
+        return flow.next_yield in pushed
 
-    order = InOrder(sim.start, sim.ahead, push)
+    order = InOrder(sim.start, sim.ahead)
     queues = [deque() for _ in range(sim.replicas)]  # asked of the service, not sent yet
     paused = [0] * sim.replicas  # events left in a pause
     dead = [False] * sim.replicas  # given up on for this epoch (failover)
@@ -87,7 +92,7 @@ def run(sim: Sim, max_events: int = 200_000) -> List[int]:
         # --- one event: a replica delivers, or the trainer takes a batch
         can = [(sim.speeds[r] * rng.uniform(0.8, 1.2), r) for r in range(sim.replicas)
                if queues[r] and not paused[r] and not dead[r]]
-        consumer_can = order.ready(flow.next_yield)
+        consumer_can = push_due()
         choices = can + ([(sim.consumer, "take")] if consumer_can else [])
         if not choices:
             if any(paused):
@@ -104,7 +109,7 @@ def run(sim: Sim, max_events: int = 200_000) -> List[int]:
                 break
         if what == "take":
             b = flow.take()
-            assert order.pop(b) == b
+            assert pushed.pop(b) == b
             yielded.append(b)
         else:
             b = queues[what].popleft()
@@ -113,13 +118,13 @@ def run(sim: Sim, max_events: int = 200_000) -> List[int]:
         ask()
         # --- invariants
         assert flow.in_flight() <= window
-        assert len(order.held) + len(order.pushed) <= window
-        assert not order.pushed or max(order.pushed) < flow.next_yield + sim.ahead
+        assert len(order.held) + len(pushed) <= window
+        assert not pushed or max(pushed) < flow.next_yield + sim.ahead
     else:
         raise AssertionError(f"not done after {max_events} events (livelock?)")
     assert yielded == list(range(sim.start, sim.total))
     assert pushed_order == yielded
-    assert flow.in_flight() == 0 and not order.held and not order.pushed
+    assert flow.in_flight() == 0 and not order.held and not pushed
     return yielded
 
 

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from client import LoaderTimeout, RemoteLoader
+from client.lookahead import Lookahead
 from loader_service.shm import sweep_stale
 from loader_service.testing import ServiceProcess, free_port
 
@@ -167,7 +168,7 @@ def test_loader_timeout_fires_within_a_second_of_its_deadline(demo_source, caplo
 class _GatedRelay:
     """A loopback TCP relay to ``upstream`` that holds its ``gated``-th connection (1-based)
     until ``gate`` is set: that connection stays in its ZMTP handshake. Counts the bytes each
-    connection carried towards the client."""
+    connection carried towards the loader."""
 
     def __init__(self, upstream_port: int, gated: int):
         self.gate = threading.Event()
@@ -183,25 +184,25 @@ class _GatedRelay:
         n = 0
         while True:
             try:
-                client, _ = self._listener.accept()
+                down, _ = self._listener.accept()
             except OSError:  # closed
                 return
             n += 1
-            self._socks.append(client)
-            t = threading.Thread(target=self._serve, args=(n, client), daemon=True)
+            self._socks.append(down)
+            t = threading.Thread(target=self._serve, args=(n, down), daemon=True)
             self._threads.append(t)
             t.start()
 
-    def _serve(self, n: int, client: socket.socket) -> None:
+    def _serve(self, n: int, down: socket.socket) -> None:
         if n == self._gated and not self.gate.wait(60):
             return
         up = socket.create_connection(("127.0.0.1", self._upstream))
         self._socks.append(up)
         self.down_bytes[n] = 0
-        t = threading.Thread(target=self._pipe, args=(client, up, None), daemon=True)
+        t = threading.Thread(target=self._pipe, args=(down, up, None), daemon=True)
         self._threads.append(t)
         t.start()
-        self._pipe(up, client, n)
+        self._pipe(up, down, n)
 
     def _pipe(self, src: socket.socket, dst: socket.socket, count) -> None:
         try:
@@ -235,7 +236,7 @@ class _GatedRelay:
 
 def test_a_lookahead_still_in_its_handshake_is_waited_for_and_adopted(make_service, caplog, monkeypatch):
     """The spare connection of an epoch lookahead opens at the end of an epoch; when the next
-    epoch starts before its handshake is done, the client waits for it (it used to give the
+    epoch starts before its handshake is done, the loader waits for it (it used to give the
     lookahead up as lost and start plainly). The relay holds the spare (its 2nd connection) for
     the whole first epoch and lets it through only as adoption begins."""
     caplog.set_level(logging.INFO, logger="client")
@@ -243,14 +244,14 @@ def test_a_lookahead_still_in_its_handshake_is_waited_for_and_adopted(make_servi
     with RemoteLoader(svc.endpoint, batch_size=8, image_size=32, seed=6, epoch_lookahead=False) as one:
         ref = [collect(one) for _ in range(2)]
     relay = _GatedRelay(int(svc.endpoint.rsplit(":", 1)[1]), gated=2)
-    adopt = RemoteLoader._adopt_lookahead
+    adopt = Lookahead.adopt
 
     def adopt_after_opening_the_gate(self, *args):
-        if self._ahead is not None:  # (called at every epoch's start)
+        if self.flow is not None:  # (called at every epoch's start)
             relay.gate.set()  # the handshake starts now; adoption sees it in progress
         return adopt(self, *args)
 
-    monkeypatch.setattr(RemoteLoader, "_adopt_lookahead", adopt_after_opening_the_gate)
+    monkeypatch.setattr(Lookahead, "adopt", adopt_after_opening_the_gate)
     try:
         with RemoteLoader(f"tcp://127.0.0.1:{relay.port}", batch_size=8, image_size=32, seed=6, timeout=30) as ld:
             first = collect(ld)

@@ -63,6 +63,6 @@ def delayed_side_stream(monkeypatch):
     def slow_push(self, msg, payload):
         gpu_sleep(EACH_DELAY_MS if self in delayed else FIRST_DELAY_MS, self.stream)
         delayed.add(self)
-        push(self, msg, payload)
+        return push(self, msg, payload)  # the pushed batch: the epoch run hands it over
 
     monkeypatch.setattr(CudaSink, "push", slow_push)

@@ -1,0 +1,202 @@
+"""One connection per service replica, as a set: the loader's current set, or the spare set its
+epoch lookahead streams on.
+
+What every stage reads and sends through: :meth:`Connections.recv` (one message; a batch's
+frames go straight into the sink's host memory), :meth:`~Connections.hello` and
+:meth:`~Connections.start_epoch` (new streams), :meth:`~Connections.poll` (every socket and
+connection monitor of the set), and the checks that every wait shares: a connection cut for
+breaking the protocol, and a timeout that says why nothing came.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import List, Optional, Tuple
+
+import zmq
+
+from wire import protocol as P
+
+from client.config import LoaderConfig
+from client.curve import ClientKeys
+from client.errors import LoaderError, LoaderTimeout
+from client.flow import EpochFlow
+from client.replica import Replica
+from client.stats import LoaderStats
+
+
+class Connections:
+    """A connection to each of ``endpoints`` (:class:`~client.replica.Replica`, indexed by
+    position), all on behalf of the one loader ``client_id``."""
+
+    def __init__(self, ctx: zmq.Context, endpoints: List[str], config: LoaderConfig, *, curve: Optional[ClientKeys],
+                 frame_cap: int, window: int, client_id: str, stream_ids: "itertools.count", stats: LoaderStats):
+        """``frame_cap``: the largest frame a peer may send; ``window``: batches the loader may
+        have asked for or hold at once; ``stream_ids``: the loader's stream numbers, shared by
+        its sets; ``stats``: where received bytes are counted."""
+        self.config, self.frame_cap, self.window = config, frame_cap, window
+        self._ctx, self._curve = ctx, curve
+        self._client_id, self._stream_ids, self._stats = client_id, stream_ids, stats
+        # A service sends a connection at most `window` batches of its stream, plus as many of a
+        # stream being replaced and a few control messages: more can only come from a rogue peer,
+        # and libzmq then stops reading (backpressure, nothing dropped).
+        queued = 2 * window + 16
+        self.replicas = [Replica(ctx, e, config.heartbeat_s, i, curve, frame_cap, queued)
+                         for i, e in enumerate(endpoints)]
+        self._poller = zmq.Poller()
+        for r in self.replicas:
+            self._poller.register(r.sock, zmq.POLLIN)
+            self._poller.register(r.monitor, zmq.POLLIN)
+
+    def twin(self) -> "Connections":
+        """A second connection to each replica, on the same terms (the lookahead's spare set)."""
+        return Connections(self._ctx, [r.endpoint for r in self.replicas], self.config, curve=self._curve,
+                           frame_cap=self.frame_cap, window=self.window, client_id=self._client_id,
+                           stream_ids=self._stream_ids, stats=self._stats)
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
+
+    # ------------------------------------------------------------------ streams
+    def hello(self, r: Replica, epoch: int, batches: List[int], lookahead: bool = False) -> None:
+        """Start a new on-demand stream on ``r``, asking for ``batches`` at once."""
+        c = self.config
+        stream = next(self._stream_ids)
+        r.hello(stream, P.Hello(
+            stream=stream, spec=c.spec, epoch=epoch, rank=c.rank, prefetch=c.prefetch, job=c.job,
+            batches=list(batches), lookahead=lookahead, on_demand=True, client=self._client_id))
+
+    def start_epoch(self, epoch: int, start: int, total: int, lookahead: bool = False) -> EpochFlow:
+        """The flow control of ``epoch`` from ``start`` over this set, with a new stream on each
+        replica asking at once for what the flow assigns it."""
+        flow = EpochFlow(start, total, self.window, self.window, len(self.replicas))
+        initial = flow.assign((r.index for r in self.replicas), time.monotonic())
+        for r in self.replicas:
+            r.dead = False
+            self.hello(r, epoch, initial.get(r.index, []), lookahead=lookahead)
+        return flow
+
+    def healthy(self) -> bool:
+        """Every replica is connected and none was given up on."""
+        return not any(r.dead or r.down_since is not None for r in self.replicas)
+
+    # ------------------------------------------------------------------ receiving
+    def poll(self, timeout_ms: float) -> List[Tuple[Replica, bool, bool]]:
+        """Wait up to ``timeout_ms`` for anything on the set: ``(replica, connection event,
+        message)`` for each replica with either, in replica order; empty if nothing came."""
+        events = dict(self._poller.poll(timeout_ms))
+        return [(r, r.monitor in events, r.sock in events) for r in self.replicas
+                if r.monitor in events or r.sock in events]
+
+    def recv(self, r: Replica, sink):
+        """One message from ``r``: (message, payload), or (None, None) for a stale one. A
+        batch's data frames are received by ``sink`` into host memory (the payload).
+
+        Raises LoaderError for the service's errors except the recoverable ones.
+        """
+        header = r.sock.recv(copy=False)
+        try:
+            msg = P.decode_header(header)
+        except P.ProtocolError as exc:
+            r.drain()
+            raise LoaderError(exc.code, f"malformed message from the service at {r.endpoint}: {exc}") from None
+        if getattr(msg, "stream", -1) not in (r.stream, -1):
+            r.drain()  # from a stream we already left
+            return None, None
+        payload = None
+        if isinstance(msg, P.Batch):
+            payload = sink.receive(r.sock, msg)
+            self._stats.bytes += msg.image_bytes
+        else:
+            r.drain()
+        if isinstance(msg, P.EndOfEpoch):
+            return None, None  # the stream we ended with a final Request is done
+        if isinstance(msg, P.Error):
+            if msg.code == P.ErrorCode.SHUTTING_DOWN:
+                return None, None  # informational: the reconnect that follows restarts the stream
+            if msg.code != P.ErrorCode.UNKNOWN_CLIENT:
+                raise LoaderError(msg.code, f"{msg.message} (from {r.endpoint})" if len(self.replicas) > 1
+                                  else msg.message, msg.traceback)
+        return msg, payload
+
+    def describe(self, sink) -> Tuple[str, P.DatasetInfo]:
+        """Ask every replica to describe the dataset: the first answer, and who gave it."""
+        c = self.config
+        describe = P.Describe(dataset=c.spec.dataset, pipeline=c.spec.pipeline, pipeline_args=c.spec.pipeline_args)
+        for r in self.replicas:
+            r.send(describe)
+        deadline = time.monotonic() + c.timeout
+        while True:
+            left = min([deadline, *self.cut_times()]) - time.monotonic()
+            events = self.poll(max(0, left) * 1000) if left > 0 else []
+            self.check_cut(time.monotonic())
+            if not events and time.monotonic() >= deadline:
+                self.raise_timeout()
+            for r, changed, readable in events:
+                if changed and r.on_monitor():
+                    r.send(describe)
+                if readable:
+                    msg, _ = self.recv(r, sink)
+                    if isinstance(msg, P.DatasetInfo):
+                        return r.endpoint, msg
+
+    # ------------------------------------------------------------------ what every wait checks
+    def cut_times(self) -> List[float]:
+        return [t for t in (r.cut_at() for r in self.replicas if not r.dead) if t is not None]
+
+    def check_cut(self, now: float) -> None:
+        """Raise at once when every connection was cut for breaking the protocol (a rogue peer,
+        an endpoint that is not a loader service): waiting out the timeout would change nothing."""
+        cut = [r for r in self.replicas if r.is_cut(now)]
+        if cut and all(r.dead or r in cut for r in self.replicas):
+            raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
+                f"the connection to {', '.join(r.endpoint for r in cut)} was cut for breaking the protocol and is "
+                f"not retried: a peer that sends a frame over this loader's cap of {self.frame_cap} "
+                "bytes (this job's largest data frame + 1 MiB), or that is not a ZeroMQ peer, is refused; is this "
+                "endpoint a loader service?"))
+
+    def raise_timeout(self) -> None:
+        """Nothing came within the timeout: raise LoaderTimeout with the likeliest reason."""
+        c, reps = self.config, self.replicas
+        down = [r for r in reps if r.down_since is not None]
+        where = ", ".join(r.endpoint for r in reps)
+        self.check_cut(float("inf"))  # a cut shorter than its grace still is one at the timeout
+        if down and len(down) == len(reps) and any(r.was_connected for r in reps):
+            raise LoaderTimeout(f"lost the connection to the loader service at {where} "
+                                f"{time.monotonic() - min(r.down_since for r in down):.0f}s ago and it has not "
+                                f"come back within {c.timeout:g}s")
+        if not any(r.was_connected for r in reps):
+            if any(r.reached for r in reps):
+                raise LoaderTimeout(f"reached {where} but no ZeroMQ handshake completed within {c.timeout:g}s: "
+                                    "something else listens there (the REST port? the data port is the service's "
+                                    "--data-port, 5555 by default), or the service is stopped or stuck")
+            raise LoaderTimeout(f"could not connect to the loader service at {where} within {c.timeout:g}s; is "
+                                "it running and reachable? (start one with: loader-service serve --demo)")
+        said = [progress_text(r) for r in reps if r.progress is not None]
+        if said:
+            raise LoaderTimeout(f"no batch for {c.timeout:g}s: " + "; ".join(said))
+        raise LoaderTimeout(f"the loader service at {where} is connected but has answered nothing for "
+                            f"{c.timeout:g}s (is its process stopped or stuck? its /healthz and log say more)")
+
+
+def progress_text(r: Replica) -> str:
+    """What ``r``'s service last said it does for our stream, in words."""
+    p, age = r.progress, time.monotonic() - r.progress_at
+    where = f"the loader service at {r.endpoint}"
+    if p.no_slots:
+        text = (f"{where} is alive but its batch memory (--max-shm-mb) is all in use by other jobs' streams; "
+                f"{p.waiting} of this loader's batches wait for slots (its /v1/status shows who holds them)")
+    elif p.workers == 0:
+        text = f"{where} is alive but has no workers (its /healthz says why)"
+    elif p.tasks:
+        text = f"{where} is alive but slow: batch {p.batch} has been decoding for {p.task_s:.0f}s"
+        if p.sample >= 0:
+            text += f", its worker on sample {p.sample} ({p.file}) for {p.sample_s:.0f}s"
+    elif p.busy >= p.workers:
+        text = (f"{where} is alive and all its {p.workers} workers are busy with other clients' tasks; "
+                f"{p.waiting} of this loader's batches wait for one")
+    else:
+        text = f"{where} is alive with {p.workers} workers ({p.busy} busy); {p.waiting} of this loader's batches wait"
+    return text + (f" (said {age:.0f}s ago)" if age >= 1 else "")
