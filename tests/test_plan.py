@@ -96,10 +96,10 @@ def test_every_rank_sees_one_permutation():
     assert set(counts) == set(range(97))
 
 
-def _taken(length, bs, world, drop_last, seed, start, steps=None):
-    """What every rank of a job at (world, bs) takes from ``start`` on, in ``steps`` steps (None: all),
+def _taken(length, bs, world, drop_last, seed, origin, steps=None):
+    """What every rank of a job at (world, bs) takes from ``origin`` on, in ``steps`` steps (None: all),
     without padding, and the job's position afterwards."""
-    plans = [make_plan(PlanSpec(length, bs, seed, 0, r, world, True, drop_last, start)) for r in range(world)]
+    plans = [make_plan(PlanSpec(length, bs, seed, 0, r, world, True, drop_last, origin)) for r in range(world)]
     steps = plans[0].num_batches if steps is None else steps
     taken = [int(i) for p in plans for b in range(steps) for i, pad in zip(p.batch(b), p.batch_padding(b)) if not pad]
     positions = {p.position_after(steps) for p in plans}
@@ -138,10 +138,10 @@ def test_a_resume_at_any_world_size_and_batch_size_serves_exactly_the_rest(lengt
 
 
 def test_a_plan_from_the_end_of_the_epoch_is_empty_and_start_is_checked():
-    assert make_plan(PlanSpec(10, 4, start=10)).num_batches == 0
-    assert num_batches(10, 4, 2, False, start=10) == 0 and num_batches(10, 4, 2, False, start=3) == 1
-    assert position(10, 2, 2, False, start=0, steps=1) == 4 and position(10, 2, 2, False, start=0, steps=3) == 10
+    assert make_plan(PlanSpec(10, 4, origin=10)).num_batches == 0
+    assert num_batches(10, 4, 2, False, origin=10) == 0 and num_batches(10, 4, 2, False, origin=3) == 1
+    assert position(10, 2, 2, False, origin=0, steps=1) == 4 and position(10, 2, 2, False, origin=0, steps=3) == 10
     with pytest.raises(ValueError, match="steps must be in"):
-        position(10, 2, 2, False, start=0, steps=4)
-    with pytest.raises(ValueError, match="start must be in"):
-        PlanSpec(10, 4, start=11)
+        position(10, 2, 2, False, origin=0, steps=4)
+    with pytest.raises(ValueError, match="origin must be in"):
+        PlanSpec(10, 4, origin=11)

@@ -57,11 +57,11 @@ class JobSpec:
         check_crop(self.scale, self.ratio)
         check_pipeline(type(self).__name__, self.pipeline, self.pipeline_args)
 
-    def plan(self, length: int, epoch: int, rank: int, start: int = 0) -> PlanSpec:
+    def plan(self, length: int, epoch: int, rank: int, origin: int = 0) -> PlanSpec:
         """The plan of ``rank``'s share of ``epoch`` over a dataset of ``length`` samples, from
-        position ``start`` of the epoch's global order (0: the whole epoch)."""
+        position ``origin`` of the epoch's global order (0: the whole epoch)."""
         return PlanSpec(length, self.batch_size, self.seed, epoch, rank, self.world_size, self.shuffle,
-                        self.drop_last, start)
+                        self.drop_last, origin)
 
     def on(self, dataset: str) -> "JobSpec":
         """This spec with its dataset resolved (``None`` names the service's default), with the

@@ -1,20 +1,20 @@
 """The epoch plan: which dataset indices each rank gets, in which batches.
 
 A pure function of (dataset length, seed, epoch, rank, world_size, batch_size, shuffle,
-drop_last, start). Client and service compute it independently and always agree; nothing about a
+drop_last, origin). Client and service compute it independently and always agree; nothing about a
 plan is ever stored, which is why a restarted service or a resumed client loses nothing.
 
 The epoch's *global order* is one permutation of ``range(n)`` per (seed, epoch); it does not
 depend on world size or batch size. Ranks take it strided (rank ``r`` of ``w`` gets positions
 ``r, r + w, r + 2w, ...``), so after ``k`` steps of batch ``b`` the job has consumed exactly the
-prefix ``order[:k * b * w]``. ``start`` is such a position: a plan from ``start`` shards only
-``order[start:]``, by the same rules, at whatever world size and batch size the job has now
-(an elastic resume). ``start=0`` is the whole epoch.
+prefix ``order[:k * b * w]``. ``origin`` is such a position: a plan from ``origin`` shards only
+``order[origin:]``, by the same rules, at whatever world size and batch size the job has now
+(an elastic resume). ``origin=0`` is the whole epoch.
 
 Rules (the same as ``torch.utils.data.DistributedSampler`` + ``DataLoader``):
 
 * shuffle: one permutation of ``range(n)`` per (seed, epoch), shared by all ranks.
-* drop_last=False: the order (from ``start``) is padded by wrapping around to a multiple of world_size,
+* drop_last=False: the order (from ``origin``) is padded by wrapping around to a multiple of world_size,
   so every rank gets ``ceil(n / world_size)`` samples; the last batch may be short. Padding
   repeats at most ``world_size - 1`` samples, always in the last position of a rank, and is
   flagged in :attr:`RankPlan.padding`.
@@ -45,7 +45,7 @@ class PlanSpec:
     world_size: int = 1
     shuffle: bool = True
     drop_last: bool = False
-    start: int = 0  # samples of the epoch's global order the job consumed before this plan (a resume)
+    origin: int = 0  # samples of the epoch's global order the job consumed before this plan (a resume)
 
     def __post_init__(self) -> None:
         if self.length < 1:
@@ -58,8 +58,8 @@ class PlanSpec:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         if self.seed < 0 or self.epoch < 0:
             raise ValueError(f"seed and epoch must be >= 0, got seed={self.seed} epoch={self.epoch}")
-        if not 0 <= self.start <= self.length:
-            raise ValueError(f"start must be in [0, {self.length}] (the epoch's {self.length} samples), got {self.start}")
+        if not 0 <= self.origin <= self.length:
+            raise ValueError(f"origin must be in [0, {self.length}] (the epoch's {self.length} samples), got {self.origin}")
         if self.drop_last and self.length < self.world_size:
             raise ValueError(
                 f"drop_last with {self.length} samples and world_size {self.world_size} leaves "
@@ -97,10 +97,10 @@ class RankPlan:
 
     def position_after(self, steps: int) -> int:
         """The job's position in the epoch's global order once every rank has taken ``steps``
-        batches of this plan: ``start + steps * batch_size * world_size``, at most the epoch's
+        batches of this plan: ``origin + steps * batch_size * world_size``, at most the epoch's
         end (a resume from it serves exactly the rest)."""
         s = self.spec
-        return position(s.length, s.batch_size, s.world_size, s.drop_last, s.start, steps)
+        return position(s.length, s.batch_size, s.world_size, s.drop_last, s.origin, steps)
 
 
 def epoch_permutation(length: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -112,7 +112,7 @@ def epoch_permutation(length: int, seed: int, epoch: int, shuffle: bool) -> np.n
 
 def make_plan(spec: PlanSpec) -> RankPlan:
     """Compute ``spec.rank``'s plan for ``spec.epoch``."""
-    order = epoch_permutation(spec.length, spec.seed, spec.epoch, spec.shuffle)[spec.start:]
+    order = epoch_permutation(spec.length, spec.seed, spec.epoch, spec.shuffle)[spec.origin:]
     n, w = len(order), spec.world_size
     if spec.drop_last:
         total = (n // w) * w
@@ -131,20 +131,20 @@ def make_plan(spec: PlanSpec) -> RankPlan:
     return RankPlan(spec=spec, indices=np.ascontiguousarray(indices), padding=padding.copy())
 
 
-def position(length: int, batch_size: int, world_size: int, drop_last: bool, start: int, steps: int) -> int:
+def position(length: int, batch_size: int, world_size: int, drop_last: bool, origin: int, steps: int) -> int:
     """The job's position in the epoch's global order after ``steps`` steps of a plan from
-    ``start`` (see :meth:`RankPlan.position_after`), without building the plan."""
-    total = num_batches(length, batch_size, world_size, drop_last, start)
+    ``origin`` (see :meth:`RankPlan.position_after`), without building the plan."""
+    total = num_batches(length, batch_size, world_size, drop_last, origin)
     if not 0 <= steps <= total:
         raise ValueError(f"steps must be in [0, {total}], got {steps}")
     if steps == total:
         return length  # the last step ends the epoch (a short batch, padding or a dropped tail)
-    return start + steps * batch_size * world_size
+    return origin + steps * batch_size * world_size
 
 
-def num_batches(length: int, batch_size: int, world_size: int = 1, drop_last: bool = False, start: int = 0) -> int:
-    """Batches per rank per epoch (from ``start``), without building the plan (what ``len(loader)`` returns)."""
-    n = length - start
+def num_batches(length: int, batch_size: int, world_size: int = 1, drop_last: bool = False, origin: int = 0) -> int:
+    """Batches per rank per epoch (from ``origin``), without building the plan (what ``len(loader)`` returns)."""
+    n = length - origin
     if drop_last:
         return (n // world_size) // batch_size
     return -(-(-(-n // world_size)) // batch_size)

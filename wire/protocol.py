@@ -85,7 +85,7 @@ class Hello(Message):
     spec: JobSpec  # what every rank of the job shares (see wire.jobspec)
     epoch: int = 0
     rank: int = 0
-    start: int = 0  # the plan starts at this position of the epoch's global order (an elastic resume)
+    origin: int = 0  # the plan begins at this position of the epoch's global order (an elastic resume)
     start_batch: int = 0
     prefetch: int = 4
     job: str = ""
@@ -100,7 +100,7 @@ class Hello(Message):
         _check_batches(self.batches)
         _range(self, "epoch", 0, (1 << 31) - 1)
         _range(self, "rank", 0, self.spec.world_size - 1)
-        _range(self, "start", 0)
+        _range(self, "origin", 0)
         _range(self, "start_batch", 0)
         _range(self, "prefetch", 1, 256)
         if len(self.job) > 256 or len(self.client) > 64:

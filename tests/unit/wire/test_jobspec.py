@@ -20,7 +20,7 @@ def test_the_order_fields_fix_the_global_order_and_the_shape_fields_only_shard_i
 def test_plan_carries_every_order_field_and_the_rank_and_epoch():
     spec = JobSpec(batch_size=8, seed=3, world_size=4, shuffle=False, drop_last=True, dataset="d")
     assert spec.plan(100, epoch=2, rank=1) == PlanSpec(100, 8, 3, 2, 1, 4, False, True)
-    assert spec.plan(100, epoch=2, rank=1, start=40) == PlanSpec(100, 8, 3, 2, 1, 4, False, True, 40)
+    assert spec.plan(100, epoch=2, rank=1, origin=40) == PlanSpec(100, 8, 3, 2, 1, 4, False, True, 40)
 
 
 def test_differences_name_each_field_with_both_values():
