@@ -36,6 +36,9 @@ class Connections:
         have asked for or hold at once; ``stream_ids``: the loader's stream numbers, shared by
         its sets; ``stats``: where received bytes are counted."""
         self.config, self.frame_cap, self.window = config, frame_cap, window
+        self.identity: Optional[Tuple[int, str]] = None  # (length, fingerprint) of the dataset the loader follows
+        self.origin = 0  # where the plan of the epoch streaming on this set begins (an elastic resume)
+        self.entry = 0  # where the loader's run of that epoch began: what the job's ranks must agree on
         self._ctx, self._curve = ctx, curve
         self._client_id, self._stream_ids, self._stats = client_id, stream_ids, stats
         # A service sends a connection at most `window` batches of its stream, plus as many of a
@@ -51,9 +54,11 @@ class Connections:
 
     def twin(self) -> "Connections":
         """A second connection to each replica, on the same terms (the lookahead's spare set)."""
-        return Connections(self._ctx, [r.endpoint for r in self.replicas], self.config, curve=self._curve,
+        twin = Connections(self._ctx, [r.endpoint for r in self.replicas], self.config, curve=self._curve,
                            frame_cap=self.frame_cap, window=self.window, client_id=self._client_id,
                            stream_ids=self._stream_ids, stats=self._stats)
+        twin.identity = self.identity
+        return twin
 
     def close(self) -> None:
         for r in self.replicas:
@@ -65,12 +70,17 @@ class Connections:
         c = self.config
         stream = next(self._stream_ids)
         r.hello(stream, P.Hello(
-            stream=stream, spec=c.spec, epoch=epoch, rank=c.rank, prefetch=c.prefetch, job=c.job,
+            stream=stream, spec=c.spec, epoch=epoch, rank=c.rank, origin=self.origin, entry=self.entry,
+            prefetch=c.prefetch, job=c.job,
             batches=list(batches), lookahead=lookahead, on_demand=True, client=self._client_id))
 
-    def start_epoch(self, epoch: int, start: int, total: int, lookahead: bool = False) -> EpochFlow:
-        """The flow control of ``epoch`` from ``start`` over this set, with a new stream on each
-        replica asking at once for what the flow assigns it."""
+    def start_epoch(self, epoch: int, start: int, total: int, lookahead: bool = False, origin: int = 0,
+                    entry: int = 0) -> EpochFlow:
+        """The flow control of ``epoch`` from batch ``start`` (of ``total``) over this set, with a
+        new stream on each replica asking at once for what the flow assigns it. ``origin``: the
+        epoch's plan begins there in the global order (a resume), so batch 0 is the first after it;
+        ``entry``: the job's position where this run of the epoch begins."""
+        self.origin, self.entry = origin, entry
         flow = EpochFlow(start, total, self.window, self.window, len(self.replicas))
         initial = flow.assign((r.index for r in self.replicas), time.monotonic())
         for r in self.replicas:
@@ -113,6 +123,8 @@ class Connections:
             r.drain()
         if isinstance(msg, P.EndOfEpoch):
             return None, None  # the stream we ended with a final Request is done
+        if isinstance(msg, (P.Accept, P.DatasetInfo)):
+            self._check_identity(r, msg)
         if isinstance(msg, P.Error):
             if msg.code == P.ErrorCode.SHUTTING_DOWN:
                 return None, None  # informational: the reconnect that follows restarts the stream
@@ -120,6 +132,18 @@ class Connections:
                 raise LoaderError(msg.code, f"{msg.message} (from {r.endpoint})" if len(self.replicas) > 1
                                   else msg.message, msg.traceback)
         return msg, payload
+
+    def _check_identity(self, r: Replica, msg) -> None:
+        """A service that serves another dataset than the one this loader's epochs were planned
+        on (restarted on a changed folder, another replica's copy) is refused, never mixed in."""
+        length = msg.dataset_length if isinstance(msg, P.Accept) else msg.length
+        if self.identity is None or (length, msg.fingerprint) == self.identity:
+            return
+        why = describe_change(f"the service at {r.endpoint}", msg.dataset, (length, msg.fingerprint), self.identity,
+                              "this loader's epochs were planned on")
+        if len(self.replicas) > 1:
+            why += " (do all replicas serve the same dataset?)"
+        raise LoaderError(P.ErrorCode.DATASET_CHANGED, why)
 
     def describe(self, sink) -> Tuple[str, P.DatasetInfo]:
         """Ask every replica to describe the dataset: the first answer, and who gave it."""
@@ -179,6 +203,15 @@ class Connections:
             raise LoaderTimeout(f"no batch for {c.timeout:g}s: " + "; ".join(said))
         raise LoaderTimeout(f"the loader service at {where} is connected but has answered nothing for "
                             f"{c.timeout:g}s (is its process stopped or stuck? its /healthz and log say more)")
+
+
+def describe_change(who: str, dataset: str, now: Tuple[int, str], then: Tuple[int, str], planned: str) -> str:
+    """Why a dataset is refused: what it is now, what it was, and what to do."""
+    (n, fp), (n0, fp0) = now, then
+    diff = f"{n - n0:+d} samples" if n != n0 else "as many samples, other files or sizes"
+    return (f"the dataset changed: {who} serves {dataset!r} with {n} samples (fingerprint {fp}); {planned} {n0} "
+            f"samples (fingerprint {fp0}): {diff}. Samples would be missed or doubled, so this is refused: "
+            "restore the dataset, or start a new loader (a new epoch) on the changed one")
 
 
 def progress_text(r: Replica) -> str:

@@ -8,14 +8,17 @@
         for images, labels in loader:
             ...
 
-The loader's cursor (epoch, next batch) is the only progress there is: ``state_dict()``
-returns it, ``load_state_dict()`` on a fresh loader continues exactly after it, and after a
-service restart the loader starts its stream again from it.
+The loader's cursor is the only progress there is: the job's position in the epoch's global
+order, the same on every rank at the same step. ``state_dict()`` returns it, with what fixes
+that order (seed, shuffle, drop_last, the dataset's identity); ``load_state_dict()`` on any rank
+of a job, at any world size and batch size, continues with exactly the rest of the epoch (see
+:mod:`wire.plan`); after a service restart the loader starts its streams again from it.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import threading
@@ -28,11 +31,11 @@ import zmq
 
 from wire import protocol as P
 from wire.jobspec import JobSpec
-from wire.plan import num_batches
+from wire.plan import num_batches, position
 
 from client.batch import Batch
 from client.config import LoaderConfig
-from client.connections import Connections
+from client.connections import Connections, describe_change
 from client.curve import client_keys
 from client.epoch import EpochRun
 from client.errors import LoaderError
@@ -40,8 +43,10 @@ from client.lookahead import Lookahead
 from client.sinks import make_sink
 from client.stats import LoaderStats
 
-STATE_VERSION = 1
-_PLAN_KEYS = JobSpec.order_fields() + JobSpec.shape_fields() + ("rank",)  # what fixes this rank's batches
+log = logging.getLogger("client")
+
+STATE_VERSION = 2  # 1: one rank's batch cursor (read at its own world size and batch size only)
+_ORDER_KEYS = JobSpec.order_fields()  # a resume must match these; world size and batch size may change
 
 
 class RemoteLoader:
@@ -76,7 +81,11 @@ class RemoteLoader:
         self._stream_ids = itertools.count(1)  # the streams of both sets of connections
         self._client_id = uuid.uuid4().hex  # all this loader's connections: one client to the services
         self._epoch = 0
-        self._next_batch = 0
+        self._origin = 0  # where this epoch's plan begins in its global order (a resume's position)
+        self._next_batch = 0  # batches taken of that plan
+        self._saved_shape: Optional[tuple] = None  # (world_size, batch_size) of a loaded state, for the log
+        self._saved_identity: Optional[tuple] = None  # (length, fingerprint) a loaded state was taken on
+        self._fingerprint: Optional[str] = None
         self._epoch_set = False  # set_epoch since the last iteration: no auto-advance (see __iter__)
         self._resume = False  # the next iteration resumes at a cursor from load_state_dict
         self._pending_epoch: Optional[int] = None  # set_epoch during an epoch: for the next iteration
@@ -89,10 +98,10 @@ class RemoteLoader:
 
     # ------------------------------------------------------------------ DataLoader-like API
     def __len__(self) -> int:
-        """Batches per epoch for this rank."""
+        """Batches per epoch for this rank (a whole epoch, also while one resumes part-way)."""
         if self._dataset_length is None:
             self._describe()
-        return self._raw_len() * self.config.echo
+        return self._batches(0) * self.config.echo
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration serves (as with DistributedSampler). Called while
@@ -109,7 +118,7 @@ class RemoteLoader:
     def _select_epoch(self, epoch: int) -> None:
         if epoch != self._epoch:
             # another epoch from its start; a loaded cursor in the same epoch is kept (resume)
-            self._epoch, self._next_batch, self._resume = epoch, 0, False
+            self._epoch, self._origin, self._next_batch, self._resume = epoch, 0, 0, False
         self._epoch_set = True
 
     def __iter__(self) -> Iterator[Batch]:
@@ -130,12 +139,14 @@ class RemoteLoader:
                 self._select_epoch(self._pending_epoch)
                 self._pending_epoch = None
             resume, self._resume = self._resume, False  # a loaded cursor is resumed once
-            if not self._epoch_set and self._next_batch >= self._raw_len():
-                self._epoch, self._next_batch = self._epoch + 1, 0
+            if not self._epoch_set and self._next_batch >= self._batches(self._origin):
+                self._epoch, self._origin, self._next_batch = self._epoch + 1, 0, 0
             elif not resume:
-                self._next_batch = 0  # an epoch left part-way (a peek, a break) starts again
+                self._origin = self._next_batch = 0  # an epoch left part-way (a peek, a break) starts again
+            elif self._saved_shape is not None:
+                self._say_reshard()
             self._epoch_set = False
-            gen = self._iterate(self._epoch, self._next_batch)
+            gen = self._iterate(self._epoch, self._origin, self._next_batch)
             self._live = weakref.ref(gen)
             return gen
 
@@ -144,26 +155,42 @@ class RemoteLoader:
         return gen if gen is not None and gen.gi_frame is not None else None
 
     def state_dict(self) -> dict:
-        """The cursor: where the next iteration starts. Small, JSON-friendly."""
+        """The job's position: where the next iteration starts, the same on every rank at the same
+        step, so any rank's copy resumes the whole job. Small, JSON-friendly."""
         c = self.config
-        state = {"version": STATE_VERSION, "epoch": self._epoch, "next_batch": self._next_batch}
-        state.update({k: getattr(c, k) if k == "rank" else getattr(c.spec, k) for k in _PLAN_KEYS})
-        return state
+        return {"version": STATE_VERSION, "epoch": self._epoch, "position": self._position(),
+                **{k: getattr(c.spec, k) for k in _ORDER_KEYS},
+                **dict(zip(("dataset_length", "fingerprint"), self._identity())),
+                "world_size": c.spec.world_size, "batch_size": c.spec.batch_size}  # the shape it was taken at
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state``; the plan-defining settings must match this loader's."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported loader state version {state.get('version')!r}")
-        mine = self.state_dict()
-        mismatched = {k: (state.get(k), mine[k]) for k in _PLAN_KEYS if state.get(k) != mine[k]}
+        """Continue from ``state`` (from :meth:`state_dict` on any rank of the job, at any world
+        size and batch size): the next iteration serves exactly the rest of its epoch across this
+        job's ranks. The settings that fix the epoch's order (seed, shuffle, drop_last, dataset)
+        must match this loader's, and the dataset must be the one the state was taken on; a
+        state that is not well-formed is refused with the field named, before any connection."""
+        state = _checked_state(state)
+        c = self.config
+        mismatched = {k: (state[k], getattr(c.spec, k)) for k in _ORDER_KEYS if state[k] != getattr(c.spec, k)}
         if mismatched:
             detail = ", ".join(f"{k}: saved {a!r} vs loader {b!r}" for k, (a, b) in mismatched.items())
             raise ValueError(f"loader state does not match this loader's plan ({detail})")
         with self._iter_lock:
             if self._live_iterator() is not None:
                 raise RuntimeError("load_state_dict while an epoch is being iterated: finish or close it first")
-            self._epoch, self._next_batch = int(state["epoch"]), int(state["next_batch"])
+            step = c.spec.batch_size * c.spec.world_size
+            if state["position"] % step == 0:  # on a step of this shape: the whole epoch's plan, from that batch
+                self._origin, self._next_batch = 0, state["position"] // step
+            else:  # between steps of this shape (it changed): a plan of the rest of the epoch
+                self._origin, self._next_batch = state["position"], 0
+            self._epoch = state["epoch"]
             self._resume, self._pending_epoch = True, None
+            saved = (state["world_size"], state["batch_size"])
+            self._saved_shape = saved if saved != (c.spec.world_size, c.spec.batch_size) else None
+            self._saved_identity = ((state["dataset_length"], state["fingerprint"])
+                                    if state["dataset_length"] is not None else None)
+            if self._dataset_length is not None:
+                self._check_saved_identity()
 
     def stats(self) -> dict:
         """Counters since creation: batches, samples, bytes, wait_s (stall), h2d_s, restarts."""
@@ -197,26 +224,55 @@ class RemoteLoader:
             pass
 
     # ------------------------------------------------------------------ streaming
-    def _raw_len(self) -> int:
+    def _batches(self, origin: int) -> int:
+        """Batches per rank of this epoch's plan from ``origin``."""
         c = self.config
         assert self._dataset_length is not None
-        return num_batches(self._dataset_length, c.spec.batch_size, c.spec.world_size, c.spec.drop_last)
+        origin = min(origin, self._dataset_length)  # a version-1 state's position may pass the end
+        return num_batches(self._dataset_length, c.spec.batch_size, c.spec.world_size, c.spec.drop_last, origin)
 
-    def _iterate(self, epoch: int, start: int) -> Iterator[Batch]:
-        """One epoch from batch ``start``, in plan order (:class:`~client.epoch.EpochRun`): the
-        epoch streaming ahead if it is this one from its start, else new streams on the
-        current set of connections."""
+    def _position(self) -> int:
+        """The job's position in the epoch's global order: where the next iteration starts."""
+        c = self.config
+        if self._dataset_length is None:  # nothing described yet: nothing taken since a load
+            return self._origin + self._next_batch * c.spec.batch_size * c.spec.world_size
+        origin = min(self._origin, self._dataset_length)
+        steps = min(self._next_batch, self._batches(origin))
+        return position(self._dataset_length, c.spec.batch_size, c.spec.world_size, c.spec.drop_last, origin, steps)
+
+    def _identity(self) -> tuple:
+        """(length, fingerprint) of the dataset: as described, else as a loaded state says, else unknown."""
+        if self._dataset_length is not None:
+            return self._dataset_length, self._fingerprint
+        return self._saved_identity or (None, None)
+
+    def _say_reshard(self) -> None:
+        """One line when a resume changes the job's shape: how the rest of the epoch is shared now."""
+        c, (world, batch) = self.config, self._saved_shape
+        assert self._dataset_length is not None
+        origin = min(self._origin, self._dataset_length)
+        log.info("resuming epoch %d at sample %d of %d, saved at world size %d x batch %d, now %d x %d: the "
+                 "remaining %d samples are shared by %d ranks, %d batches each", self._epoch, origin,
+                 self._dataset_length, world, batch, c.spec.world_size, c.spec.batch_size,
+                 self._dataset_length - origin, c.spec.world_size, self._batches(origin))
+        self._saved_shape = None
+
+    def _iterate(self, epoch: int, origin: int, start: int) -> Iterator[Batch]:
+        """One epoch from ``origin`` in its global order and batch ``start`` of that plan, in
+        plan order (:class:`~client.epoch.EpochRun`): the epoch streaming ahead if it is this
+        one from its start, else new streams on the current set of connections."""
         if self._dataset_length is None:
             self._describe()
-        total = self._raw_len()
+        origin = min(origin, self._dataset_length)
+        total = self._batches(origin)
         conns = self._connect()
-        adopted = self._lookahead.adopt(conns, epoch, start, total, self._sink)
+        adopted = self._lookahead.adopt(conns, epoch, start, total, self._sink, origin)
         if adopted is not None:
             self._conns, flow = adopted
         elif start >= total:
             return
         else:
-            flow = conns.start_epoch(epoch, start, total)
+            flow = conns.start_epoch(epoch, start, total, origin=origin, entry=self._position())
         run = EpochRun(self._conns, flow, self._sink, self.config, self._stats, epoch,
                        self._lookahead if self.config.epoch_lookahead else None)
         try:
@@ -232,11 +288,31 @@ class RemoteLoader:
         return self._lookahead if self._lookahead.flow is not None else None
 
     def _describe(self) -> None:
-        """Learn the dataset's length from whichever replica answers first."""
-        endpoint, info = self._connect().describe(self._sink)
+        """Learn the dataset's length and identity from whichever replica answers first; from then
+        on every service must serve that very dataset."""
+        conns = self._connect()
+        endpoint, info = conns.describe(self._sink)
         if self.config.spec.pipeline and self._sink is None:
             self._use_outputs(endpoint, info.outputs)
-        self._dataset_length = info.length
+        self._dataset_length, self._fingerprint = info.length, info.fingerprint
+        self._conns.identity = (info.length, info.fingerprint)
+        self._check_saved_identity()
+
+    def _check_saved_identity(self) -> None:
+        """A loaded state was taken on this very dataset (a state from another dataset, or from this
+        folder before files changed, would resume a plan over other samples)."""
+        c, n = self.config, self._dataset_length
+        step = c.spec.batch_size * c.spec.world_size
+        if self._resume and self._origin + self._next_batch * step >= n + step:  # a version-1 state, unchecked so far
+            self._resume = False
+            raise LoaderError(P.ErrorCode.BAD_JOB, f"the loaded state's position, sample "
+                              f"{self._origin + self._next_batch * step}, is past the end of the epoch ({n} samples)")
+        saved, now = self._saved_identity, (n, self._fingerprint)
+        if saved is None or saved == now:
+            return
+        self._saved_identity = None  # said once; a new state is loaded, or a new loader made
+        raise LoaderError(P.ErrorCode.DATASET_CHANGED, describe_change(
+            "the service", self.config.spec.dataset or "(its default)", now, saved, "the loaded state was taken on"))
 
     def _use_outputs(self, endpoint: str, outputs: list) -> None:
         """Size the sink and the frame cap for a named pipeline's declared outputs."""
@@ -292,6 +368,57 @@ def resolve_endpoints(endpoint: str) -> List[str]:
     infos = socket.getaddrinfo(u.hostname, u.port, type=socket.SOCK_STREAM)
     addrs = sorted({i[4][0] for i in infos})
     return [f"tcp://[{a}]:{u.port}" if ":" in a else f"tcp://{a}:{u.port}" for a in addrs]
+
+
+def _checked_state(state: object) -> dict:
+    """``state`` as a version-2 dict, every field checked (a version-1 state is converted); a
+    ``ValueError`` naming the field otherwise."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a loader state is a dict (from RemoteLoader.state_dict()), got {type(state).__name__}")
+    version = state.get("version")
+    if version == 1:
+        state = _from_version_1(state)
+    elif version != STATE_VERSION:
+        raise ValueError(f"unsupported loader state version {version!r} (this loader reads 1 and {STATE_VERSION})")
+    fields = {"epoch": int, "position": int, "seed": int, "shuffle": bool, "drop_last": bool,
+              "dataset": (str, type(None)), "dataset_length": (int, type(None)), "fingerprint": (str, type(None)),
+              "world_size": int, "batch_size": int}
+    for name, kind in fields.items():
+        if name not in state:
+            raise ValueError(f"loader state: missing {name!r}")
+        value = state[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"loader state: {name} must be {getattr(kind, '__name__', 'a str or None')}, "
+                             f"got {type(value).__name__} {value!r}"[:200])
+    for name, lo in (("epoch", 0), ("position", 0), ("world_size", 1), ("batch_size", 1)):
+        if state[name] < lo:
+            raise ValueError(f"loader state: {name} must be >= {lo}, got {state[name]}")
+    if state["dataset_length"] is not None:
+        if state["dataset_length"] < 1:
+            raise ValueError(f"loader state: dataset_length must be >= 1, got {state['dataset_length']}")
+        if state["position"] > state["dataset_length"]:
+            raise ValueError(f"loader state: position {state['position']} is past the end of the epoch "
+                             f"({state['dataset_length']} samples)")
+    return state
+
+
+def _from_version_1(state: dict) -> dict:
+    """A version-1 state (one rank's next batch, before the elastic resume) as a position: every
+    rank was at the same step, so the job's position is next_batch x batch_size x world_size. It
+    holds no dataset identity, which is then not checked."""
+    need = ("epoch", "next_batch", "world_size", "batch_size", "seed", "shuffle", "drop_last", "dataset")
+    missing = [k for k in need if k not in state]
+    if missing:
+        raise ValueError(f"loader state (version 1): missing {missing[0]!r}")
+    for k in ("next_batch", "world_size", "batch_size"):
+        if not isinstance(state[k], int) or isinstance(state[k], bool) or state[k] < (1 if k != "next_batch" else 0):
+            raise ValueError(f"loader state (version 1): {k} must be a positive int, got {state[k]!r}"[:200])
+    log.info("reading a version-1 loader state: position = next_batch x batch_size x world_size; it carries no "
+             "dataset identity, so none is checked")
+    out = {k: state[k] for k in need if k != "next_batch"}
+    out.update(version=STATE_VERSION, position=state["next_batch"] * state["batch_size"] * state["world_size"],
+               dataset_length=None, fingerprint=None)
+    return out
 
 
 __all__ = ["RemoteLoader", "LoaderStats", "default_job", "resolve_endpoints"]

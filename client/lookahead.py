@@ -42,8 +42,8 @@ class Lookahead:
             self.spare = current.twin()
         self.epoch, self.flow = epoch, self.spare.start_epoch(epoch, 0, total, lookahead=True)
 
-    def adopt(self, current: Connections, epoch: int, start: int, total: int,
-              sink) -> Optional[Tuple[Connections, EpochFlow]]:
+    def adopt(self, current: Connections, epoch: int, start: int, total: int, sink,
+              origin: int = 0) -> Optional[Tuple[Connections, EpochFlow]]:
         """The lookahead's set and flow if it is ``epoch`` from its start and every service
         accepted it (its first message, already there in the usual case): its streams become
         the trainer's current ones and ``current`` the next spare. Otherwise None, and a
@@ -52,7 +52,7 @@ class Lookahead:
         if flow is None:
             return None
         self.epoch = self.flow = None
-        if ahead != epoch or start != 0:
+        if ahead != epoch or start != 0 or origin != 0:  # it streams the whole epoch, from its start
             return self._close_spare()
         spare = self.spare
         deadline = time.monotonic() + self._timeout

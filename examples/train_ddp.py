@@ -96,8 +96,9 @@ def main() -> int:
         loader.load_state_dict(ckpt["loaders"][rank])  # <- this rank's position in its epoch
         start_epoch, step = ckpt["loaders"][rank]["epoch"], ckpt["step"]
         if rank == 0:
-            print(f"resumed from {args.checkpoint}: epoch {start_epoch}, batch "
-                  f"{ckpt['loaders'][rank]['next_batch']}, step {step}", flush=True)
+            at = ckpt["loaders"][rank]["position"]  # the job's position in the epoch, in samples
+            print(f"resumed from {args.checkpoint}: epoch {start_epoch}, batch {at // (args.batch_size * world)}, "
+                  f"step {step}", flush=True)
 
     def save() -> None:
         states = [None] * world

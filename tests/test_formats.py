@@ -128,7 +128,7 @@ def test_exactly_once_deterministic_and_resumable(make_service, datasets, fmt):
         ld.set_epoch(2)
         head = collect(ld, limit=3)
         state = ld.state_dict()
-    assert (state["epoch"], state["next_batch"]) == (2, 3)
+    assert (state["epoch"], state["position"]) == (2, 3 * KW["batch_size"])
     with RemoteLoader(svc.endpoint, **KW) as fresh:
         fresh.load_state_dict(state)
         fresh.set_epoch(2)

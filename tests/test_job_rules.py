@@ -48,9 +48,9 @@ def test_set_epoch_during_an_epoch_applies_to_the_next_one_and_state_stays_true(
             seen += b.indices
             if k == 1:
                 ld.set_epoch(5)
-                assert ld.state_dict()["epoch"] == 0 and ld.state_dict()["next_batch"] == 2
+                assert ld.state_dict()["epoch"] == 0 and ld.state_dict()["position"] == 2 * 16
         assert sorted(seen) == list(range(N))
-        assert (ld.state_dict()["epoch"], ld.state_dict()["next_batch"]) == (0, N // 16)
+        assert (ld.state_dict()["epoch"], ld.state_dict()["position"]) == (0, N)
         first = next(iter(ld))
         assert first.epoch == 5 and ld.state_dict()["epoch"] == 5
 
@@ -58,7 +58,7 @@ def test_set_epoch_during_an_epoch_applies_to_the_next_one_and_state_stays_true(
 def test_only_the_first_iteration_after_load_state_dict_resumes(service):
     with RemoteLoader(service.endpoint, **KW) as ld:
         full = collect(ld)
-        state = dict(ld.state_dict(), epoch=0, next_batch=4)
+        state = dict(ld.state_dict(), epoch=0, position=4 * 16)
     with RemoteLoader(service.endpoint, **KW) as ld:
         ld.load_state_dict(state)
         ld.set_epoch(0)

@@ -74,7 +74,7 @@ def test_resume_mid_epoch_yields_exactly_the_remainder(service):
         ld.set_epoch(2)
         head = collect(ld, limit=6)
         state = ld.state_dict()
-    assert state["epoch"] == 2 and state["next_batch"] == 6
+    assert state["epoch"] == 2 and state["position"] == 6 * 16
     with RemoteLoader(service.endpoint, **KW) as fresh:
         fresh.load_state_dict(state)
         fresh.set_epoch(2)  # what a training loop does on resume: keeps the position
@@ -82,14 +82,14 @@ def test_resume_mid_epoch_yields_exactly_the_remainder(service):
         after = fresh.state_dict()
     assert [b["images"] for b in head + rest] == [b["images"] for b in full]
     assert indices_of(head + rest) == indices_of(full)
-    assert after["next_batch"] == len(full)
+    assert after["position"] == N
 
 
 def test_resume_state_from_another_plan_is_refused(service):
     with RemoteLoader(service.endpoint, **KW) as ld:
         state = ld.state_dict()
-    with RemoteLoader(service.endpoint, **dict(KW, batch_size=8)) as other:
-        with pytest.raises(ValueError, match="batch_size: saved 16 vs loader 8"):
+    with RemoteLoader(service.endpoint, **dict(KW, seed=KW["seed"] + 1)) as other:
+        with pytest.raises(ValueError, match=f"seed: saved {KW['seed']} vs loader {KW['seed'] + 1}"):
             other.load_state_dict(state)
 
 
@@ -341,7 +341,7 @@ def test_lookahead_is_not_adopted_for_a_resumed_position(service):
         full = [collect(ld) for _ in range(2)]
     with RemoteLoader(service.endpoint, **KW) as ld:
         collect(ld)  # epoch 0; epoch 1 starts streaming ahead
-        ld.load_state_dict(dict(ld.state_dict(), epoch=1, next_batch=5))
+        ld.load_state_dict(dict(ld.state_dict(), epoch=1, position=5 * 16))
         rest = collect(ld)
     assert indices_of(rest) == indices_of(full[1][5:])
 
@@ -398,7 +398,7 @@ def test_a_clients_next_epoch_reuses_its_batch_slots_and_leaving_frees_them(serv
         assert status(service)["shm_bytes"] == 2 * KW["batch_size"] * KW["image_size"] ** 2 * 3
         # a resume near the end: an on-demand stream's slots depend on prefetch only, so the same
         # segment serves it
-        ld.load_state_dict(dict(ld.state_dict(), epoch=3, next_batch=len(ld) - 1))
+        ld.load_state_dict(dict(ld.state_dict(), epoch=3, position=(len(ld) - 1) * KW["batch_size"]))
         tail = collect(ld)
         assert slot_segments() == seen[0]
     assert [sorted(indices_of(e)) for e in epochs] == [list(range(N))] * 3
@@ -413,7 +413,7 @@ def test_resume_from_an_epoch_end_checkpoint_in_the_usual_loop(service):
         ld.set_epoch(0)
         collect(ld)
         state = ld.state_dict()
-        assert (state["epoch"], state["next_batch"]) == (0, N // 16)
+        assert (state["epoch"], state["position"]) == (0, N)
     with RemoteLoader(service.endpoint, **KW) as ld:
         ld.load_state_dict(state)
         got = {}

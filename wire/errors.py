@@ -15,6 +15,7 @@ class ErrorCode:
     SAMPLE_FAILED = "sample_failed"
     SHUTTING_DOWN = "shutting_down"
     REPLACED = "replaced"  # a newer client took over this (job, rank)
+    DATASET_CHANGED = "dataset_changed"  # the dataset is not the one the epoch (or a loaded state) was planned on
     INTERNAL = "internal"
 
 

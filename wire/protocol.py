@@ -86,6 +86,7 @@ class Hello(Message):
     epoch: int = 0
     rank: int = 0
     origin: int = 0  # the plan begins at this position of the epoch's global order (an elastic resume)
+    entry: int = 0  # the job's position where this rank's run of the epoch began (0, or a loaded state's)
     start_batch: int = 0
     prefetch: int = 4
     job: str = ""
@@ -101,6 +102,7 @@ class Hello(Message):
         _range(self, "epoch", 0, (1 << 31) - 1)
         _range(self, "rank", 0, self.spec.world_size - 1)
         _range(self, "origin", 0)
+        _range(self, "entry", 0)
         _range(self, "start_batch", 0)
         _range(self, "prefetch", 1, 256)
         if len(self.job) > 256 or len(self.client) > 64:

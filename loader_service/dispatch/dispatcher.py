@@ -51,7 +51,7 @@ from loader_service import shm
 from loader_service.config import ServiceConfig
 from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
 from loader_service.dispatch.deadlines import TaskDeadlines
-from loader_service.dispatch.jobs import describe_conflicts
+from loader_service.dispatch.jobs import describe_conflicts, describe_mixed_resume
 from loader_service.decode.jpeg import decode_path
 from loader_service.decode.pipelines import JobPipeline, PipelineError, Registry, job_pipeline, named_pipeline
 from wire.plan import RankPlan, make_plan
@@ -458,7 +458,7 @@ class Dispatcher:
             except PipelineError as exc:
                 return self._send(ident, P.Error(code=P.ErrorCode.BAD_JOB, message=str(exc)))
         self._send(ident, P.DatasetInfo(dataset=source.name, length=len(source), num_classes=source.num_classes,
-                                        outputs=outputs))
+                                        outputs=outputs, fingerprint=source.fingerprint()))
 
     def _source(self, ident: bytes, name: Optional[str], stream: int) -> Optional[Source]:
         source = self.sources.get(name or self.default_dataset)
@@ -488,7 +488,7 @@ class Dispatcher:
         if self.pool.broken:
             return self._refuse(ident, hello, P.ErrorCode.INTERNAL, self.pool.broken)
         try:
-            plan = make_plan(hello.spec.plan(len(source), hello.epoch, hello.rank))
+            plan = make_plan(hello.spec.plan(len(source), hello.epoch, hello.rank, hello.origin))
         except ValueError as exc:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB, str(exc))
         nb = plan.num_batches
@@ -548,7 +548,7 @@ class Dispatcher:
         self.counters.streams += 1
         self._send(ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=nb,
                                    num_samples=plan.num_samples, dataset_length=len(source),
-                                   dataset=source.name, service=self.instance))
+                                   dataset=source.name, service=self.instance, fingerprint=source.fingerprint()))
         log.info("client %s job %r rank %d/%d epoch %d: stream %d %s %d of %d batches%s", session.name,
                  hello.job, hello.rank, hello.spec.world_size, hello.epoch, hello.stream,
                  "on demand, asked at once for" if hello.on_demand else "serves", len(order), nb,
@@ -568,6 +568,10 @@ class Dispatcher:
                 self._refuse(session.ident, hello, P.ErrorCode.BAD_JOB,
                              describe_conflicts(hello.job, hello.rank, other.rank, diff))
                 return False
+            if other.run is not None and other.run[0] == hello.epoch and other.run[1] != hello.entry:
+                self._refuse(session.ident, hello, P.ErrorCode.BAD_JOB, describe_mixed_resume(
+                    hello.job, hello.rank, hello.entry, other.rank, other.run))
+                return False
         for other in others:
             if other.rank == hello.rank:
                 why = (f"rank {hello.rank} of job {hello.job!r} was taken over by a newer client "
@@ -578,7 +582,7 @@ class Dispatcher:
                     self._end_stream(other.stream, Fail(P.ErrorCode.REPLACED, why))
                 else:
                     self._send(other.ident, P.Error(code=P.ErrorCode.REPLACED, message=why))
-        session.rank, session.spec = hello.rank, spec
+        session.rank, session.spec, session.run = hello.rank, spec, (hello.epoch, hello.entry)
         return True
 
     def _on_credit(self, ident: bytes, session: Optional[Session], msg) -> None:

@@ -22,4 +22,13 @@ def describe_conflicts(job: str, rank: int, other_rank: int, diff: List[Tuple[st
             "Every rank of a job must use the same plan settings (or give this training another job name)")
 
 
-__all__ = ["describe_conflicts"]
+def describe_mixed_resume(job: str, rank: int, entry: int, other_rank: int, other_run: Tuple[int, int]) -> str:
+    """The refusal of a rank that resumes its epoch elsewhere than a connected rank of its job:
+    the ranks loaded different checkpoints, and their shares would overlap or leave gaps."""
+    epoch, other_entry = other_run
+    return (f"rank {rank} of job {job!r} starts epoch {epoch} at sample {entry} of its global order, but the job's "
+            f"rank {other_rank}, which is connected, runs it from sample {other_entry}: the ranks loaded different "
+            "checkpoints. Every rank must load the same loader state (any rank's copy will do)")
+
+
+__all__ = ["describe_conflicts", "describe_mixed_resume"]

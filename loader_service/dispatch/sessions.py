@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from wire.jobspec import JobSpec
 
@@ -28,6 +28,7 @@ class Session:
     client_id: str = ""  # the loader instance behind this connection (Hello.client)
     rank: int = -1
     spec: Optional[JobSpec] = None  # its job's spec (dataset resolved) while it holds a rank of a named job (jobs.py)
+    run: Optional[Tuple[int, int]] = None  # (epoch, entry) of its rank's stream: ranks of a job resume alike
     stream_id: int = -1  # highest stream this client started
     stream: Optional[object] = None  # its current dispatcher Stream, if any
     connected: float = field(default_factory=time.monotonic)
