@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import numpy as np
 
@@ -27,15 +27,20 @@ def indices_of(batches: List[dict]) -> List[int]:
     return [i for b in batches for i in b["indices"]]
 
 
-def run_ranks(endpoint: str, world: int, **kw) -> List[List[dict]]:
-    """One loader per rank, all at once (threads), one epoch each."""
+def run_ranks(endpoint: str, world: int, steps: int = -1, state: Optional[dict] = None, states: bool = False,
+              **kw) -> List:
+    """One loader per rank, all at once (threads), one epoch each (or ``steps`` batches), from
+    ``state`` if given. Each rank's batches, or with ``states`` (batches, state_dict afterwards)."""
     results: List = [None] * world
     errors: List = []
 
     def one(rank):
         try:
             with RemoteLoader(endpoint, rank=rank, world_size=world, **kw) as ld:
-                results[rank] = collect(ld)
+                if state is not None:
+                    ld.load_state_dict(state)
+                got = collect(ld, limit=steps)
+                results[rank] = (got, ld.state_dict()) if states else got
         except BaseException as exc:  # reported below
             errors.append(exc)
 

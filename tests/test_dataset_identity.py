@@ -14,15 +14,22 @@ from .conftest import write_imagefolder
 KW = dict(batch_size=4, image_size=32, seed=2, epoch_lookahead=False, timeout=30)
 
 
-@pytest.mark.parametrize("change", ["add", "remove and add", "new class"])
-def test_a_service_restarted_on_a_changed_folder_is_refused_by_the_live_loader(make_service, tmp_path, change):
+def _stopped_mid_epoch(make_service, tmp_path):
+    """A folder of 24 images, a service on it stopped after 2 batches of a live loader's epoch:
+    (folder, port, loader, its iterator, the indices taken)."""
     folder = write_imagefolder(str(tmp_path / "data"), classes=3, per_class=8)
     first = make_service(data=(folder,), demo=False)
-    port = int(first.endpoint.rsplit(":", 1)[1])
-    with RemoteLoader(first.endpoint, **KW) as ld:
-        it = iter(ld)
-        got = [i for _ in range(2) for i in next(it).indices]
-        first.stop()
+    ld = RemoteLoader(first.endpoint, **KW)
+    it = iter(ld)
+    got = [i for _ in range(2) for i in next(it).indices]
+    first.stop()
+    return folder, int(first.endpoint.rsplit(":", 1)[1]), ld, it, got
+
+
+@pytest.mark.parametrize("change", ["add", "remove and add", "new class"])
+def test_a_service_restarted_on_a_changed_folder_is_refused_by_the_live_loader(make_service, tmp_path, change):
+    folder, port, ld, it, got = _stopped_mid_epoch(make_service, tmp_path)
+    with ld:
         one = os.path.join(folder, "cls0", sorted(os.listdir(os.path.join(folder, "cls0")))[0])
         if change == "add":
             shutil.copyfile(one, os.path.join(folder, "cls1", "added.png"))
@@ -43,13 +50,8 @@ def test_a_service_restarted_on_a_changed_folder_is_refused_by_the_live_loader(m
 
 
 def test_a_restart_on_the_same_folder_resumes_exactly_once(make_service, tmp_path):
-    folder = write_imagefolder(str(tmp_path / "data"), classes=3, per_class=8)
-    first = make_service(data=(folder,), demo=False)
-    port = int(first.endpoint.rsplit(":", 1)[1])
-    with RemoteLoader(first.endpoint, **KW) as ld:
-        it = iter(ld)
-        got = [i for _ in range(2) for i in next(it).indices]
-        first.stop()
+    folder, port, ld, it, got = _stopped_mid_epoch(make_service, tmp_path)
+    with ld:
         for name in os.listdir(os.path.join(folder, "cls0")):  # touched, not changed: mtimes are no identity
             os.utime(os.path.join(folder, "cls0", name))
         make_service(data=(folder,), demo=False, data_port=port)

@@ -2,14 +2,13 @@
 size and batch size, and the rest of the epoch is delivered exactly once across the new ranks."""
 
 import logging
-import threading
 
 import pytest
 
 from client import LoaderError, RemoteLoader
 
 from .conftest import DEMO_SIZE
-from .helpers import collect
+from .helpers import collect, run_ranks
 
 N = DEMO_SIZE  # 240
 KW = dict(image_size=32, seed=11, epoch_lookahead=False)
@@ -21,28 +20,8 @@ def _real(batches):
 
 
 def _ranks(endpoint, world, steps, state=None, **kw):
-    """Every rank of a job at once (threads), each ``steps`` batches (-1: to the end of the epoch),
-    from ``state`` if given; returns each rank's batches and state_dict afterwards."""
-    out, errors = [None] * world, []
-
-    def one(rank):
-        try:
-            with RemoteLoader(endpoint, rank=rank, world_size=world, **kw) as ld:
-                if state is not None:
-                    ld.load_state_dict(state)
-                got = collect(ld, limit=steps)
-                out[rank] = (got, ld.state_dict())
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
+    """Every rank of a job at once: each one's (batches, state_dict afterwards)."""
+    return run_ranks(endpoint, world, steps, state, states=True, **kw)
 
 
 @pytest.mark.parametrize("before, after", [
