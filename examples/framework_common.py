@@ -99,5 +99,5 @@ def hang_if_asked(args: argparse.Namespace, step: int, log: IndexLog, rank: int)
     if args.hang_after and step == args.hang_after:
         log.write(event="hang", step=step)
         print(f"rank {rank}: hanging after step {step} (--hang-after), waiting to be killed", flush=True)
-        time.sleep(3600)
-        raise SystemExit(f"rank {rank}: nobody killed this job within an hour of --hang-after")
+        time.sleep(600)
+        raise SystemExit(f"rank {rank}: nobody killed this job within 10 minutes of --hang-after")

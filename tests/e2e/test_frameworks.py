@@ -1,6 +1,6 @@
 """The training-framework examples (examples/train_torchrun.py, train_lightning.py,
 train_accelerate.py) run for real, on the CPU, against a service started by the test: a job
-is SIGKILLed as a whole mid-epoch, some steps after a checkpoint, and resumed from that
+is SIGKILLed as a whole (the launcher and every rank) mid-epoch, some steps after a checkpoint, and resumed from that
 checkpoint, at the same or another world size; every sample of the epoch must have been
 trained on exactly once, counting for the killed run only the steps up to the checkpoint
 (what it trained after that is lost with the kill and must be served again).
@@ -24,12 +24,12 @@ import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 
+import psutil
 import pytest
 import torch
 
@@ -65,21 +65,37 @@ def launch(cmd: list, out_path, *, hang_ranks: int = 0, log_dir=None, env=None) 
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             if hang_ranks and len(_hung(log_dir)) >= hang_ranks:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_job(proc)
                 return open(out_path).read()
             time.sleep(0.2)
         if proc.poll() is None:
             pytest.fail(f"{cmd[:4]}... did not finish in {RUN_TIMEOUT_S}s:\n{open(out_path).read()[-6000:]}")
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_job(proc)
     output = open(out_path).read()
     if hang_ranks:
         pytest.fail(f"it exited ({proc.returncode}) before {hang_ranks} rank(s) hung:\n{output[-6000:]}")
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{output[-6000:]}"
     return output
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it at once. Not just its process group:
+    torchrun starts each worker in a session of its own, and a worker whose launcher is gone
+    would go on (hanging, here) outside this test's view."""
+    try:
+        procs = [psutil.Process(proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(procs[1:], timeout=30)
 
 
 def _hung(log_dir) -> set:
@@ -280,8 +296,7 @@ def test_two_torchrun_jobs_on_one_service_never_mix(service, tmp_path):
     finally:
         for _, proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_job(proc)
     jobs = {}
     for name in ("a", "b"):
         (run,) = attempts(tmp_path / name)
