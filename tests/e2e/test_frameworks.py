@@ -15,7 +15,7 @@ evenly over 1, 2 or 3 ranks and so does what is left after 6 steps of 2 ranks (2
 
 The loader states a checkpoint holds are rank 0's (the way real trainings checkpoint); a
 resume on other ranks or at another world size needs the job-level ("elastic") loader state
-of issue 27, and the tests that need it are marked xfail until it lands.
+of issue 27 (a position in the epoch's global order, loadable on any rank at any world size).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLES = os.path.join(ROOT, "examples")
 RUN_TIMEOUT_S = 240  # one launch; a launch on the loaded 2-core CI machine takes 10-30 s
 BATCH, CKPT_EVERY, HANG_AFTER = 8, 6, 8  # checkpoint at step 6, killed after step 8: steps 7-8 are lost
-NEEDS_ELASTIC = pytest.mark.xfail(strict=False, reason="needs the elastic loader state (issue 27)")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -216,7 +215,6 @@ def test_torchrun_killed_and_resumed_on_the_same_ranks_from_per_rank_states(serv
     _torchrun_kill_and_resume(service, tmp_path, 2, 2, "per-rank")
 
 
-@NEEDS_ELASTIC
 def test_torchrun_killed_and_resumed_on_three_ranks_from_rank0s_state(service, tmp_path):
     """2 ranks killed mid-epoch, 3 resume from the checkpoint rank 0 wrote alone."""
     _torchrun_kill_and_resume(service, tmp_path, 2, 3, "rank0")
@@ -227,7 +225,7 @@ def test_torchrun_killed_and_resumed_on_three_ranks_from_rank0s_state(service, t
 
 @pytest.mark.parametrize("first, second", [
     (1, 1),  # what works without the elastic state: rank 0 of 1 saves, rank 0 of 1 resumes
-    pytest.param(2, 1, marks=NEEDS_ELASTIC),
+    (2, 1),
     # and then still Lightning's count of the resumed epoch, in the old world size's batches (see
     # examples/train_lightning.py): 4 more batches per rank where 6 are left, 48 samples never trained on
     pytest.param(2, 3, marks=pytest.mark.xfail(strict=False, reason="needs the elastic loader state (issue 27); "
@@ -255,8 +253,8 @@ def test_lightning_killed_and_resumed_from_its_own_checkpoint(service, tmp_path,
 
 @pytest.mark.parametrize("first, second", [
     (1, 1),  # what works without the elastic state
-    pytest.param(2, 2, marks=NEEDS_ELASTIC),  # rank 1 loads rank 0's state
-    pytest.param(2, 3, marks=NEEDS_ELASTIC),
+    (2, 2),  # rank 1 loads rank 0's state
+    (2, 3),
 ])
 def test_accelerate_killed_and_resumed_from_save_state(service, tmp_path, first, second):
     """``register_for_checkpointing(loader)``: save_state() keeps the main process's loader
@@ -308,7 +306,7 @@ def test_two_torchrun_jobs_on_one_service_never_mix(service, tmp_path):
 
 @pytest.mark.parametrize("loader_state", [
     "per-rank",  # what works without the elastic state
-    pytest.param("rank0", marks=NEEDS_ELASTIC),
+    ("rank0"),
 ])
 def test_an_elastic_restart_resumes_the_same_job(service, tmp_path, loader_state):
     """torchrun --max-restarts 1: rank 1 dies after step 8 (checkpoint at 6); torchrun restarts
