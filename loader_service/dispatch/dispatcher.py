@@ -22,11 +22,11 @@ which makes ``/healthz`` fail and ``serve`` exit non-zero.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import heapq
 import itertools
 import logging
-import math
 import os
 import queue
 import signal
@@ -56,12 +56,14 @@ from loader_service.decode.jpeg import decode_path
 from loader_service.decode.pipelines import JobPipeline, PipelineError, Registry, job_pipeline, named_pipeline
 from wire.plan import RankPlan, make_plan
 from loader_service.workers.pool import WorkerPool, describe_exit
+from loader_service.dispatch import sending
 from loader_service.dispatch.scheduler import Scheduler
+from loader_service.dispatch.sending import BatchLayout
 from loader_service.dispatch.sessions import Session, Sessions
 from loader_service.shm import Segment
 from loader_service.dispatch.slots import NoCapacity, NoShmSpace, SlotArena
 from loader_service.sources import Source
-from loader_service.dispatch.status import (SKIPS_SHOWN, ClientStatus, ServiceStatus, SkippedSample, StageSeconds, StreamStatus, Totals,
+from loader_service.dispatch.status import (SKIPS_SHOWN, ClientStatus, ServiceStatus, SkippedSample, StreamStatus, Totals,
                      WorkersStatus, WorkerStatus)
 from loader_service.dispatch.stream_state import Effect, Fail, Finish, RunTask, SendBatch, StreamLimits, StreamState
 
@@ -79,12 +81,12 @@ class Stream:
     """A stream's I/O side: who it is for, what it reads, where its slots live. Its progress is
     ``state`` (pure)."""
 
-    client: bytes
+    ident: bytes
     hello: P.Hello
     source: Source
     plan: RankPlan
     segment: Optional[Segment]  # None: lent out while the stream was quiet (see Dispatcher._lend)
-    slot_bytes: int
+    layout: BatchLayout
     state: StreamState
     lookahead: bool  # low priority until the client promotes it
     pipe: JobPipeline
@@ -98,28 +100,13 @@ class Stream:
         return self.hello.stream
 
     @property
+    def slot_bytes(self) -> int:
+        return self.layout.slot_bytes
+
+    @property
     def nbytes(self) -> int:
         """The size of its slots (held or lent)."""
         return self.state.num_slots * self.slot_bytes
-
-
-@dataclass
-class Counters:
-    samples: int = 0
-    batches: int = 0
-    bytes: int = 0
-    skipped: int = 0
-    bad_messages: int = 0
-    failed_tasks: int = 0
-    redone_tasks: int = 0
-    hung_tasks: int = 0
-    streams: int = 0
-    internal_errors: int = 0
-    refused_handshakes: int = 0  # CURVE (or ZMTP) handshakes the data port refused
-    read_s: float = 0.0
-    decode_s: float = 0.0
-    client_wait_s: float = 0.0
-    client_h2d_s: float = 0.0
 
 
 @dataclass
@@ -134,8 +121,12 @@ class _Opening:
     granted: int
     final: bool
     nslots: int
-    slot_bytes: int
+    layout: BatchLayout
     pipe: JobPipeline
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layout.slot_bytes
 
 
 @dataclass
@@ -211,7 +202,7 @@ class Dispatcher:
         self.waiting: Dict[bytes, _Opening] = {}  # client -> its new stream, until slots free up for it
         self.starved: List[Stream] = []  # streams asked for work after lending their slots, with none free yet
         self._lend_due: Optional[float] = None  # when to retry those, as a quiet stream's slots become lendable
-        self.counters = Counters()
+        self.totals = Totals()
         self.recent_skips: Deque[SkippedSample] = deque(maxlen=SKIPS_SHOWN)  # for the status page
         self._task_ids = itertools.count()
         self._running_loop = False
@@ -361,7 +352,7 @@ class Dispatcher:
             except Exception as exc:
                 # a bug met by one message must not take the service down for everyone
                 tb = traceback.format_exc()
-                self.counters.internal_errors += 1
+                self.totals.internal_errors += 1
                 log.error("error handling a message: %s\n%s", exc, tb)
                 if sock is self.front:
                     self._internal_error(frames[0].bytes, exc, tb)
@@ -406,7 +397,7 @@ class Dispatcher:
             if ident is not None:
                 self._drop_client(ident, "disconnected")
         elif self.guard.on_event(ev):
-            self.counters.refused_handshakes += 1
+            self.totals.refused_handshakes += 1
 
     def _on_client(self, frames) -> None:
         ident = frames[0].bytes
@@ -423,7 +414,7 @@ class Dispatcher:
         try:
             msg, _ = P.decode(frames[1:], expect=(P.Hello, P.Credit, P.Request, P.Bye, P.Describe))
         except P.ProtocolError as exc:
-            self.counters.bad_messages += 1
+            self.totals.bad_messages += 1
             log.warning("refused a message from client %s: %s", ident.hex()[:12], exc)
             self._send(ident, P.Error(code=exc.code, message=str(exc), stream=_stream_of(frames[1])))
             return
@@ -476,7 +467,7 @@ class Dispatcher:
         if hello.stream <= session.stream_id:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB,
                                 f"stream {hello.stream} is not newer than this client's stream {session.stream_id}")
-        session.stream_id, session.job, session.client_id = hello.stream, hello.job, hello.client
+        session.stream_id, session.job, session.client = hello.stream, hello.job, hello.client
         self.waiting.pop(ident, None)
         if session.stream is not None:
             self._retire(session.stream)
@@ -510,12 +501,12 @@ class Dispatcher:
             pipe = job_pipeline(self.pipelines, hello.spec)
         except PipelineError as exc:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB, str(exc))
-        slot_bytes = hello.spec.batch_size * pipe.pipeline.sample_bytes
-        opening = _Opening(session, hello, source, plan, order, granted, final, nslots, slot_bytes, pipe)
+        layout = BatchLayout.of(pipe, hello.spec.batch_size)
+        opening = _Opening(session, hello, source, plan, order, granted, final, nslots, layout, pipe)
         if not self._open_stream(opening):
             self.waiting[ident] = opening
             log.info("client %s stream %d waits for %.1f MiB of slots that ending streams still hold",
-                     session.name, hello.stream, nslots * slot_bytes / 2**20)
+                     session.name, hello.stream, nslots * layout.slot_bytes / 2**20)
 
     def _open_stream(self, o: "_Opening") -> bool:
         """Give ``o`` its slots and start serving it. False: it waits for memory that streams
@@ -539,13 +530,12 @@ class Dispatcher:
             self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY,
                          f"{exc}; lower prefetch or batch size, or {self._cap_hint}")
             return True
-        order, granted, final, nslots, slot_bytes, source, plan = (o.order, o.granted, o.final, o.nslots,
-                                                                   o.slot_bytes, o.source, o.plan)
+        order, granted, final, nslots, source, plan = o.order, o.granted, o.final, o.nslots, o.source, o.plan
         state = StreamState(order, nslots, granted, plan.batch, source.describe, self.limits, final=final)
-        stream = Stream(client=ident, hello=hello, source=source, plan=plan, segment=segment,
-                        slot_bytes=slot_bytes, state=state, lookahead=hello.lookahead, pipe=o.pipe)
+        stream = Stream(ident=ident, hello=hello, source=source, plan=plan, segment=segment,
+                        layout=o.layout, state=state, lookahead=hello.lookahead, pipe=o.pipe)
         session.stream = stream
-        self.counters.streams += 1
+        self.totals.streams += 1
         self._send(ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=nb,
                                    num_samples=plan.num_samples, dataset_length=len(source),
                                    dataset=source.name, service=self.instance))
@@ -561,7 +551,7 @@ class Dispatcher:
         ranks; take a (job, rank) over from an older client. False: refused."""
         spec = hello.spec.on(dataset)
         others = [x for x in self.sessions if x is not session and x.spec is not None and x.job == hello.job
-                  and x.client_id != hello.client]
+                  and x.client != hello.client]
         for other in others:
             diff = spec.differences(other.spec)
             if diff:
@@ -593,8 +583,8 @@ class Dispatcher:
         if (o is None or o.hello.stream != msg.stream) and (s is None or s.id != msg.stream):
             return  # for a stream that already ended or was replaced
         # the stall figures are deltas since the connection's previous message: add, keep no baseline
-        self.counters.client_wait_s += msg.wait_s
-        self.counters.client_h2d_s += msg.h2d_s
+        self.totals.wait_s += msg.wait_s
+        self.totals.h2d_s += msg.h2d_s
         if s is None:
             self._waiting_credit(o, msg)
             if getattr(msg, "probe", False):
@@ -693,7 +683,7 @@ class Dispatcher:
         self.arena.release(s.segment, None)
         s.segment = None
         log.info("client %s stream %d has asked for nothing for %.0fs: its %.1f MiB of slots go to a job that "
-                 "needs them", s.client.hex()[:12], s.id, time.monotonic() - s.asked_at, s.nbytes / 2**20)
+                 "needs them", s.ident.hex()[:12], s.id, time.monotonic() - s.asked_at, s.nbytes / 2**20)
 
     def _will_fit(self, nbytes: int) -> bool:
         """Whether ``nbytes`` fit once the streams ending now and the quiet ones (when their quiet
@@ -725,13 +715,13 @@ class Dispatcher:
         if s.segment is not None or s.state.done or s.state.settled:
             return
         try:
-            s.segment = self._acquire(s.client, s.nbytes, f"prefetch {s.state.num_slots} x "
+            s.segment = self._acquire(s.ident, s.nbytes, f"prefetch {s.state.num_slots} x "
                                       f"{s.slot_bytes / 2**20:.1f} MiB", exclude=s)
         except NoCapacity:
             if s not in self.starved:
                 self.starved.append(s)
                 log.info("client %s stream %d waits for %.1f MiB of slots (in use by other jobs)",
-                         s.client.hex()[:12], s.id, s.nbytes / 2**20)
+                         s.ident.hex()[:12], s.id, s.nbytes / 2**20)
             return
         if s in self.starved:
             self.starved.remove(s)
@@ -741,7 +731,7 @@ class Dispatcher:
         if self.waiting:
             self._open_waiting()
         for s in list(self.starved):
-            session = self.sessions.get(s.client)
+            session = self.sessions.get(s.ident)
             if s.state.done or session is None or session.stream is not s:
                 self.starved.remove(s)
             else:
@@ -797,16 +787,16 @@ class Dispatcher:
     def _end_stream(self, s: Stream, e: Effect) -> None:
         """Tell the client how its stream ended (``Finish`` or ``Fail``), then retire it."""
         if isinstance(e, Finish):
-            self._send(s.client, P.EndOfEpoch(stream=s.id, epoch=s.hello.epoch, num_batches=s.plan.num_batches))
+            self._send(s.ident, P.EndOfEpoch(stream=s.id, epoch=s.hello.epoch, num_batches=s.plan.num_batches))
         elif isinstance(e, Fail):
-            log.error("stream %d of client %s failed: %s", s.id, s.client.hex()[:12], e.message)
-            self._send(s.client, P.Error(code=e.code, message=e.message, stream=s.id, fatal=True,
+            log.error("stream %d of client %s failed: %s", s.id, s.ident.hex()[:12], e.message)
+            self._send(s.ident, P.Error(code=e.code, message=e.message, stream=s.id, fatal=True,
                                          traceback=e.traceback))
         self._retire(s)
 
     def _retire(self, s: Stream) -> None:
         """Stop serving ``s``; its slots go back once no task or send still uses them."""
-        session = self.sessions.get(s.client)
+        session = self.sessions.get(s.ident)
         if session is not None and session.stream is s:
             session.stream = None
         if s in self.retiring:
@@ -822,7 +812,7 @@ class Dispatcher:
         for s in self.retiring:
             if s.state.idle:
                 if s.segment is not None:
-                    self.arena.release(s.segment, s.client if self.sessions.get(s.client) is not None else None)
+                    self.arena.release(s.segment, s.ident if self.sessions.get(s.ident) is not None else None)
             else:
                 keep.append(s)
         released = len(keep) < len(self.retiring)
@@ -831,31 +821,16 @@ class Dispatcher:
             self._slots_freed()
 
     def _send_batch(self, s: Stream, e: SendBatch) -> None:
-        layout = s.pipe.pipeline.layout(s.hello.spec.batch_size)
-        indices = s.plan.batch(e.batch)
-        padding = s.plan.batch_padding(e.batch)
-        skipped = []
-        if e.skipped:
-            keep = np.ones(len(indices), dtype=bool)
-            for pos, idx, reason in e.skipped:
-                keep[pos] = False
-                skipped.append([idx, reason])
+        out = sending.outgoing(s.layout, s.plan, s.id, s.hello.epoch, e)
+        if out.keep is not None:
+            for idx, reason in out.message.skipped:
                 self.recent_skips.append(SkippedSample(dataset=s.source.name, index=int(idx), reason=str(reason)))
-            if e.compact:  # one-sample tasks wrote at their positions: close the gaps, in every output
-                for _, shape, off in layout:
-                    view = s.segment.array(np.uint8, (len(indices), math.prod(shape)), e.slot * s.slot_bytes + off)
-                    view[: int(keep.sum())] = view[keep]  # boolean indexing copies first: safe to overlap
-                    del view
-            indices, padding = indices[keep], padding[keep]
-            self.counters.skipped += len(skipped)
-        n = len(indices)
-        if s.pipe.named:
-            shape, outputs = [n], s.pipe.outputs()
-        else:
-            shape, outputs = [n, *layout[0][1]], []
-        header = P.encode_header(P.Batch(stream=s.id, epoch=s.hello.epoch, index=e.batch, indices=indices.tolist(),
-                                         shape=shape, padding=int(padding.sum()), skipped=skipped, outputs=outputs))
-        labels = np.ascontiguousarray(s.source.labels[indices], dtype=np.int64).tobytes()
+            if e.compact:
+                sending.compact(s.segment, s.layout, e.slot, out.keep)
+            self.totals.skipped += len(out.message.skipped)
+        n = len(out.indices)
+        header = P.encode_header(out.message)
+        labels = np.ascontiguousarray(s.source.labels[out.indices], dtype=np.int64).tobytes()
         slot, state = e.slot, s.state
         pending = [0]  # zero-copy frames of this batch libzmq still reads: the slot is free at 0
 
@@ -865,24 +840,23 @@ class Dispatcher:
                 self._send_complete(s, slot)
 
         frames, nbytes = [], 0
-        for _, shape_k, off in layout:
-            size_k = n * math.prod(shape_k)
-            frame, zero_copy = self.arena.frame(s.segment, slot * s.slot_bytes + off, size_k, lambda: self.post(sent))
+        for offset, size in out.blocks:
+            frame, zero_copy = sending.frame(s.segment, offset, size, lambda: self.post(sent))
             frames.append(frame)
             pending[0] += zero_copy
-            nbytes += size_k
-        self.front.send_multipart([s.client, header, *frames, labels], copy=False)
+            nbytes += size
+        self.front.send_multipart([s.ident, header, *frames, labels], copy=False)
         if not pending[0]:
             state.send_complete(slot)
         del frames, frame
-        session = self.sessions.get(s.client)
+        session = self.sessions.get(s.ident)
         if session is not None:
             session.batches += 1
             session.samples += n
-        self.counters.samples += n
-        self.counters.batches += 1
-        self.counters.bytes += nbytes
-        self._rate.append((time.monotonic(), self.counters.samples))
+        self.totals.samples += n
+        self.totals.batches += 1
+        self.totals.bytes += nbytes
+        self._rate.append((time.monotonic(), self.totals.samples))
 
     def _send_complete(self, s: Stream, slot: int) -> None:
         # runs as a post, so the loop schedules right after: a stream that waited for this slot
@@ -940,10 +914,10 @@ class Dispatcher:
         if r is None:
             return
         self.deadlines.observe(r.samples, time.monotonic() - r.started)
-        self.counters.read_s += done.read_s
-        self.counters.decode_s += done.decode_s
+        self.totals.read_s += done.read_s
+        self.totals.decode_s += done.decode_s
         if not done.ok:
-            self.counters.failed_tasks += 1
+            self.totals.failed_tasks += 1
         skipped = [(int(p), int(i), str(why)) for p, i, why in done.skipped]
         effects = r.stream.state.task_done(done.task, skipped, "" if done.ok else done.error,
                                            "" if done.ok else done.traceback)
@@ -956,7 +930,7 @@ class Dispatcher:
         r = self.running.pop(task_id, None)
         if r is None:
             return
-        self.counters.redone_tasks += 1
+        self.totals.redone_tasks += 1
         if r.hung:
             reason = f"hung: still running after its {r.deadline - r.started:.1f}s deadline (worker killed)"
         else:
@@ -975,7 +949,7 @@ class Dispatcher:
             if w is None or w.task != task_id:
                 continue
             r.hung = True
-            self.counters.hung_tasks += 1
+            self.totals.hung_tasks += 1
             log.warning("task %d (stream %d, %d samples) on worker %d (pid %s) outlived its %.1fs deadline; "
                         "killing the worker, the task is redone", task_id, r.stream.id, r.samples, w.id, w.pid,
                         r.deadline - r.started)
@@ -991,7 +965,7 @@ class Dispatcher:
         rate = 0.0
         if len(self._rate) >= 2 and now - self._rate[0][0] > 0:
             t0, n0 = self._rate[0]
-            rate = (self.counters.samples - n0) / (now - t0) if now - self._rate[-1][0] < 5 else 0.0
+            rate = (self.totals.samples - n0) / (now - t0) if now - self._rate[-1][0] < 5 else 0.0
         pool = self.pool
         workers = [
             WorkerStatus(id=w.id, pid=w.pid, state=w.state, tasks_done=w.tasks_done, busy_s=round(w.busy_s, 3),
@@ -1002,11 +976,11 @@ class Dispatcher:
         # one entry per client: a loader's second connection (its epoch lookahead) is not another client
         held: Dict[str, int] = {}  # a loader's batch memory over all its connections
         for c in self.sessions:
-            key = c.client_id or c.name
+            key = c.client or c.name
             held[key] = held.get(key, 0) + self._slot_bytes(c)
-        clients = [self._client_status(c, now, self._slots_word(c), held[c.client_id or c.name])
+        clients = [self._client_status(c, now, self._slots_word(c), held[c.client or c.name])
                    for c in self._one_session_per_client()]
-        c = self.counters
+        c = self.totals
         problem = self.failure or pool.broken
         sizes = [s.hello.spec.batch_size for s in (x.stream for x in self.sessions) if s is not None] or [1]
         return ServiceStatus(
@@ -1018,9 +992,7 @@ class Dispatcher:
                                   busy_s_total=round(pool.busy_seconds(), 3), list=workers),
             clients=clients,
             throughput={"samples_per_s": round(rate, 1)},
-            totals=Totals(**{k: getattr(c, k) for k in Totals.model_fields}),
-            stage_s=StageSeconds(read=round(c.read_s, 3), decode_augment=round(c.decode_s, 3),
-                                 client_wait=round(c.client_wait_s, 3), client_h2d=round(c.client_h2d_s, 3)),
+            totals=dataclasses.replace(c), stage_s=c.stage_seconds(),
             shm_bytes=self.arena.in_use(),
             task_deadline_s=round(self.deadlines.deadline_s(sorted(sizes)[len(sizes) // 2]), 3),
             autoscaler=self.autoscaler.status() if self.autoscaler else {"enabled": False},
@@ -1040,10 +1012,10 @@ class Dispatcher:
         shown: Dict[str, Session] = {}
         out = []
         for c in self.sessions:
-            if not c.client_id:
+            if not c.client:
                 out.append(c)
-            elif c.client_id not in shown or rank(c) < rank(shown[c.client_id]):
-                shown[c.client_id] = c
+            elif c.client not in shown or rank(c) < rank(shown[c.client]):
+                shown[c.client] = c
         return out + list(shown.values())
 
     def _slot_bytes(self, c: Session) -> int:

@@ -25,7 +25,7 @@ class Session:
     fd: int = -1
     fd_gen: int = 0
     job: str = ""
-    client_id: str = ""  # the loader instance behind this connection (Hello.client)
+    client: str = ""  # the loader instance behind this connection (Hello.client)
     rank: int = -1
     spec: Optional[JobSpec] = None  # its job's spec (dataset resolved) while it holds a rank of a named job (jobs.py)
     stream_id: int = -1  # highest stream this client started

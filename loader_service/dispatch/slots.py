@@ -1,4 +1,4 @@
-"""Batch slots in shared memory, and the sends that read them.
+"""Batch slots in shared memory.
 
 Each stream gets one segment of ``n`` equal slots (a worker writes a batch into a slot; the
 dispatcher sends it from there). When a stream ends, its segment is kept as its client's
@@ -6,23 +6,12 @@ dispatcher sends it from there). When a stream ends, its segment is kept as its 
 is already mapped by the workers and zmq. Live segments and reserves together never exceed
 ``max_bytes``; a new stream that would pass it takes the memory of other clients' reserves
 (oldest first) before it is refused, so idle connected clients hold no capacity.
-
-A large frame is sent zero-copy: libzmq reads the slot while the dispatcher goes on. The frame
-holds a numpy view of the slot, so the segment cannot be unmapped under it (closing raises
-BufferError), and when libzmq releases the frame pyzmq drops that view: a ``weakref.finalize``
-on it reports the send complete through ``on_sent``. No polling: the report arrives from
-pyzmq's garbage-collection thread, and the caller hands it to the dispatcher's loop.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Callable, Dict, Optional, Set, Tuple, Union
+from typing import Dict, Optional, Set
 
-import numpy as np
-import zmq
-
-from wire.protocol import ZERO_COPY_MIN_BYTES
 from loader_service.shm import NoSpace, Segment
 
 
@@ -107,18 +96,6 @@ class SlotArena:
         seg = self._reserve.pop(owner, None)
         if seg is not None:
             seg.close()
-
-    @staticmethod
-    def frame(segment: Segment, offset: int, nbytes: int,
-              on_sent: Callable[[], None]) -> Tuple[Union[zmq.Frame, bytes], bool]:
-        """What to send for ``nbytes`` of ``segment`` at ``offset``, and whether it is zero-copy.
-        For a zero-copy frame ``on_sent`` runs (on another thread) once libzmq is done with it;
-        a small frame is copied, so the slot is free as soon as this returns."""
-        view = segment.array(np.uint8, (nbytes,), offset)
-        if nbytes < ZERO_COPY_MIN_BYTES:
-            return view.tobytes(), False
-        weakref.finalize(view, on_sent)
-        return zmq.Frame(view, copy=False), True
 
     def close(self) -> None:
         """Unmap everything (after zmq has released every frame). Idempotent."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.dataclasses import dataclass
 
 
 class _Frozen(BaseModel):
@@ -69,7 +70,13 @@ class ClientStatus(_Frozen):
     slot_bytes: int = 0
 
 
-class Totals(_Frozen):
+# The service's running totals, one type end to end: the dispatcher counts into its one
+# instance, every status snapshot carries a copy. ``/v1/status`` shows the counts as ``totals``
+# and the seconds, under their API names, as ``stage_s`` (:meth:`Totals.stage_seconds`). A
+# mutable dataclass, not a model, as it is counted into on every batch; no docstring, as that
+# would become the description in the published schema of /v1/status.
+@dataclass
+class Totals:
     samples: int = 0
     batches: int = 0
     bytes: int = 0
@@ -81,6 +88,15 @@ class Totals(_Frozen):
     streams: int = 0
     internal_errors: int = 0
     refused_handshakes: int = 0  # on the data port: unknown keys, no keys, wrong server key
+    read_s: float = Field(0.0, exclude=True)  # workers' reading, summed over tasks
+    decode_s: float = Field(0.0, exclude=True)  # workers' decoding and augmenting
+    wait_s: float = Field(0.0, exclude=True)  # clients' stall (their messages' wait_s, summed)
+    h2d_s: float = Field(0.0, exclude=True)  # clients' host-to-device copies (h2d_s, summed)
+
+    def stage_seconds(self) -> "StageSeconds":
+        """The seconds as ``stage_s`` shows them (the API's names, to the millisecond)."""
+        return StageSeconds(read=round(self.read_s, 3), decode_augment=round(self.decode_s, 3),
+                            client_wait=round(self.wait_s, 3), client_h2d=round(self.h2d_s, 3))
 
 
 SKIPS_SHOWN = 20  # the most recent skipped samples kept for the status
@@ -110,7 +126,7 @@ class ServiceStatus(_Frozen):
     workers: WorkersStatus
     clients: List[ClientStatus]
     throughput: Dict[str, float]
-    totals: Totals
+    totals: Totals  # a copy: the counts only (its seconds are stage_s)
     stage_s: StageSeconds
     shm_bytes: int
     task_deadline_s: float  # the deadline a one-batch task of the median batch size gets now
