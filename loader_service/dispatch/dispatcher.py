@@ -38,8 +38,8 @@ import traceback
 import uuid
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
 
 import msgpack
 import numpy as np
@@ -47,25 +47,24 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from wire import protocol as P
-from loader_service import shm
 from loader_service.config import ServiceConfig
 from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
 from loader_service.dispatch.deadlines import TaskDeadlines
 from loader_service.dispatch.jobs import describe_conflicts
 from loader_service.decode.jpeg import decode_path
-from loader_service.decode.pipelines import JobPipeline, PipelineError, Registry, job_pipeline, named_pipeline
-from wire.plan import RankPlan, make_plan
+from loader_service.decode.pipelines import PipelineError, Registry, job_pipeline, named_pipeline
+from wire.plan import make_plan
 from loader_service.workers.pool import WorkerPool, describe_exit
 from loader_service.dispatch import sending
 from loader_service.dispatch.scheduler import Scheduler
 from loader_service.dispatch.sending import BatchLayout
 from loader_service.dispatch.sessions import Session, Sessions
-from loader_service.shm import Segment
-from loader_service.dispatch.slots import NoCapacity, NoShmSpace, SlotArena
+from loader_service.dispatch.memory import BatchMemory, Refused, slot_cap
+from loader_service.dispatch.streams import Opening, Stream
 from loader_service.sources import Source
 from loader_service.dispatch.status import (SKIPS_SHOWN, ClientStatus, ServiceStatus, SkippedSample, StreamStatus, Totals,
                      WorkersStatus, WorkerStatus)
-from loader_service.dispatch.stream_state import Effect, Fail, Finish, RunTask, SendBatch, StreamLimits, StreamState
+from loader_service.dispatch.stream_state import Effect, Fail, Finish, RunTask, SendBatch, StreamLimits
 
 log = logging.getLogger("loader_service.dispatch.dispatcher")
 
@@ -74,59 +73,6 @@ CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued 
 
 class AutoscaleConflict(RuntimeError):
     """A manual scale request while autoscaling is on."""
-
-
-@dataclass(eq=False)  # identity: streams are compared as objects (``in self.retiring``), never by value
-class Stream:
-    """A stream's I/O side: who it is for, what it reads, where its slots live. Its progress is
-    ``state`` (pure)."""
-
-    ident: bytes
-    hello: P.Hello
-    source: Source
-    plan: RankPlan
-    segment: Optional[Segment]  # None: lent out while the stream was quiet (see Dispatcher._lend)
-    layout: BatchLayout
-    state: StreamState
-    lookahead: bool  # low priority until the client promotes it
-    pipe: JobPipeline
-    wait_s: float = 0.0  # the client's stall figures during this stream (sum of its deltas)
-    h2d_s: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    asked_at: float = field(default_factory=time.monotonic)  # the client's last ask for work
-
-    @property
-    def id(self) -> int:
-        return self.hello.stream
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.layout.slot_bytes
-
-    @property
-    def nbytes(self) -> int:
-        """The size of its slots (held or lent)."""
-        return self.state.num_slots * self.slot_bytes
-
-
-@dataclass
-class _Opening:
-    """A stream admitted but not yet given its slots."""
-
-    session: Session
-    hello: P.Hello
-    source: Source
-    plan: RankPlan
-    order: List[int]
-    granted: int
-    final: bool
-    nslots: int
-    layout: BatchLayout
-    pipe: JobPipeline
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.layout.slot_bytes
 
 
 @dataclass
@@ -191,17 +137,13 @@ class Dispatcher:
         self._wake_w.setblocking(False)
         self._calls: "queue.SimpleQueue[Tuple[Callable, Optional[Future]]]" = queue.SimpleQueue()
         self.sessions = Sessions()
-        cap, self._cap_hint = _slot_cap(config.max_shm_bytes)
-        self.arena = SlotArena(cap)
+        cap, hint = slot_cap(config.max_shm_bytes)
+        self.memory = BatchMemory(cap, config.reclaim_idle_s, self._live_streams, self.sessions.__contains__, hint)
         self.loop_thread: Optional[int] = None  # the thread running :meth:`run`
         self.scheduler = Scheduler()
         self.deadlines = TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s)
         self.running: Dict[int, _Running] = {}  # task id -> where it runs
         self._deadline_heap: List[Tuple[float, int]] = []  # (deadline, task id)
-        self.retiring: List[Stream] = []  # ended streams whose slots are still read by a task or send
-        self.waiting: Dict[bytes, _Opening] = {}  # client -> its new stream, until slots free up for it
-        self.starved: List[Stream] = []  # streams asked for work after lending their slots, with none free yet
-        self._lend_due: Optional[float] = None  # when to retry those, as a quiet stream's slots become lendable
         self.totals = Totals()
         self.recent_skips: Deque[SkippedSample] = deque(maxlen=SKIPS_SHOWN)  # for the status page
         self._task_ids = itertools.count()
@@ -329,9 +271,9 @@ class Dispatcher:
         start_due = self.pool.next_start_deadline()
         if start_due is not None:
             ends.append(start_due)
-        self._lend_due = self._next_lend_at(now)
-        if self._lend_due is not None:
-            ends.append(self._lend_due)
+        lend_due = self.memory.next_lend_at(now)
+        if lend_due is not None:
+            ends.append(lend_due)
         if self._stop_by is not None:
             if now >= self._stop_by or not self.running:
                 self._running_loop = False
@@ -468,7 +410,7 @@ class Dispatcher:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB,
                                 f"stream {hello.stream} is not newer than this client's stream {session.stream_id}")
         session.stream_id, session.job, session.client = hello.stream, hello.job, hello.client
-        self.waiting.pop(ident, None)
+        self.memory.waiting.pop(ident, None)
         if session.stream is not None:
             self._retire(session.stream)
         source = self._source(ident, hello.spec.dataset, hello.stream)
@@ -502,49 +444,34 @@ class Dispatcher:
         except PipelineError as exc:
             return self._refuse(ident, hello, P.ErrorCode.BAD_JOB, str(exc))
         layout = BatchLayout.of(pipe, hello.spec.batch_size)
-        opening = _Opening(session, hello, source, plan, order, granted, final, nslots, layout, pipe)
-        if not self._open_stream(opening):
-            self.waiting[ident] = opening
+        opening = Opening(session, hello, source, plan, pipe, layout, self.limits, order, granted, final, nslots)
+        result = self.memory.open(opening, time.monotonic())
+        if result is None:
             log.info("client %s stream %d waits for %.1f MiB of slots that ending streams still hold",
-                     session.name, hello.stream, nslots * layout.slot_bytes / 2**20)
+                     session.name, hello.stream, opening.nbytes / 2**20)
+        else:
+            self._opened([(opening, result)])
 
-    def _open_stream(self, o: "_Opening") -> bool:
-        """Give ``o`` its slots and start serving it. False: it waits for memory that streams
-        ending now still hold (it is retried as they release it)."""
-        session, hello, ident, nb = o.session, o.hello, o.session.ident, o.plan.num_batches
-        what = f"prefetch {o.nslots} x {o.slot_bytes / 2**20:.1f} MiB"
-        try:
-            if hello.lookahead:  # best effort: never at the cost of a current epoch, lent slots included
-                segment = self.arena.acquire(ident, o.nslots * o.slot_bytes, what, headroom=self._lookahead_headroom())
+    def _opened(self, results: List[Tuple[Opening, Union[Stream, Refused]]]) -> None:
+        """Start serving the streams that have their slots now; refuse those that cannot."""
+        for o, result in results:
+            if isinstance(result, Refused):
+                self._refuse(o.ident, o.hello, P.ErrorCode.NO_CAPACITY, result.message, fatal=result.fatal)
             else:
-                segment = self._acquire(ident, o.nslots * o.slot_bytes, what)
-        except NoCapacity as exc:
-            if hello.lookahead:  # the client starts the epoch plainly when it comes
-                self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY, f"lookahead refused: {exc}", fatal=False)
-                return True
-            if isinstance(exc, NoShmSpace):  # the filesystem is full: streams that end would not help
-                self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY, f"{exc}; or lower prefetch or batch size")
-                return True
-            if self._will_fit(o.nslots * o.slot_bytes):
-                return False
-            self._refuse(ident, hello, P.ErrorCode.NO_CAPACITY,
-                         f"{exc}; lower prefetch or batch size, or {self._cap_hint}")
-            return True
-        order, granted, final, nslots, source, plan = o.order, o.granted, o.final, o.nslots, o.source, o.plan
-        state = StreamState(order, nslots, granted, plan.batch, source.describe, self.limits, final=final)
-        stream = Stream(ident=ident, hello=hello, source=source, plan=plan, segment=segment,
-                        layout=o.layout, state=state, lookahead=hello.lookahead, pipe=o.pipe)
+                self._start(o.session, result)
+
+    def _start(self, session: Session, stream: Stream) -> None:
+        hello, source, plan = stream.hello, stream.source, stream.plan
         session.stream = stream
         self.totals.streams += 1
-        self._send(ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=nb,
-                                   num_samples=plan.num_samples, dataset_length=len(source),
-                                   dataset=source.name, service=self.instance))
+        self._send(session.ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=plan.num_batches,
+                                           num_samples=plan.num_samples, dataset_length=len(source),
+                                           dataset=source.name, service=self.instance))
         log.info("client %s job %r rank %d/%d epoch %d: stream %d %s %d of %d batches%s", session.name,
                  hello.job, hello.rank, hello.spec.world_size, hello.epoch, hello.stream,
-                 "on demand, asked at once for" if hello.on_demand else "serves", len(order), nb,
-                 " (lookahead)" if hello.lookahead else "")
-        self._apply(stream, state.start())
-        return True
+                 "on demand, asked at once for" if hello.on_demand else "serves", len(stream.state.order),
+                 plan.num_batches, " (lookahead)" if hello.lookahead else "")
+        self._apply(stream, stream.state.start())
 
     def _admit_rank(self, session: Session, hello: P.Hello, dataset: str) -> bool:
         """The job rules (jobs.py): refuse a rank whose plan differs from its job's connected
@@ -579,19 +506,19 @@ class Dispatcher:
                                       message="this service has no stream for the client; start it again"))
             return
         s = session.stream
-        o = self.waiting.get(ident) if s is None else None  # a stream still waiting for its slots
+        o = self.memory.waiting.get(ident) if s is None else None  # a stream still waiting for its slots
         if (o is None or o.hello.stream != msg.stream) and (s is None or s.id != msg.stream):
             return  # for a stream that already ended or was replaced
         # the stall figures are deltas since the connection's previous message: add, keep no baseline
         self.totals.wait_s += msg.wait_s
         self.totals.h2d_s += msg.h2d_s
         if s is None:
-            self._waiting_credit(o, msg)
+            o.asked(msg)
             if getattr(msg, "probe", False):
                 self._send(ident, self._progress(msg.stream, None, len(o.order), no_slots=True))
             return
         if getattr(msg, "probe", False):
-            self._send(ident, self._progress(s.id, s, s.state.not_started, no_slots=s in self.starved))
+            self._send(ident, self._progress(s.id, s, s.state.not_started, no_slots=s in self.memory.starved))
         if (isinstance(msg, P.Credit) and msg.n) or (isinstance(msg, P.Request) and msg.batches):
             s.asked_at = time.monotonic()
         s.wait_s += msg.wait_s
@@ -602,7 +529,7 @@ class Dispatcher:
             if s.hello.on_demand:
                 return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Credit on an on_demand stream; send Request"))
             s.state.grant(msg.n)
-            self._take_slots_again(s)
+            self.memory.wake(s, time.monotonic())
             return
         if not s.hello.on_demand:
             return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Request on a stream that is not on_demand"))
@@ -617,7 +544,7 @@ class Dispatcher:
         except ValueError as exc:  # a batch asked for twice
             return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
         self._apply(s, effects)
-        self._take_slots_again(s)
+        self.memory.wake(s, time.monotonic())
 
     def _progress(self, stream_id: int, s: Optional[Stream], not_started: int, no_slots: bool) -> P.Progress:
         """What the service does for stream ``s`` now (None: not yet opened), for a client that
@@ -647,130 +574,24 @@ class Dispatcher:
         return P.Progress(tasks=len(mine), batch=batch, task_s=time.monotonic() - r.started, sample=sample,
                           file=file, sample_s=sample_s, **base)
 
-    # ------------------------------------------------------------------ batch memory
-    # Policy (README, "Batch memory"): a job that fits --max-shm-mb is never refused because a
-    # connected client sits on slots. A reserve (slots kept for a client's next epoch) goes first;
-    # then the slots of a stream that has asked for nothing, with nothing in flight, for
-    # reclaim_idle_s are lent out, and that stream takes slots again with its next request (it
-    # waits, and says so in Progress and /v1/status, if none are free). A new stream that would fit
-    # once ending or quiet streams give theirs back waits for them; otherwise it is refused.
-
-    def _acquire(self, owner: bytes, nbytes: int, what: str, exclude: Optional[Stream] = None) -> Segment:
-        """A segment for ``owner``, lending the slots of quiet streams (longest quiet first) if
-        that makes room. Raises NoCapacity."""
-        while True:
-            try:
-                return self.arena.acquire(owner, nbytes, what)
-            except NoCapacity:
-                quiet = self._lendable(time.monotonic(), exclude)
-                lendable = sum(q.nbytes for q in quiet) + self.arena.reserved()
-                if not quiet or self.arena.in_use() - lendable + nbytes > self.arena.max_bytes:
-                    raise  # lending would not make room: lend nothing
-                self._lend(quiet[0])
-
-    def _quiet(self) -> Iterator[Stream]:
-        """Live streams that hold slots and use none of them, with nothing asked and not started."""
-        for x in self.sessions:
-            if x.stream is not None and x.stream.segment is not None and x.stream.state.settled:
-                yield x.stream
-
-    def _lendable(self, now: float, exclude: Optional[Stream] = None) -> List[Stream]:
-        """Streams whose slots may be lent now, longest quiet first."""
-        return sorted((q for q in self._quiet() if q is not exclude and now - q.asked_at >= self.config.reclaim_idle_s),
-                      key=lambda q: q.asked_at)
-
-    def _lend(self, s: Stream) -> None:
-        self.arena.release(s.segment, None)
-        s.segment = None
-        log.info("client %s stream %d has asked for nothing for %.0fs: its %.1f MiB of slots go to a job that "
-                 "needs them", s.ident.hex()[:12], s.id, time.monotonic() - s.asked_at, s.nbytes / 2**20)
-
-    def _will_fit(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` fit once the streams ending now and the quiet ones (when their quiet
-        time is up) give their slots back: then a new stream waits rather than being refused."""
-        ending = sum(s.segment.size for s in self.retiring if s.segment is not None)
-        quiet = sum(q.segment.size for q in self._quiet())
-        return self.arena.in_use() - self.arena.reserved() - ending - quiet + nbytes <= self.arena.max_bytes
-
-    def _next_lend_at(self, now: float) -> Optional[float]:
-        """When the next quiet stream's slots become lendable, if something waits for slots.
-        (Streams lendable already were tried when that wait began or memory last came back.)"""
-        if not self.waiting and not self.starved:
-            return None
-        times = (q.asked_at + self.config.reclaim_idle_s for q in self._quiet())
-        return min((t for t in times if t > now), default=None)
-
     def _lend_if_due(self) -> None:
-        """While something waits for slots: retry it when a quiet stream's slots may be lent
-        (its quiet time is up, or it went quiet after its time was up)."""
-        if not self.waiting and not self.starved:
-            return
-        now = time.monotonic()
-        if (self._lend_due is not None and now >= self._lend_due) or self._lendable(now):
-            self._lend_due = None
-            self._slots_freed()
+        """Retry what waits for slots if a quiet stream's slots may be lent now."""
+        self._opened(self.memory.lend_if_due(time.monotonic()))
 
-    def _take_slots_again(self, s: Stream) -> None:
-        """If ``s`` lent its slots and has work now: slots again, or wait for them."""
-        if s.segment is not None or s.state.done or s.state.settled:
-            return
-        try:
-            s.segment = self._acquire(s.ident, s.nbytes, f"prefetch {s.state.num_slots} x "
-                                      f"{s.slot_bytes / 2**20:.1f} MiB", exclude=s)
-        except NoCapacity:
-            if s not in self.starved:
-                self.starved.append(s)
-                log.info("client %s stream %d waits for %.1f MiB of slots (in use by other jobs)",
-                         s.ident.hex()[:12], s.id, s.nbytes / 2**20)
-            return
-        if s in self.starved:
-            self.starved.remove(s)
-
-    def _slots_freed(self) -> None:
-        """Retry whatever waits for slots: new streams first (oldest first), then lent ones."""
-        if self.waiting:
-            self._open_waiting()
-        for s in list(self.starved):
-            session = self.sessions.get(s.ident)
-            if s.state.done or session is None or session.stream is not s:
-                self.starved.remove(s)
-            else:
-                self._take_slots_again(s)
-
-    def _waiting_credit(self, o: "_Opening", msg) -> None:
-        """A Credit or Request for a stream still waiting for its slots: it counts when it opens."""
-        if isinstance(msg, P.Credit) and not o.hello.on_demand:
-            o.granted += msg.n
-        elif isinstance(msg, P.Request) and o.hello.on_demand:
-            o.order.extend(msg.batches)  # checked (range, repeats) by the stream once it opens
-            o.final = o.final or msg.final
-            o.granted = len(o.order)
-
-    def _open_waiting(self) -> None:
-        """Retry the streams waiting for slots, oldest first, now that some came back."""
-        for ident, o in list(self.waiting.items()):
-            del self.waiting[ident]
-            if self.sessions.get(ident) is not o.session or o.session.stream_id != o.hello.stream:
-                continue  # the client left or started another stream meanwhile
-            if not self._open_stream(o):
-                self.waiting[ident] = o
-
-    def _lookahead_headroom(self) -> int:
-        """What a lookahead must leave free: room for a plain stream as large as the largest one
-        live, so an early next epoch never crowds out a current one."""
-        return max((x.stream.nbytes for x in self.sessions if x.stream is not None and not x.stream.lookahead),
-                   default=0)
+    def _live_streams(self) -> Iterator[Stream]:
+        """The streams being served (the batch memory's view of them)."""
+        return (x.stream for x in self.sessions if x.stream is not None)
 
     def _drop_client(self, ident: bytes, why: str) -> None:
         session = self.sessions.pop(ident)
-        self.waiting.pop(ident, None)
+        self.memory.waiting.pop(ident, None)
         if session is None:
             return
         if session.stream is not None:
             self._retire(session.stream)
-        self.arena.forget(ident)
+        self.memory.forget(ident)
         log.info("client %s %s", session.name, why)
-        self._slots_freed()
+        self._opened(self.memory.retry(time.monotonic()))
 
     def _send(self, ident: bytes, msg: P.Message) -> None:
         self.front.send_multipart([ident, *P.encode(msg)])
@@ -799,26 +620,11 @@ class Dispatcher:
         session = self.sessions.get(s.ident)
         if session is not None and session.stream is s:
             session.stream = None
-        if s in self.retiring:
-            return
-        s.state.retire()
-        self.retiring.append(s)
-        self._release_idle_streams()
+        self._opened(self.memory.retire(s, time.monotonic()))
 
     def _release_idle_streams(self) -> None:
-        if not self.retiring:
-            return
-        keep = []
-        for s in self.retiring:
-            if s.state.idle:
-                if s.segment is not None:
-                    self.arena.release(s.segment, s.ident if self.sessions.get(s.ident) is not None else None)
-            else:
-                keep.append(s)
-        released = len(keep) < len(self.retiring)
-        self.retiring = keep
-        if released:
-            self._slots_freed()
+        """Retired streams that nothing reads any more give their slots back: retry what waits."""
+        self._opened(self.memory.release_idle(time.monotonic()))
 
     def _send_batch(self, s: Stream, e: SendBatch) -> None:
         out = sending.outgoing(s.layout, s.plan, s.id, s.hello.epoch, e)
@@ -977,8 +783,8 @@ class Dispatcher:
         held: Dict[str, int] = {}  # a loader's batch memory over all its connections
         for c in self.sessions:
             key = c.client or c.name
-            held[key] = held.get(key, 0) + self._slot_bytes(c)
-        clients = [self._client_status(c, now, self._slots_word(c), held[c.client or c.name])
+            held[key] = held.get(key, 0) + self.memory.slot_bytes(c.ident, c.stream)
+        clients = [self._client_status(c, now, self.memory.slots_word(c.ident, c.stream), held[c.client or c.name])
                    for c in self._one_session_per_client()]
         c = self.totals
         problem = self.failure or pool.broken
@@ -993,11 +799,11 @@ class Dispatcher:
             clients=clients,
             throughput={"samples_per_s": round(rate, 1)},
             totals=dataclasses.replace(c), stage_s=c.stage_seconds(),
-            shm_bytes=self.arena.in_use(),
+            shm_bytes=self.memory.in_use(),
             task_deadline_s=round(self.deadlines.deadline_s(sorted(sizes)[len(sizes) // 2]), 3),
             autoscaler=self.autoscaler.status() if self.autoscaler else {"enabled": False},
             decode_path=decode_path(),
-            shm_limit_bytes=self.arena.max_bytes, skipped_recent=list(self.recent_skips),
+            shm_limit_bytes=self.memory.max_bytes, skipped_recent=list(self.recent_skips),
         )
 
     def status(self) -> dict:
@@ -1017,19 +823,6 @@ class Dispatcher:
             elif c.client not in shown or rank(c) < rank(shown[c.client]):
                 shown[c.client] = c
         return out + list(shown.values())
-
-    def _slot_bytes(self, c: Session) -> int:
-        live = c.stream.segment.size if c.stream is not None and c.stream.segment is not None else 0
-        return live + self.arena.held_by(c.ident)
-
-    def _slots_word(self, c: Session) -> str:
-        """The ``slots`` field of ClientStatus (see there)."""
-        s = c.stream
-        if c.ident in self.waiting or (s is not None and s in self.starved):
-            return "waiting"
-        if s is not None:
-            return "stream" if s.segment is not None else "lent"
-        return "reserve" if self.arena.held_by(c.ident) else ""
 
     @staticmethod
     def _client_status(c: Session, now: float, slots: str, slot_bytes: int) -> ClientStatus:
@@ -1094,18 +887,17 @@ class Dispatcher:
                                                   message="the service is stopping; reconnect and resume"))
             except zmq.ZMQError:
                 pass
-        self.waiting, self.starved = {}, []  # nothing opens while the service stops
+        self.memory.stop()  # nothing opens while the service stops
         try:
             self.pool.close(timeout=self.config.stop_timeout_s)
         finally:
             for session in self.sessions:
                 self._drop_client(session.ident, "service stopping")
-            self.retiring, self.waiting, self.starved = [], {}, []
             self.monitor.close(0)
             self.front.close()  # LINGER (CLOSE_LINGER_MS) lets the goodbyes above leave
             self.guard.close()  # the ZAP handler's socket would hold term() up
             self.ctx.term()  # returns once zmq has released every zero-copy frame
-            self.arena.close()
+            self.memory.close()
             self._wake_r.close()
             self._wake_w.close()
             while True:  # anyone still waiting on a call learns that the service is gone
@@ -1129,20 +921,6 @@ def cannot_bind(port: str, host: str, number: int, err: int) -> OSError:
     else:
         hint = f"check --host / LOADER_HOST and {option}"
     return OSError(err, f"cannot bind the {port} port {host}:{number}: {os.strerror(err)} ({hint})")
-
-
-def _slot_cap(max_shm_bytes: int) -> Tuple[int, str]:
-    """The cap on batch slots, and what raises it: --max-shm-mb, or what the shared-memory
-    filesystem has free if that is less (a container started without shm_size has 64 MB), so
-    the memory policy plans with memory that exists."""
-    room = shm.free_bytes()
-    if room >= max_shm_bytes:
-        return max_shm_bytes, "raise --max-shm-mb"
-    log.warning("%s has %.0f MiB free, less than --max-shm-mb %.0f: batch slots are capped at %.0f MiB; raise the "
-                "container's shm_size (or the emptyDir's sizeLimit)", shm.SHM_DIR, room / 2**20, max_shm_bytes / 2**20,
-                room / 2**20)
-    return max(room, 1), (f"raise the container's shm_size or the emptyDir's sizeLimit ({shm.SHM_DIR} had "
-                          f"{room / 2**20:.0f} MiB free at start, less than --max-shm-mb)")
 
 
 def _stream_of(frame) -> int:
