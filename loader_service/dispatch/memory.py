@@ -195,6 +195,14 @@ class BatchMemory:
         self.retiring = keep
         return self.retry(now) if released else []
 
+    def leave(self, ident: bytes, s: Optional[Stream], now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+        """Connection ``ident`` is gone, ``s`` the stream it was served: nothing of it waits any
+        more, its stream retires, its reserve goes back; then what waits is retried."""
+        self.waiting.pop(ident, None)
+        opened = self.retire(s, now) if s is not None else []
+        self.forget(ident)
+        return opened + self.retry(now)
+
     def retry(self, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
         """Retry whatever waits for slots: new streams first (oldest first), then lent ones.
         Returns the new streams that stopped waiting: opened, or refused now that they no

@@ -9,7 +9,7 @@ import zmq
 
 from wire import protocol as P
 from loader_service.config import ServiceConfig
-from loader_service.dispatch.dispatcher import Dispatcher
+from loader_service.dispatch.loop import Dispatcher
 
 FD = 17  # any number: these connections only exist in the events fed to the dispatcher
 

@@ -118,13 +118,8 @@ class Loop:
 
     def bye(self, ident: bytes) -> None:
         session = self.sessions.pop(ident, None)
-        self.memory.waiting.pop(ident, None)
-        if session is None:
-            return
-        if session.stream is not None:
-            self.retire(session.stream)
-        self.memory.forget(ident)
-        self.opened(self.memory.retry(self.now))
+        if session is not None:
+            self.opened(self.memory.leave(ident, session.stream, self.now))
 
     def step(self) -> None:
         """What the loop does after every event."""
