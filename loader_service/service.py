@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from loader_service.control.auth import resolve_token
 from loader_service.config import ServiceConfig
-from loader_service.dispatch.dispatcher import Dispatcher, cannot_bind
+from loader_service.dispatch.loop import Dispatcher, cannot_bind
 from loader_service.decode.jpeg import decode_path
 from loader_service.control.http_limits import Counters
 from loader_service.shm import sweep_stale

@@ -131,7 +131,7 @@ def test_a_stuck_dispatcher_loop_fails_healthz_in_time_and_recovers(make_service
     assert httpx.get(f"{svc.http_url}/v1/status", timeout=10).status_code == 200
 
 def test_a_dead_dispatcher_fails_healthz(make_service, monkeypatch):
-    from loader_service.dispatch.dispatcher import Dispatcher
+    from loader_service.dispatch.loop import Dispatcher
 
     svc = make_service()
     wait_for(lambda: svc.wait_ready(0), what="a worker")
@@ -150,7 +150,7 @@ def test_a_dead_dispatcher_fails_healthz(make_service, monkeypatch):
 
 SERVE_WITH_A_DISPATCHER_BUG = """
 import sys
-from loader_service.dispatch.dispatcher import Dispatcher
+from loader_service.dispatch.loop import Dispatcher
 from loader_service.cli.main import main
 real = Dispatcher._schedule
 def schedule(self):

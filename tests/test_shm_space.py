@@ -18,9 +18,8 @@ import textwrap
 
 import pytest
 
-from loader_service.dispatch import dispatcher as D
 from loader_service import shm
-from loader_service.dispatch.slots import NoShmSpace, SlotArena
+from loader_service.dispatch.memory import BatchMemory, NoShmSpace, slot_cap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -50,7 +49,7 @@ def test_segments_are_backed_by_pages_when_made():
 
 
 def test_reserves_give_their_space_back_before_the_filesystem_refuses(monkeypatch):
-    arena = SlotArena(64 * MiB)
+    arena = BatchMemory(64 * MiB, 0, live=lambda: (), connected=lambda ident: True)
     try:
         kept = [arena.acquire(owner, MiB, "plain") for owner in (b"x", b"y")]
         for seg, owner in zip(kept, (b"x", b"y")):
@@ -79,11 +78,11 @@ def test_reserves_give_their_space_back_before_the_filesystem_refuses(monkeypatc
 
 def test_the_slot_cap_follows_a_small_shm_and_says_what_raises_it(monkeypatch, caplog):
     monkeypatch.setattr(shm, "free_bytes", lambda: 60 * MiB)
-    assert D._slot_cap(4096 * MiB) == (60 * MiB, f"raise the container's shm_size or the emptyDir's sizeLimit "
+    assert slot_cap(4096 * MiB) == (60 * MiB, f"raise the container's shm_size or the emptyDir's sizeLimit "
                                                   f"({shm.SHM_DIR} had 60 MiB free at start, less than --max-shm-mb)")
     assert "batch slots are capped at 60 MiB" in caplog.text
     caplog.clear()
-    assert D._slot_cap(32 * MiB) == (32 * MiB, "raise --max-shm-mb")
+    assert slot_cap(32 * MiB) == (32 * MiB, "raise --max-shm-mb")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from loader_service.control.auth import check_bearer
-from loader_service.dispatch.dispatcher import AutoscaleConflict, Dispatcher
+from loader_service.dispatch.loop import AutoscaleConflict, Dispatcher
 from loader_service.control.http_limits import BodyLimit
 from loader_service.control.metrics import make_registry
 from loader_service.dispatch.status import ServiceStatus

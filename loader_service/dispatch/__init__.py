@@ -1,0 +1,39 @@
+"""The dispatcher: the service's one thread of state, as a thin I/O loop (:mod:`.loop`) over
+pure parts that take events and return decisions.
+
+Modules: ``loop`` (sockets, poll, effects) with ``mailbox`` (calls from other threads);
+``admission`` (Hello -> open / refuse) with ``jobs`` (the job rules); ``memory`` (batch slots,
+reserves, lending, waiting); ``streams`` (the Opening and Stream records); ``stream_state`` (one
+stream's progress); ``sending`` (the BatchLayout, a batch's message and frames); ``tasks`` (tasks
+on workers) with ``deadlines``; ``scheduler``; ``sessions``; ``status`` (the snapshot, and the
+one Totals type); ``curve`` (CURVE keys on the data port).
+
+Glossary (one meaning each, in code and messages):
+
+job
+    One training, named by its loaders (``Hello.job``); its ranks must agree on the JobSpec.
+rank
+    One process of a job's training, and its share of each epoch (``Hello.rank``).
+client
+    One loader instance (``RemoteLoader``), named by ``Hello.client``; it may hold several
+    connections (its epoch lookahead is a second one) and counts as one client in the status.
+ident
+    A connection's ROUTER identity (bytes): what the dispatcher addresses messages to.
+session
+    What the dispatcher knows of one ident: its fd, its client, job and rank, its stream.
+stream
+    One connection's pass over one rank's epoch (``Hello.stream``): a list of batches to send
+    in order, from one segment of slots.
+task
+    One piece of work a worker does: a whole batch, or one sample of a batch being isolated.
+slot
+    Room for one batch in a segment; a worker writes into it, the send reads from it.
+segment
+    One named shared-memory region (``shm.Segment``) holding a stream's slots, or kept as its
+    ident's reserve for the next stream.
+replica
+    One loader service among several that serve the same data to a client.
+lookahead
+    A client's next epoch started early, on a second connection: served only when no current
+    epoch can use a worker, and given slots only if a current epoch keeps room.
+"""

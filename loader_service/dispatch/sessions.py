@@ -1,4 +1,5 @@
-"""Clients of the data port: their identities, connections and counters.
+"""Connections to the data port: their idents, fds and counters (see the glossary in
+:mod:`loader_service.dispatch`: an ident is a connection, a client a loader instance).
 
 ZeroMQ's ROUTER names a peer by its identity; the socket monitor names a connection by its file
 descriptor. The kernel reuses fd numbers, so a connection is (fd, generation): the n-th
@@ -19,17 +20,17 @@ from wire.jobspec import JobSpec
 
 @dataclass
 class Session:
-    """One client (a DEALER identity) and what it is doing."""
+    """One connection (a DEALER's ident) and what it is doing."""
 
     ident: bytes
     fd: int = -1
     fd_gen: int = 0
     job: str = ""
-    client_id: str = ""  # the loader instance behind this connection (Hello.client)
+    client: str = ""  # the loader instance behind this connection (Hello.client)
     rank: int = -1
     spec: Optional[JobSpec] = None  # its job's spec (dataset resolved) while it holds a rank of a named job (jobs.py)
     run: Optional[Tuple[int, int]] = None  # (epoch, entry) of its rank's stream: ranks of a job resume alike
-    stream_id: int = -1  # highest stream this client started
+    stream_id: int = -1  # highest stream started on this connection
     stream: Optional[object] = None  # its current dispatcher Stream, if any
     connected: float = field(default_factory=time.monotonic)
     batches: int = 0
@@ -41,7 +42,7 @@ class Session:
 
 
 class Sessions:
-    """The table of clients, keyed by identity, with the fd bookkeeping above."""
+    """The table of connections, keyed by ident, with the fd bookkeeping above."""
 
     def __init__(self) -> None:
         self._by_ident: Dict[bytes, Session] = {}

@@ -1,15 +1,28 @@
 """The service's status as a typed snapshot.
 
-The dispatcher builds one :class:`ServiceStatus` on its own thread; the REST API returns it
-(``GET /v1/status``, whose schema is this model), the autoscaler decides from it, the metrics
-and the periodic log line read it. Nothing else reads the dispatcher's state.
+The dispatcher builds one :class:`ServiceStatus` on its own thread (from the parts built by the
+functions at the end); the REST API returns it (``GET /v1/status``, whose schema is this
+model), the autoscaler decides from it, the metrics and the periodic log line read it. Nothing
+else reads the dispatcher's state. :func:`progress` is the status of one stream, for a client
+that has waited a while (the Progress message).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from collections import deque
+from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+from wire import protocol as P
+
+if TYPE_CHECKING:
+    from loader_service.dispatch.memory import BatchMemory
+    from loader_service.dispatch.sessions import Session
+    from loader_service.dispatch.streams import Stream
+    from loader_service.dispatch.tasks import Tasks
+    from loader_service.workers.pool import WorkerPool
 
 
 class _Frozen(BaseModel):
@@ -69,7 +82,13 @@ class ClientStatus(_Frozen):
     slot_bytes: int = 0
 
 
-class Totals(_Frozen):
+# The service's running totals, one type end to end: the dispatcher counts into its one
+# instance, every status snapshot carries a copy. ``/v1/status`` shows the counts as ``totals``
+# and the seconds, under their API names, as ``stage_s`` (:meth:`Totals.stage_seconds`). A
+# mutable dataclass, not a model, as it is counted into on every batch; no docstring, as that
+# would become the description in the published schema of /v1/status.
+@dataclass
+class Totals:
     samples: int = 0
     batches: int = 0
     bytes: int = 0
@@ -81,6 +100,15 @@ class Totals(_Frozen):
     streams: int = 0
     internal_errors: int = 0
     refused_handshakes: int = 0  # on the data port: unknown keys, no keys, wrong server key
+    read_s: float = Field(0.0, exclude=True)  # workers' reading, summed over tasks
+    decode_s: float = Field(0.0, exclude=True)  # workers' decoding and augmenting
+    wait_s: float = Field(0.0, exclude=True)  # clients' stall (their messages' wait_s, summed)
+    h2d_s: float = Field(0.0, exclude=True)  # clients' host-to-device copies (h2d_s, summed)
+
+    def stage_seconds(self) -> "StageSeconds":
+        """The seconds as ``stage_s`` shows them (the API's names, to the millisecond)."""
+        return StageSeconds(read=round(self.read_s, 3), decode_augment=round(self.decode_s, 3),
+                            client_wait=round(self.wait_s, 3), client_h2d=round(self.h2d_s, 3))
 
 
 SKIPS_SHOWN = 20  # the most recent skipped samples kept for the status
@@ -110,7 +138,7 @@ class ServiceStatus(_Frozen):
     workers: WorkersStatus
     clients: List[ClientStatus]
     throughput: Dict[str, float]
-    totals: Totals
+    totals: Totals  # a copy: the counts only (its seconds are stage_s)
     stage_s: StageSeconds
     shm_bytes: int
     task_deadline_s: float  # the deadline a one-batch task of the median batch size gets now
@@ -118,3 +146,103 @@ class ServiceStatus(_Frozen):
     decode_path: str = ""  # how JPEGs are decoded: "native-roi (libjpeg-turbo X.Y.Z)" or the simplejpeg fallback
     shm_limit_bytes: int = 0  # the cap on shm_bytes (--max-shm-mb)
     skipped_recent: List[SkippedSample] = []  # the last SKIPS_SHOWN samples skipped (on_error=skip), oldest first
+
+
+# ---------------------------------------------------------------------------- building the snapshot
+# Pure functions of what they are given; the dispatcher calls them on its own thread.
+
+class Rate:
+    """Samples per second over the last batches sent (0 once nothing was sent for 5 s)."""
+
+    def __init__(self, window: int = 64):
+        self._points: Deque[Tuple[float, int]] = deque(maxlen=window)  # (time, samples sent by then)
+
+    def add(self, now: float, samples: int) -> None:
+        self._points.append((now, samples))
+
+    def per_s(self, now: float, samples: int) -> float:
+        if len(self._points) < 2 or now - self._points[0][0] <= 0:
+            return 0.0
+        t0, n0 = self._points[0]
+        return (samples - n0) / (now - t0) if now - self._points[-1][0] < 5 else 0.0
+
+
+def workers(pool: "WorkerPool", hung: int, now: float) -> WorkersStatus:
+    listed = [WorkerStatus(id=w.id, pid=w.pid, state=w.state, tasks_done=w.tasks_done, busy_s=round(w.busy_s, 3),
+                           uptime_s=round(now - w.started_at, 1),
+                           task_s=round(now - w.task_started, 3) if w.task is not None else None)
+              for w in pool.workers.values()]
+    return WorkersStatus(target=pool.target, counts=pool.counts(), deaths=pool.deaths, hung=hung, broken=pool.broken,
+                         live=pool.live_count(), busy_s_total=round(pool.busy_seconds(), 3), list=listed)
+
+
+def clients(sessions: List["Session"], memory: "BatchMemory", now: float) -> List[ClientStatus]:
+    """One entry per client: a loader's connections (its epoch lookahead is a second one) are
+    one client, shown by the one serving its current epoch, with the batch memory of all."""
+    held: Dict[str, int] = {}
+    for c in sessions:
+        key = c.client or c.name
+        held[key] = held.get(key, 0) + memory.slot_bytes(c.ident, c.stream)
+    return [_client(c, now, memory.slots_word(c.ident, c.stream), held[c.client or c.name])
+            for c in _one_per_client(sessions)]
+
+
+def _one_per_client(sessions: List["Session"]) -> List["Session"]:
+    """A loader's connections as one client: the one serving its current epoch if any."""
+    def rank(c: "Session") -> int:
+        return 0 if c.stream is not None and not c.stream.lookahead else 1 if c.stream is not None else 2
+
+    shown: Dict[str, "Session"] = {}
+    out = []
+    for c in sessions:
+        if not c.client:
+            out.append(c)
+        elif c.client not in shown or rank(c) < rank(shown[c.client]):
+            shown[c.client] = c
+    return out + list(shown.values())
+
+
+def _client(c: "Session", now: float, slots: str, slot_bytes: int) -> ClientStatus:
+    s = c.stream
+    stream = None
+    if s is not None:
+        st, h = s.state, s.hello
+        stream = StreamStatus(
+            id=s.id, dataset=s.source.name, epoch=h.epoch, rank=h.rank, world_size=h.spec.world_size,
+            batch_size=h.spec.batch_size,
+            next_batch=st.order[st.next_send] if st.next_send < len(st.order) else s.plan.num_batches,
+            sent=st.next_send, to_send=st.to_send, num_batches=s.plan.num_batches,
+            credits=st.granted - st.next_send, in_flight=len(st.tasks), lookahead=s.lookahead,
+            skipped=st.skipped, wait_s=round(s.wait_s, 3), h2d_s=round(s.h2d_s, 3))
+    return ClientStatus(client=c.name, job=c.job, batches=c.batches, samples=c.samples,
+                        connected_s=round(now - c.connected, 1), stream=stream, slots=slots, slot_bytes=slot_bytes)
+
+
+def progress(pool: "WorkerPool", tasks: "Tasks", stream_id: int, s: Optional["Stream"], not_started: int,
+             no_slots: bool, now: float) -> P.Progress:
+    """What the service does for stream ``s`` now (None: not yet opened), for a client that
+    has waited a while: its longest-running task, and the sample that task's worker is on."""
+    counts = pool.counts()
+    base = dict(stream=stream_id, workers=pool.live_count(), busy=counts.get("busy", 0) + counts.get("leaving", 0),
+                waiting=not_started, no_slots=no_slots)
+    mine = tasks.of(s) if s is not None else []
+    if not mine:
+        return P.Progress(tasks=0, **base)
+    tid, r = min(mine, key=lambda x: x[1].started)
+    task = s.state.tasks.get(tid)
+    batch = task.batch if task is not None else -1
+    sample, file, sample_s = -1, "", 0.0
+    w = pool.workers.get(r.worker)
+    if task is not None and w is not None and w.task == tid:
+        pos, sample_s = w.current_sample()
+        indices = s.plan.batch(task.batch)
+        if task.pos >= 0:  # a one-sample task: its only sample
+            pos = task.pos if pos == 0 else -1
+        if 0 <= pos < len(indices):
+            sample = int(indices[pos])
+            try:
+                file = s.source.describe(sample)
+            except Exception as exc:  # a name is a courtesy; the progress report still goes
+                file = f"(no name: {type(exc).__name__})"
+    return P.Progress(tasks=len(mine), batch=batch, task_s=now - r.started, sample=sample, file=file,
+                      sample_s=sample_s, **base)

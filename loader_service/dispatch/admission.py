@@ -1,0 +1,145 @@
+"""Admission: what a client's Hello becomes, a stream to open or a refusal that says why, and
+the answer to a Describe (pure: no sockets, no memory; the loop applies the verdict).
+
+A Hello is checked in this order, and the first failure is the refusal:
+
+1. its stream is newer than the connection's last one (:meth:`Admission.stale`); the loop then
+   retires the connection's current stream, whatever follows;
+2. the dataset is one this service serves;
+3. the job rules (:mod:`jobs`): a rank whose spec differs from its job's is refused naming
+   the fields; a (job, rank) held by an older client is taken over;
+4. workers can start; the plan can be made; ``start_batch`` and ``batches`` are in the epoch;
+5. the pipeline is one the service can run.
+
+What passes is an :class:`~loader_service.dispatch.streams.Opening` with its
+:class:`~loader_service.dispatch.sending.BatchLayout`: the batch memory gives it slots next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Union
+
+from wire import protocol as P
+from wire.jobspec import JobSpec
+from wire.plan import make_plan
+from loader_service.decode.pipelines import PipelineError, Registry, job_pipeline, named_pipeline
+from loader_service.dispatch.jobs import rank_rules, taken_over
+from loader_service.dispatch.sending import BatchLayout
+from loader_service.dispatch.sessions import Session
+from loader_service.dispatch.stream_state import StreamLimits
+from loader_service.dispatch.streams import Opening
+from loader_service.sources import Source
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The Error a refused Hello gets (for its stream)."""
+
+    code: str
+    message: str
+    fatal: bool = True
+
+
+@dataclass(frozen=True)
+class TakeOver:
+    """``session``, an older client of the (job, rank), loses it and is told ``why``."""
+
+    session: Session
+    why: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What becomes of a Hello: ``takeovers`` first, then the session holds its rank of the
+    job under ``spec`` (when set), then ``outcome``."""
+
+    outcome: Union[Opening, Refuse]
+    takeovers: List[TakeOver] = field(default_factory=list)
+    spec: Optional[JobSpec] = None
+
+
+class Admission:
+    """What the service serves (datasets, pipelines) and the rules a Hello must pass."""
+
+    def __init__(self, sources: Dict[str, Source], pipelines: Registry, limits: StreamLimits):
+        self.sources, self.pipelines, self.limits = sources, pipelines, limits
+        self.default_dataset = next(iter(sources))
+
+    def source(self, name: Optional[str]) -> Union[Source, Refuse]:
+        """The dataset called ``name`` (None or "": the first one)."""
+        source = self.sources.get(name or self.default_dataset)
+        if source is None:
+            return Refuse(P.ErrorCode.UNKNOWN_DATASET,
+                          f"unknown dataset {name!r}; this service serves {sorted(self.sources)}")
+        return source
+
+    def describe(self, msg: P.Describe) -> P.Message:
+        """The answer to a Describe: the dataset, and the outputs of the pipeline it names."""
+        source = self.source(msg.dataset)
+        if isinstance(source, Refuse):
+            return P.Error(code=source.code, stream=-1, message=source.message)
+        outputs = []
+        if msg.pipeline:
+            try:
+                outputs = named_pipeline(self.pipelines, msg.pipeline, msg.pipeline_args).outputs()
+            except PipelineError as exc:
+                return P.Error(code=P.ErrorCode.BAD_JOB, message=str(exc))
+        return P.DatasetInfo(dataset=source.name, length=len(source), num_classes=source.num_classes, outputs=outputs,
+                             fingerprint=source.fingerprint())
+
+    @staticmethod
+    def stale(session: Session, hello: P.Hello) -> Optional[Refuse]:
+        """Step 1: the refusal of a Hello whose stream is not newer than the connection's last."""
+        if hello.stream <= session.stream_id:
+            return Refuse(P.ErrorCode.BAD_JOB,
+                          f"stream {hello.stream} is not newer than this client's stream {session.stream_id}")
+        return None
+
+    def admit(self, session: Session, hello: P.Hello, sessions: Iterable[Session], broken: str = "") -> Verdict:
+        """Steps 2 to 5 for ``session``'s Hello; ``sessions``: every connection (for the job
+        rules); ``broken``: why no worker can start ("" when they can)."""
+        source = self.source(hello.spec.dataset)
+        if isinstance(source, Refuse):
+            return Verdict(source)
+        takeovers, spec = [], None
+        if hello.job:
+            spec = hello.spec.on(source.name)
+            rules = rank_rules(session, hello, spec, sessions)
+            if isinstance(rules, str):
+                return Verdict(Refuse(P.ErrorCode.BAD_JOB, rules))
+            takeovers = [TakeOver(other, taken_over(hello.job, hello.rank, session.name)) for other in rules]
+        return Verdict(self._opening(session, hello, source, broken), takeovers, spec)
+
+    def _opening(self, session: Session, hello: P.Hello, source: Source, broken: str) -> Union[Opening, Refuse]:
+        if broken:
+            return Refuse(P.ErrorCode.INTERNAL, broken)
+        try:
+            plan = make_plan(hello.spec.plan(len(source), hello.epoch, hello.rank, hello.origin))
+        except ValueError as exc:
+            return Refuse(P.ErrorCode.BAD_JOB, str(exc))
+        nb = plan.num_batches
+        if hello.start_batch > nb:
+            return Refuse(P.ErrorCode.BAD_JOB,
+                          f"start_batch {hello.start_batch} is past the end of the epoch ({nb} batches)")
+        if hello.batches and max(hello.batches) >= nb:
+            return Refuse(P.ErrorCode.BAD_JOB, past_the_end(max(hello.batches), nb))
+        if hello.on_demand:
+            order, granted, final = list(hello.batches), len(hello.batches), False
+            nslots = max(1, min(hello.prefetch, nb))
+        else:
+            order = list(hello.batches) if hello.batches else list(range(hello.start_batch, nb))
+            granted, final = hello.prefetch, True
+            nslots = max(1, min(hello.prefetch, len(order)))
+        try:
+            pipe = job_pipeline(self.pipelines, hello.spec)
+        except PipelineError as exc:
+            return Refuse(P.ErrorCode.BAD_JOB, str(exc))
+        layout = BatchLayout.of(pipe, hello.spec.batch_size)
+        return Opening(session, hello, source, plan, pipe, layout, self.limits, order, granted, final, nslots)
+
+
+def past_the_end(batch: int, num_batches: int) -> str:
+    """The refusal of a batch asked for past the epoch's end (at Hello, or in a Request)."""
+    return (f"batch {batch} is past the end of the epoch ({num_batches} batches here); does the client's plan "
+            "come from another dataset (replicas serving different data)?")

@@ -1,0 +1,706 @@
+"""The dispatcher: the one thread where service state changes, as a thin I/O loop.
+
+It reads three sockets (clients, workers, the connection monitor), the workers' process
+sentinels and a wake-up pipe, turns what it reads into events for the pure parts and carries
+out what they decide (messages, tasks for workers, killed workers):
+
+* :class:`~loader_service.dispatch.admission.Admission`: what a Hello becomes (job rules included);
+* :class:`~loader_service.dispatch.memory.BatchMemory`: batch slots, reserves, lending, waiting;
+* :class:`~loader_service.dispatch.stream_state.StreamState`: one stream's batches, slots, redo and
+  isolation rules, and the order batches leave in;
+* :mod:`~loader_service.dispatch.sending`: a batch's message and the slot blocks it is sent from;
+* :class:`~loader_service.dispatch.tasks.Tasks`: tasks on workers and their deadlines;
+* :class:`~loader_service.dispatch.scheduler.Scheduler`: which stream an idle worker serves;
+* :class:`~loader_service.dispatch.sessions.Sessions`: connections and their identities;
+* :mod:`~loader_service.dispatch.status`: the status snapshot.
+
+Other threads never touch this state: they submit a function with :meth:`Dispatcher.call` (a
+Future comes back) or :meth:`Dispatcher.post`, and the loop runs it between events (through
+its :class:`~loader_service.dispatch.mailbox.Mailbox`). Every
+wait of the loop has a deadline: the next task deadline, a starting worker's, the time a
+quiet stream's slots may be lent, or the end of a draining stop.
+
+Failures are loud: an exception while handling a client's message fails that client's stream
+with the traceback; an exception in the loop itself ends the loop with :attr:`failure` set,
+which makes ``/healthz`` fail and ``serve`` exit non-zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
+
+import msgpack
+import numpy as np
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from wire import protocol as P
+from loader_service.config import ServiceConfig
+from loader_service.decode.jpeg import decode_path
+from loader_service.decode.pipelines import Registry
+from loader_service.dispatch import sending, status
+from loader_service.dispatch.admission import Admission, Refuse, past_the_end
+from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
+from loader_service.dispatch.deadlines import TaskDeadlines
+from loader_service.dispatch.mailbox import Mailbox
+from loader_service.dispatch.memory import BatchMemory, Refused, slot_cap
+from loader_service.dispatch.scheduler import Scheduler
+from loader_service.dispatch.sessions import Session, Sessions
+from loader_service.dispatch.status import SKIPS_SHOWN, ServiceStatus, SkippedSample, Totals
+from loader_service.dispatch.stream_state import Effect, Fail, Finish, SendBatch, StreamLimits
+from loader_service.dispatch.streams import Opening, Stream
+from loader_service.dispatch.tasks import Tasks
+from loader_service.sources import Source
+from loader_service.workers.pool import WorkerPool, describe_exit
+
+log = logging.getLogger("loader_service.dispatch.loop")
+
+CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued may take to leave
+
+
+class AutoscaleConflict(RuntimeError):
+    """A manual scale request while autoscaling is on."""
+
+
+class Dispatcher:
+    def __init__(self, config: ServiceConfig, sources: Dict[str, Source]):
+        if not sources:
+            raise ValueError("the service needs at least one dataset")
+        self.config, self.sources = config, sources
+        pipelines = Registry(config.pipeline)  # first: a pipeline that does not import stops the start here
+        self.admission = Admission(sources, pipelines, StreamLimits(on_error=config.on_error,
+                                                                    max_skipped=config.max_skipped))
+        self.instance = uuid.uuid4().hex[:12]
+        self.ctx, self.front, self.guard, self.monitor, self.data_port = _data_port(config)
+        self.pool = WorkerPool(self.ctx, [s.spec() for s in sources.values()], config.start_method,
+                               config.decode_options, config.worker_start_s)
+        self.mailbox = Mailbox()  # functions other threads hand to this one
+        self.sessions = Sessions()
+        cap, hint = slot_cap(config.max_shm_bytes)
+        self.memory = BatchMemory(cap, config.reclaim_idle_s, self._live_streams, self.sessions.__contains__, hint)
+        self.scheduler = Scheduler()
+        self.tasks = Tasks(TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s), config.on_error)
+        self.totals = Totals()
+        self.recent_skips: Deque[SkippedSample] = deque(maxlen=SKIPS_SHOWN)  # for the status page
+        self._rate = status.Rate()
+        self.loop_thread: Optional[int] = None  # the thread running :meth:`run`
+        self._running_loop = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._stop_by: Optional[float] = None  # a draining stop: end the loop by then
+        self.failure = ""  # why the loop died ("" while it is fine)
+        self.ready = threading.Event()  # set once a worker has said Ready
+        self.started = time.time()
+        self.autoscaler = None
+        if config.autoscale:
+            from loader_service.control.autoscale import AutoscalePolicy, Autoscaler
+
+            self.autoscaler = Autoscaler(AutoscalePolicy.parse(config.autoscale, config.autoscale_interval_s))
+
+    # ------------------------------------------------------------------ other threads
+    def call(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on the dispatcher thread; thread-safe. The Future fails with
+        RuntimeError if the dispatcher has stopped."""
+        fut: Future = Future()
+        if self._closed:
+            fut.set_exception(RuntimeError(f"the dispatcher has stopped{': ' + self.failure if self.failure else ''}"))
+            return fut
+        self.mailbox.put(lambda: fn(*args), fut)
+        return fut
+
+    def loop_stack(self) -> str:
+        """Where the loop thread is now (for a log line when it does not answer); thread-safe."""
+        frame = sys._current_frames().get(self.loop_thread) if self.loop_thread is not None else None
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(the loop thread is not running)"
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the dispatcher thread, no answer; thread-safe, never blocks. Dropped
+        once the dispatcher has stopped."""
+        if not self._closed:
+            self.mailbox.put(fn, None)
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Ask the loop to end, after letting tasks in flight finish and go out for up to
+        ``drain_s`` seconds (thread-safe, idempotent)."""
+        self.call(self._request_stop, drain_s)
+
+    def _request_stop(self, drain_s: float) -> None:
+        if drain_s <= 0 or not self.tasks.running:
+            self._running_loop = False
+        elif self._stop_by is None:
+            self._stop_by = time.monotonic() + drain_s
+            log.info("letting %d tasks in flight finish (at most %.1fs) before stopping", len(self.tasks.running),
+                     drain_s)
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        """Serve until :meth:`stop`. Cleans up everything it owns on the way out. If the loop
+        itself fails, :attr:`failure` says why and the exception propagates."""
+        self._running_loop = True
+        self.loop_thread = threading.get_ident()
+        poller = zmq.Poller()
+        for s in (self.front, self.pool.sock, self.monitor):
+            poller.register(s, zmq.POLLIN)
+        poller.register(self.mailbox.fileno(), zmq.POLLIN)
+        sentinels: Dict[int, int] = {}
+        pool_version = -1
+        workers = self.config.workers
+        if self.autoscaler is not None:
+            p = self.autoscaler.policy
+            workers = min(max(workers, p.min_workers), p.max_workers)
+        try:
+            self.pool.scale(workers)
+            while self._running_loop:
+                if pool_version != self.pool.version:
+                    for fd in sentinels:
+                        poller.unregister(fd)
+                    sentinels = self.pool.sentinels()
+                    for fd in sentinels:
+                        poller.register(fd, zmq.POLLIN)
+                    pool_version = self.pool.version
+                timeout = self._poll_timeout_ms()
+                if not self._running_loop:
+                    break
+                events = dict(poller.poll(timeout))
+                if self.mailbox.fileno() in events:
+                    self.mailbox.run_all()
+                if self.monitor in events:
+                    self._read_all(self.monitor, self._on_monitor)
+                if self.pool.sock in events:
+                    self._read_all(self.pool.sock, self._on_worker)
+                if self.front in events:
+                    self._read_all(self.front, self._on_client)
+                for fd, wid in sentinels.items():
+                    if fd in events:
+                        self._on_worker_exit(wid)
+                self._expire_tasks()
+                self.pool.expire_starts(time.monotonic())
+                if self.pool.broken:
+                    self._fail_all(self.pool.broken)
+                self._release_idle_streams()
+                self._lend_if_due()
+                self._schedule()
+        except BaseException as exc:
+            self.failure = f"the dispatcher loop crashed: {type(exc).__name__}: {exc}"
+            log.critical("%s\n%s", self.failure, traceback.format_exc())
+            raise
+        finally:
+            self.close()
+
+    def _poll_timeout_ms(self) -> Optional[int]:
+        """Until the next task deadline, a starting worker's deadline, the next time a quiet
+        stream's slots may be lent to one that waits for slots, or the end of a draining stop
+        (None: no deadline)."""
+        now = time.monotonic()
+        ends = [t for t in (self.tasks.next_deadline(), self.pool.next_start_deadline(),
+                            self.memory.next_lend_at(now)) if t is not None]
+        if self._stop_by is not None:
+            if now >= self._stop_by or not self.tasks.running:
+                self._running_loop = False
+                return 0
+            ends.append(self._stop_by)
+        if not ends:
+            return None
+        return max(1, int((min(ends) - now) * 1000) + 1)
+
+    def _read_all(self, sock: zmq.Socket, handler: Callable, limit: int = 256) -> None:
+        for _ in range(limit):  # bounded, so one busy socket cannot starve the others
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                handler(frames)
+            except Exception as exc:
+                # a bug met by one message must not take the service down for everyone
+                tb = traceback.format_exc()
+                self.totals.internal_errors += 1
+                log.error("error handling a message: %s\n%s", exc, tb)
+                if sock is self.front:
+                    self._internal_error(frames[0].bytes, exc, tb)
+
+    def _internal_error(self, ident: bytes, exc: Exception, tb: str) -> None:
+        session = self.sessions.get(ident)
+        msg = f"internal error in the service: {type(exc).__name__}: {exc}"
+        try:
+            if session is not None and session.stream is not None:
+                self._end_stream(session.stream, Fail(P.ErrorCode.INTERNAL, msg, tb))
+            else:
+                self._send(ident, P.Error(code=P.ErrorCode.INTERNAL, message=msg, traceback=tb))
+        except Exception:
+            log.exception("could not report an internal error to client %s", ident.hex()[:12])
+
+    def _send(self, ident: bytes, msg: P.Message) -> None:
+        self.front.send_multipart([ident, *P.encode(msg)])
+
+    # ------------------------------------------------------------------ clients
+    def _on_monitor(self, frames) -> None:
+        ev = parse_monitor_message([f.bytes for f in frames])
+        if ev["event"] == zmq.EVENT_ACCEPTED:
+            self.sessions.accepted(ev["value"])
+        elif ev["event"] == zmq.EVENT_DISCONNECTED:
+            ident = self.sessions.disconnected(ev["value"])
+            if ident is not None:
+                self._drop_client(ident, "disconnected")
+        elif self.guard.on_event(ev):
+            self.totals.refused_handshakes += 1
+
+    def _on_client(self, frames) -> None:
+        ident = frames[0].bytes
+        fd = frames[-1].get(zmq.SRCFD)
+        session = self.sessions.get(ident)
+        if session is None or session.fd != fd:
+            # A new connection's accept is reported before any of its messages can arrive, but
+            # the monitor may not have been read yet: read it now, so that the disconnect of an
+            # earlier connection on this fd number is not taken for this one's.
+            self._read_all(self.monitor, self._on_monitor)
+            session = self.sessions.get(ident)
+            if session is not None and session.fd != fd:
+                self._bind_fd(session, fd)
+        try:
+            msg, _ = P.decode(frames[1:], expect=(P.Hello, P.Credit, P.Request, P.Bye, P.Describe))
+        except P.ProtocolError as exc:
+            self.totals.bad_messages += 1
+            log.warning("refused a message from client %s: %s", ident.hex()[:12], exc)
+            self._send(ident, P.Error(code=exc.code, message=str(exc), stream=_stream_of(frames[1])))
+            return
+        if isinstance(msg, P.Hello) and self._stop_by is not None:
+            self._send(ident, P.Error(code=P.ErrorCode.SHUTTING_DOWN, stream=msg.stream, fatal=False,
+                                      message="the service is shutting down; reconnect and resume"))
+            return
+        if isinstance(msg, P.Hello):
+            if session is None:
+                session = self.sessions.add(ident)
+                self._bind_fd(session, fd)
+            self._on_hello(session, msg)
+        elif isinstance(msg, (P.Credit, P.Request)):
+            self._on_credit(ident, session, msg)
+        elif isinstance(msg, P.Describe):
+            self._send(ident, self.admission.describe(msg))
+        elif isinstance(msg, P.Bye):
+            self._drop_client(ident, "said bye")
+
+    def _bind_fd(self, session: Session, fd: int) -> None:
+        for other in self.sessions.bind(session, fd):
+            self._drop_client(other, "connection replaced")
+
+    def _refuse(self, ident: bytes, hello: P.Hello, r: Union[Refuse, Refused]) -> None:
+        code = r.code if isinstance(r, Refuse) else P.ErrorCode.NO_CAPACITY
+        self._send(ident, P.Error(code=code, stream=hello.stream, message=r.message, fatal=r.fatal))
+
+    def _on_hello(self, session: Session, hello: P.Hello) -> None:
+        """A new stream: admitted (after any takeover of its job's rank), then given slots."""
+        stale = self.admission.stale(session, hello)
+        if stale is not None:
+            return self._refuse(session.ident, hello, stale)
+        session.stream_id, session.job, session.client = hello.stream, hello.job, hello.client
+        self.memory.waiting.pop(session.ident, None)
+        if session.stream is not None:
+            self._retire(session.stream)
+        verdict = self.admission.admit(session, hello, self.sessions, self.pool.broken)
+        for t in verdict.takeovers:
+            log.warning("client %s: %s", t.session.name, t.why)
+            t.session.spec = None
+            if t.session.stream is not None:
+                self._end_stream(t.session.stream, Fail(P.ErrorCode.REPLACED, t.why))
+            else:
+                self._send(t.session.ident, P.Error(code=P.ErrorCode.REPLACED, message=t.why))
+        if verdict.spec is not None:
+            session.rank, session.spec, session.run = hello.rank, verdict.spec, (hello.epoch, hello.entry)
+        if isinstance(verdict.outcome, Refuse):
+            return self._refuse(session.ident, hello, verdict.outcome)
+        opening = verdict.outcome
+        result = self.memory.open(opening, time.monotonic())
+        if result is None:
+            log.info("client %s stream %d waits for %.1f MiB of slots that ending streams still hold",
+                     session.name, hello.stream, opening.nbytes / 2**20)
+        else:
+            self._opened([(opening, result)])
+
+    def _opened(self, results: List[Tuple[Opening, Union[Stream, Refused]]]) -> None:
+        """Start serving the streams that have their slots now; refuse those that cannot have them."""
+        for o, result in results:
+            if isinstance(result, Refused):
+                self._refuse(o.ident, o.hello, result)
+            else:
+                self._start(o.session, result)
+
+    def _start(self, session: Session, s: Stream) -> None:
+        hello, plan = s.hello, s.plan
+        session.stream = s
+        self.totals.streams += 1
+        self._send(session.ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=plan.num_batches,
+                                           num_samples=plan.num_samples, dataset_length=len(s.source),
+                                           dataset=s.source.name, service=self.instance,
+                                           fingerprint=s.source.fingerprint()))
+        log.info("client %s job %r rank %d/%d epoch %d: stream %d %s %d of %d batches%s", session.name,
+                 hello.job, hello.rank, hello.spec.world_size, hello.epoch, hello.stream,
+                 "on demand, asked at once for" if hello.on_demand else "serves", len(s.state.order),
+                 plan.num_batches, " (lookahead)" if hello.lookahead else "")
+        self._apply(s, s.state.start())
+
+    def _on_credit(self, ident: bytes, session: Optional[Session], msg: Union[P.Credit, P.Request]) -> None:
+        """A Credit (more of a plain stream) or a Request (batches of an on-demand stream)."""
+        if session is None or msg.stream > session.stream_id:
+            # the service restarted or forgot this client: it will start again from its cursor
+            self._send(ident, P.Error(code=P.ErrorCode.UNKNOWN_CLIENT, stream=msg.stream, fatal=False,
+                                      message="this service has no stream for the client; start it again"))
+            return
+        s = session.stream
+        o = self.memory.waiting.get(ident) if s is None else None  # a stream still waiting for its slots
+        if (o is None or o.hello.stream != msg.stream) and (s is None or s.id != msg.stream):
+            return  # for a stream that already ended or was replaced
+        # the stall figures are deltas since the connection's previous message: add, keep no baseline
+        self.totals.wait_s += msg.wait_s
+        self.totals.h2d_s += msg.h2d_s
+        now = time.monotonic()
+        if s is None:
+            o.asked(msg)
+            if getattr(msg, "probe", False):
+                self._send(ident, status.progress(self.pool, self.tasks, msg.stream, None, len(o.order), True, now))
+            return
+        if getattr(msg, "probe", False):
+            self._send(ident, status.progress(self.pool, self.tasks, s.id, s, s.state.not_started,
+                                              s in self.memory.starved, now))
+        if (isinstance(msg, P.Credit) and msg.n) or (isinstance(msg, P.Request) and msg.batches):
+            s.asked_at = now
+        s.wait_s += msg.wait_s
+        s.h2d_s += msg.h2d_s
+        if msg.promote:
+            s.lookahead = False
+        if isinstance(msg, P.Credit):
+            if s.hello.on_demand:
+                return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Credit on an on_demand stream; send Request"))
+            s.state.grant(msg.n)
+            self.memory.wake(s, now)
+            return
+        if not s.hello.on_demand:
+            return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Request on a stream that is not on_demand"))
+        bad = [b for b in msg.batches if b >= s.plan.num_batches]
+        if bad:
+            return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, past_the_end(max(bad), s.plan.num_batches)))
+        try:
+            effects = s.state.extend(msg.batches, final=msg.final)
+        except ValueError as exc:  # a batch asked for twice
+            return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
+        self._apply(s, effects)
+        self.memory.wake(s, now)
+
+    def _drop_client(self, ident: bytes, why: str) -> None:
+        session = self.sessions.pop(ident)
+        if session is None:
+            return
+        opened = self.memory.leave(ident, session.stream, time.monotonic())
+        log.info("client %s %s", session.name, why)
+        self._opened(opened)
+
+    # ------------------------------------------------------------------ streams
+    def _live_streams(self) -> Iterator[Stream]:
+        """The streams being served (the batch memory's view of them)."""
+        return (x.stream for x in self.sessions if x.stream is not None)
+
+    def _apply(self, s: Stream, effects: List[Effect]) -> None:
+        """Carry out what a stream's state asked for."""
+        for e in effects:
+            if isinstance(e, SendBatch):
+                self._send_batch(s, e)
+            else:
+                self._end_stream(s, e)
+
+    def _end_stream(self, s: Stream, e: Effect) -> None:
+        """Tell the client how its stream ended (``Finish`` or ``Fail``), then retire it."""
+        if isinstance(e, Finish):
+            self._send(s.ident, P.EndOfEpoch(stream=s.id, epoch=s.hello.epoch, num_batches=s.plan.num_batches))
+        elif isinstance(e, Fail):
+            log.error("stream %d of client %s failed: %s", s.id, s.ident.hex()[:12], e.message)
+            self._send(s.ident, P.Error(code=e.code, message=e.message, stream=s.id, fatal=True,
+                                        traceback=e.traceback))
+        self._retire(s)
+
+    def _retire(self, s: Stream) -> None:
+        """Stop serving ``s``; its slots go back once no task or send still uses them."""
+        session = self.sessions.get(s.ident)
+        if session is not None and session.stream is s:
+            session.stream = None
+        self._opened(self.memory.retire(s, time.monotonic()))
+
+    def _release_idle_streams(self) -> None:
+        """Retired streams that nothing reads any more give their slots back: retry what waits."""
+        self._opened(self.memory.release_idle(time.monotonic()))
+
+    def _lend_if_due(self) -> None:
+        """Retry what waits for slots if a quiet stream's slots may be lent now."""
+        self._opened(self.memory.lend_if_due(time.monotonic()))
+
+    def _send_batch(self, s: Stream, e: SendBatch) -> None:
+        out = sending.outgoing(s.layout, s.plan, s.id, s.hello.epoch, e)
+        if out.keep is not None:
+            for idx, reason in out.message.skipped:
+                self.recent_skips.append(SkippedSample(dataset=s.source.name, index=int(idx), reason=str(reason)))
+            if e.compact:
+                sending.compact(s.segment, s.layout, e.slot, out.keep)
+            self.totals.skipped += len(out.message.skipped)
+        n = len(out.indices)
+        header = P.encode_header(out.message)
+        labels = np.ascontiguousarray(s.source.labels[out.indices], dtype=np.int64).tobytes()
+        slot, state = e.slot, s.state
+        pending = [0]  # zero-copy frames of this batch libzmq still reads: the slot is free at 0
+
+        def sent() -> None:  # a post: runs on this thread, after this method has counted every frame
+            pending[0] -= 1
+            if not pending[0]:
+                self._send_complete(s, slot)
+
+        frames, nbytes = [], 0
+        for offset, size in out.blocks:
+            frame, zero_copy = sending.frame(s.segment, offset, size, lambda: self.post(sent))
+            frames.append(frame)
+            pending[0] += zero_copy
+            nbytes += size
+        self.front.send_multipart([s.ident, header, *frames, labels], copy=False)
+        if not pending[0]:
+            state.send_complete(slot)
+        del frames, frame
+        session = self.sessions.get(s.ident)
+        if session is not None:
+            session.batches += 1
+            session.samples += n
+        self.totals.samples += n
+        self.totals.batches += 1
+        self.totals.bytes += nbytes
+        self._rate.add(time.monotonic(), self.totals.samples)
+
+    def _send_complete(self, s: Stream, slot: int) -> None:
+        # runs as a post, so the loop schedules right after: a stream that waited for this slot
+        # can take an idle worker at once
+        s.state.send_complete(slot)
+
+    def _fail_all(self, why: str) -> None:
+        for session in self.sessions:
+            if session.stream is not None:
+                self._end_stream(session.stream, Fail(P.ErrorCode.INTERNAL, why))
+
+    # ------------------------------------------------------------------ workers
+    def _schedule(self) -> None:
+        idle = self.pool.idle()
+        if not idle or self._stop_by is not None:
+            return
+        streams = [c.stream for c in self.sessions if c.stream is not None]
+        self.scheduler.pick(streams, len(idle), lambda s: s.segment is not None and s.state.dispatchable(),
+                            lambda s: s.lookahead,
+                            lambda s: self._dispatch(s, idle.pop()))
+
+    def _dispatch(self, s: Stream, worker) -> None:
+        t = s.state.next_task(self.tasks.next_id())
+        assert t is not None, "the scheduler picked a stream with nothing to do"
+        self.pool.assign(worker, self.tasks.start(s, t, worker.id, time.monotonic()))
+
+    def _on_worker(self, frames) -> None:
+        try:
+            done, w = self.pool.on_message([f.bytes for f in frames])
+        except P.ProtocolError as exc:  # a worker of another version; never expected
+            log.error("bad message from a worker: %s", exc)
+            return
+        if w is not None and w.state in ("idle", "busy"):
+            self.ready.set()
+        if done is None:
+            return
+        r = self.tasks.done(done.task, time.monotonic())
+        if r is None:
+            return
+        self.totals.read_s += done.read_s
+        self.totals.decode_s += done.decode_s
+        if not done.ok:
+            self.totals.failed_tasks += 1
+        skipped = [(int(p), int(i), str(why)) for p, i, why in done.skipped]
+        effects = r.stream.state.task_done(done.task, skipped, "" if done.ok else done.error,
+                                           "" if done.ok else done.traceback)
+        self._apply(r.stream, effects)
+
+    def _on_worker_exit(self, wid: int) -> None:
+        task_id, exitcode = self.pool.reap(wid)
+        if task_id is None:
+            return
+        r = self.tasks.lost(task_id)
+        if r is None:
+            return
+        self.totals.redone_tasks += 1
+        self._apply(r.stream, r.stream.state.task_lost(task_id, r.lost_because(describe_exit(exitcode))))
+
+    def _expire_tasks(self) -> None:
+        """Kill the worker of every task past its deadline; its loss is handled when it is reaped."""
+        def on_it(wid: int, task_id: int) -> bool:
+            w = self.pool.workers.get(wid)
+            return w is not None and w.task == task_id
+
+        for task_id, r in self.tasks.overdue(time.monotonic(), on_it):
+            w = self.pool.workers[r.worker]
+            self.totals.hung_tasks += 1
+            log.warning("task %d (stream %d, %d samples) on worker %d (pid %s) outlived its %.1fs deadline; "
+                        "killing the worker, the task is redone", task_id, r.stream.id, r.samples, w.id, w.pid,
+                        r.deadline - r.started)
+            try:
+                os.kill(w.pid, signal.SIGKILL)  # works on a stopped (SIGSTOP) process too
+            except (ProcessLookupError, PermissionError):
+                pass  # already gone: its sentinel reports it
+
+    # ------------------------------------------------------------------ status and control
+    def snapshot(self) -> ServiceStatus:
+        """A consistent, typed snapshot (call it through :meth:`call`)."""
+        now = time.monotonic()
+        t, pool = self.totals, self.pool
+        problem = self.failure or pool.broken
+        sizes = [s.hello.spec.batch_size for s in self._live_streams()] or [1]
+        return ServiceStatus(
+            instance=self.instance, uptime_s=round(time.time() - self.started, 1), healthy=not problem,
+            problem=problem, data_port=self.data_port, data_port_curve=self.guard.curve,
+            datasets={n: {"length": len(s), "num_classes": s.num_classes} for n, s in self.sources.items()},
+            workers=status.workers(pool, t.hung_tasks, now),
+            clients=status.clients(list(self.sessions), self.memory, now),
+            throughput={"samples_per_s": round(self._rate.per_s(now, t.samples), 1)},
+            totals=dataclasses.replace(t), stage_s=t.stage_seconds(),
+            shm_bytes=self.memory.in_use(),
+            task_deadline_s=round(self.tasks.deadlines.deadline_s(sorted(sizes)[len(sizes) // 2]), 3),
+            autoscaler=self.autoscaler.status() if self.autoscaler else {"enabled": False},
+            decode_path=decode_path(),
+            shm_limit_bytes=self.memory.max_bytes, skipped_recent=list(self.recent_skips),
+        )
+
+    def status(self) -> dict:
+        """:meth:`snapshot` as plain JSON-ready data."""
+        return self.snapshot().model_dump(mode="json")
+
+    def scale(self, n: int) -> dict:
+        """Set the worker count (REST). Refused while the autoscaler owns the count."""
+        if self.autoscaler is not None:
+            p = self.autoscaler.policy
+            raise AutoscaleConflict(f"the autoscaler manages the worker count ({p.min_workers}:{p.max_workers}); "
+                                    "restart without --autoscale to set it by hand")
+        if not 0 <= n <= self.config.max_workers:
+            raise ValueError(f"worker count must be in [0, {self.config.max_workers}], got {n}")
+        before = self.pool.target
+        self.pool.scale(n)
+        log.info("worker pool scaled %d -> %d by request", before, n)
+        return {"previous": before, "target": n, "workers": self.pool.counts()}
+
+    def autoscale_step(self) -> Optional[dict]:
+        """One autoscaler decision from a fresh snapshot, applied to the pool."""
+        assert self.autoscaler is not None
+        decision = self.autoscaler.step(self.snapshot())
+        if decision is not None and decision["to"] != decision["from"]:
+            self.pool.scale(decision["to"])
+        return decision
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Stop workers, drop clients, release every segment and socket. Idempotent; a call made
+        while another thread is closing returns once that close is done (Service.stop calls it
+        after a bounded join, while the loop's own exit may still be closing)."""
+        if not self._close_lock.acquire(timeout=3 * self.config.stop_timeout_s + 10):
+            log.error("another thread has been closing the dispatcher for too long; not waiting for it")
+            return
+        try:
+            self._close()
+        finally:
+            self._close_lock.release()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._running_loop = False
+        # tell clients first, so they start reconnecting while workers stop
+        for session in self.sessions:
+            try:
+                self._send(session.ident, P.Error(code=P.ErrorCode.SHUTTING_DOWN, fatal=False,
+                                                  message="the service is stopping; reconnect and resume"))
+            except zmq.ZMQError:
+                pass
+        self.memory.stop()  # nothing opens while the service stops
+        try:
+            self.pool.close(timeout=self.config.stop_timeout_s)
+        finally:
+            for session in self.sessions:
+                self._drop_client(session.ident, "service stopping")
+            self.monitor.close(0)
+            self.front.close()  # LINGER (CLOSE_LINGER_MS) lets the goodbyes above leave
+            self.guard.close()  # the ZAP handler's socket would hold term() up
+            self.ctx.term()  # returns once zmq has released every zero-copy frame
+            self.memory.close()
+            self.mailbox.close()
+
+
+def _data_port(config: ServiceConfig):
+    """The data port's context, ROUTER socket, CURVE guard and monitor socket, bound; and its
+    port number. Whatever was made is closed again if a step fails."""
+    ctx = zmq.Context(config.io_threads)
+    front = ctx.socket(zmq.ROUTER)
+    for opt, val in (
+        (zmq.LINGER, CLOSE_LINGER_MS),
+        (zmq.SNDHWM, 0),  # credits bound what is queued; a full ROUTER would drop batches
+        (zmq.RCVHWM, 0),
+        (zmq.MAXMSGSIZE, P.MAX_CLIENT_MESSAGE_BYTES),  # oversized: the peer is disconnected
+        # a client's new connection takes over its identity at once: after a freeze or a network
+        # blip its old connection may not be torn down yet, and without handover the new one's
+        # messages would be dropped until then (the client would wait for an answer forever)
+        (zmq.ROUTER_HANDOVER, 1),
+        (zmq.HEARTBEAT_IVL, int(config.heartbeat_s * 1000)),
+        (zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_s * 3000)),
+    ):
+        front.setsockopt(opt, val)
+    try:
+        guard = secure_router(ctx, front, config.curve_keys)  # CURVE + ZAP with keys (curve.py)
+    except BaseException:  # bad keys: nothing started yet but the socket and its context
+        front.close(0)
+        ctx.term()
+        raise
+    monitor = front.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+    try:
+        if config.data_port == 0:
+            port = front.bind_to_random_port(f"tcp://{config.host}")
+        else:
+            front.bind(f"tcp://{config.host}:{config.data_port}")
+            port = config.data_port
+    except zmq.ZMQError as exc:  # a port in use or an address not on this host: a plain error, no leak
+        monitor.close(0)
+        front.close(0)
+        guard.close()
+        ctx.term()
+        raise cannot_bind("data", config.host, config.data_port, exc.errno) from None
+    return ctx, front, guard, monitor, port
+
+
+def cannot_bind(port: str, host: str, number: int, err: int) -> OSError:
+    """The error for a ``port`` ("data" or "REST") that cannot be bound, with what to change."""
+    option = {"data": "--data-port / LOADER_DATA_PORT", "REST": "--http-port / LOADER_HTTP_PORT"}[port]
+    if err == errno.EADDRINUSE:
+        hint = f"another process listens there: choose another port with {option}, or 0 for any free one"
+    elif err == errno.EADDRNOTAVAIL:
+        hint = "that address is not one of this machine's: set --host / LOADER_HOST to one of its addresses, or 0.0.0.0"
+    elif err == errno.EACCES:
+        hint = f"ports below 1024 need privileges: choose one above with {option}"
+    else:
+        hint = f"check --host / LOADER_HOST and {option}"
+    return OSError(err, f"cannot bind the {port} port {host}:{number}: {os.strerror(err)} ({hint})")
+
+
+def _stream_of(frame) -> int:
+    """Best effort: the stream a refused message was about, so its sender can match the error."""
+    try:
+        header = msgpack.unpackb(frame.bytes, raw=False)
+        stream = header.get("stream", -1)
+        return stream if isinstance(stream, int) and not isinstance(stream, bool) else -1
+    except Exception:
+        return -1

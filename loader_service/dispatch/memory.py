@@ -1,0 +1,322 @@
+"""Batch memory: the slots in shared memory that streams' batches are written into, and who
+gets them (README, "Batch memory").
+
+Each stream gets one segment of equal slots (a worker writes a batch into a slot; the
+dispatcher sends it from there). Live segments and reserves together never exceed
+``max_bytes``. The policy, in the order it gives way:
+
+* **reserves**: when a stream ends, its segment is kept as its connection's reserve for its
+  next stream of the same shape, so an epoch starts on memory the workers and zmq have
+  mapped already. Reserves are a cache, not a claim: a stream that needs the room takes
+  other connections' reserves (oldest first) before it is refused.
+* **lending**: the slots of a stream that has asked for nothing, with nothing in flight, for
+  ``reclaim_idle_s`` (a *quiet* stream) are lent out (the segment goes back), longest quiet
+  first, if that makes room; the stream takes slots again with its next request, and waits
+  (``starved``) while none are free.
+* **waiting**: a new stream that would fit once streams that are ending, or quiet, give their
+  slots back waits for them (``waiting``); one that would not is refused at once. So a job
+  that fits ``max_bytes`` is never refused because a connected client sits on slots.
+* **lookahead**: a client's next epoch, started early, is best effort: it must leave room for
+  a plain stream as large as the largest one live, lends nothing and never waits.
+
+:class:`BatchMemory` keeps all of it. It reads the streams being served from the ``live``
+callable it is given and the time from the ``now`` each call passes; it never reads a clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
+
+from loader_service import shm
+from loader_service.dispatch.streams import Opening, Stream
+from loader_service.shm import NoSpace, Segment
+
+log = logging.getLogger("loader_service.dispatch.memory")
+
+
+class NoCapacity(Exception):
+    """A segment would take the slots past ``max_bytes``; the message says by how much."""
+
+
+class NoShmSpace(NoCapacity):
+    """Under ``max_bytes``, but the shared-memory filesystem itself is full (every reserve
+    already given back): waiting for streams that end would not make it fit."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A stream that cannot have its slots: the ``no_capacity`` error's message."""
+
+    message: str
+    fatal: bool = True
+
+
+class BatchMemory:
+    def __init__(self, max_bytes: int, reclaim_idle_s: float, live: Callable[[], Iterable[Stream]],
+                 connected: Callable[[bytes], bool], hint: str = "raise --max-shm-mb"):
+        self.max_bytes = max_bytes
+        self.reclaim_idle_s = reclaim_idle_s
+        self.hint = hint  # what raises max_bytes, for refusals
+        self._live = live  # the streams being served now (with their slots or lent)
+        self._connected = connected  # whether an ident is still connected (its reserve is worth keeping)
+        self._segments: Set[Segment] = set()  # in use by a live or retiring stream
+        self._reserve: Dict[bytes, Segment] = {}  # ident -> its reserve, oldest first
+        self.retiring: List[Stream] = []  # ended streams whose slots a task or send still reads
+        self.waiting: Dict[bytes, Opening] = {}  # ident -> its new stream, until slots free up for it
+        self.starved: List[Stream] = []  # streams that asked for work after lending their slots, none free yet
+        self._lend_due: Optional[float] = None  # when a quiet stream's slots become lendable to those
+
+    # ------------------------------------------------------------------ segments and reserves
+    def in_use(self) -> int:
+        """Bytes of every segment in use and every reserve."""
+        return sum(s.size for s in self._segments) + self.reserved()
+
+    def reserved(self) -> int:
+        """Bytes of every reserve (what :meth:`acquire` may take back)."""
+        return sum(s.size for s in self._reserve.values())
+
+    def held_by(self, ident: bytes) -> int:
+        """Bytes of ``ident``'s reserve."""
+        return self._reserve[ident].size if ident in self._reserve else 0
+
+    def acquire(self, ident: bytes, nbytes: int, what: str, headroom: int = 0) -> Segment:
+        """A segment of ``nbytes`` for ``ident``'s new stream: its reserve if that has the size,
+        else a new one. ``headroom``: bytes that must still be free afterwards (a lookahead
+        leaves room for a current epoch). Raises :class:`NoCapacity` (``what`` describes the
+        request); a refused connection keeps its reserve. Lends nothing (see :meth:`open`)."""
+        reserve = self._reserve.pop(ident, None)
+        reuse = reserve is not None and reserve.size == nbytes
+        if reserve is not None and not reuse:
+            reserve.close()  # another shape of job: its memory goes back before the check
+        if not reuse or headroom:
+            while self._reserve and self.in_use() + nbytes + headroom > self.max_bytes:
+                self._reserve.pop(next(iter(self._reserve))).close()  # oldest first
+            in_use = self.in_use()
+            if in_use + nbytes + headroom > self.max_bytes:
+                if reuse:
+                    self._reserve[ident] = reserve
+                if headroom:
+                    raise NoCapacity(
+                        f"{nbytes / 2**20:.1f} MiB of batch slots ({what}) would leave less than "
+                        f"{headroom / 2**20:.1f} MiB for a current epoch ({in_use / 2**20:.1f} of "
+                        f"{self.max_bytes / 2**20:.0f} MiB in use)")
+                raise NoCapacity(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
+                                 f"{in_use / 2**20:.1f} of {self.max_bytes / 2**20:.0f} MiB are in use by "
+                                 f"{len(self._segments)} running streams")
+        seg = reserve if reuse else self._create(nbytes, what)
+        self._segments.add(seg)
+        return seg
+
+    def _create(self, nbytes: int, what: str) -> Segment:
+        """A new segment; reserves give their filesystem space back (oldest first) if it is full."""
+        while True:
+            try:
+                return Segment.create(nbytes, tag="slots")
+            except NoSpace as exc:
+                if not self._reserve:
+                    raise NoShmSpace(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
+                                     f"{exc.strerror}") from None
+                self._reserve.pop(next(iter(self._reserve))).close()
+
+    def release(self, segment: Segment, ident: Optional[bytes]) -> None:
+        """Nothing reads ``segment`` any more: keep it as ``ident``'s reserve (if it has none and
+        is still connected), else unmap it."""
+        self._segments.discard(segment)
+        if ident is not None and ident not in self._reserve:
+            self._reserve[ident] = segment
+        else:
+            segment.close()
+
+    def forget(self, ident: bytes) -> None:
+        """``ident`` is gone: its reserve goes back."""
+        seg = self._reserve.pop(ident, None)
+        if seg is not None:
+            seg.close()
+
+    # ------------------------------------------------------------------ streams
+    def open(self, o: Opening, now: float) -> Union[Stream, Refused, None]:
+        """Slots for a new stream: the :class:`Stream` on them, a refusal, or None: it waits in
+        :attr:`waiting` for memory that ending or quiet streams hold, and :meth:`retry` opens it."""
+        try:
+            if o.hello.lookahead:  # best effort: never at the cost of a current epoch, lent slots included
+                segment = self.acquire(o.ident, o.nbytes, o.what, headroom=self._lookahead_headroom())
+            else:
+                segment = self._acquire_lending(o.ident, o.nbytes, o.what, now)
+        except NoCapacity as exc:
+            if o.hello.lookahead:  # the client starts the epoch plainly when it comes
+                return Refused(f"lookahead refused: {exc}", fatal=False)
+            if isinstance(exc, NoShmSpace):  # the filesystem is full: streams that end would not help
+                return Refused(f"{exc}; or lower prefetch or batch size")
+            if self._will_fit(o.nbytes):
+                self.waiting[o.ident] = o
+                return None
+            return Refused(f"{exc}; lower prefetch or batch size, or {self.hint}")
+        return o.open(segment, now)
+
+    def wake(self, s: Stream, now: float) -> None:
+        """``s`` was asked for work: if it lent its slots, slots again, or it waits for them."""
+        if s.segment is not None or s.state.done or s.state.settled:
+            return
+        try:
+            s.segment = self._acquire_lending(s.ident, s.nbytes, s.what, now, exclude=s)
+        except NoCapacity:
+            if s not in self.starved:
+                self.starved.append(s)
+                log.info("client %s stream %d waits for %.1f MiB of slots (in use by other jobs)",
+                         s.ident.hex()[:12], s.id, s.nbytes / 2**20)
+            return
+        if s in self.starved:
+            self.starved.remove(s)
+
+    def retire(self, s: Stream, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+        """``s`` is no longer served: its state retires, and its slots go back once no task or
+        send still uses them (at once if none does: then what waits is retried, see :meth:`retry`)."""
+        if s in self.retiring:
+            return []
+        s.state.retire()
+        self.retiring.append(s)
+        return self.release_idle(now)
+
+    def release_idle(self, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+        """Give back the slots of retired streams that nothing reads any more (as their
+        connection's reserve while it is connected); if any came back, :meth:`retry`."""
+        if not self.retiring:
+            return []
+        keep = []
+        for s in self.retiring:
+            if s.state.idle:
+                if s.segment is not None:
+                    self.release(s.segment, s.ident if self._connected(s.ident) else None)
+            else:
+                keep.append(s)
+        released = len(keep) < len(self.retiring)
+        self.retiring = keep
+        return self.retry(now) if released else []
+
+    def leave(self, ident: bytes, s: Optional[Stream], now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+        """Connection ``ident`` is gone, ``s`` the stream it was served: nothing of it waits any
+        more, its stream retires, its reserve goes back; then what waits is retried."""
+        self.waiting.pop(ident, None)
+        opened = self.retire(s, now) if s is not None else []
+        self.forget(ident)
+        return opened + self.retry(now)
+
+    def retry(self, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+        """Retry whatever waits for slots: new streams first (oldest first), then lent ones.
+        Returns the new streams that stopped waiting: opened, or refused now that they no
+        longer fit even once the ending and quiet streams give their slots back."""
+        out: List[Tuple[Opening, Union[Stream, Refused]]] = []
+        for ident, o in list(self.waiting.items()):
+            del self.waiting[ident]
+            result = self.open(o, now)
+            if result is not None:
+                out.append((o, result))
+        for s in list(self.starved):
+            if s.state.done:  # retired (a stream that is replaced or whose client left is)
+                self.starved.remove(s)
+            else:
+                self.wake(s, now)
+        return out
+
+    def next_lend_at(self, now: float) -> Optional[float]:
+        """When the next quiet stream's slots become lendable, if something waits for slots.
+        (Streams lendable already were tried when that wait began or memory last came back.)"""
+        self._lend_due = None
+        if self.waiting or self.starved:
+            times = (q.asked_at + self.reclaim_idle_s for q in self._quiet())
+            self._lend_due = min((t for t in times if t > now), default=None)
+        return self._lend_due
+
+    def lend_if_due(self, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+        """While something waits for slots: :meth:`retry` it when a quiet stream's slots may be
+        lent (its quiet time is up, or it went quiet after its time was up)."""
+        if not self.waiting and not self.starved:
+            return []
+        if (self._lend_due is not None and now >= self._lend_due) or self._lendable(now):
+            self._lend_due = None
+            return self.retry(now)
+        return []
+
+    def stop(self) -> None:
+        """Nothing opens or takes slots again any more (the service is stopping)."""
+        self.waiting, self.starved = {}, []
+
+    def close(self) -> None:
+        """Unmap everything (after zmq has released every frame). Idempotent."""
+        self.stop()
+        self.retiring = []
+        for seg in list(self._segments) + list(self._reserve.values()):
+            seg.close()
+        self._segments.clear()
+        self._reserve.clear()
+
+    # ------------------------------------------------------------------ status
+    def slots_word(self, ident: bytes, s: Optional[Stream]) -> str:
+        """The ``slots`` field of ClientStatus for connection ``ident`` serving ``s`` (see there)."""
+        if ident in self.waiting or (s is not None and s in self.starved):
+            return "waiting"
+        if s is not None:
+            return "stream" if s.segment is not None else "lent"
+        return "reserve" if self.held_by(ident) else ""
+
+    def slot_bytes(self, ident: bytes, s: Optional[Stream]) -> int:
+        """Bytes connection ``ident`` holds: its stream's slots and its reserve."""
+        return (s.segment.size if s is not None and s.segment is not None else 0) + self.held_by(ident)
+
+    # ------------------------------------------------------------------ internals
+    def _acquire_lending(self, ident: bytes, nbytes: int, what: str, now: float,
+                         exclude: Optional[Stream] = None) -> Segment:
+        """:meth:`acquire`, lending the slots of quiet streams (longest quiet first) if that
+        makes room. Raises NoCapacity."""
+        while True:
+            try:
+                return self.acquire(ident, nbytes, what)
+            except NoCapacity:
+                quiet = self._lendable(now, exclude)
+                lendable = sum(q.nbytes for q in quiet) + self.reserved()
+                if not quiet or self.in_use() - lendable + nbytes > self.max_bytes:
+                    raise  # lending would not make room: lend nothing
+                self._lend(quiet[0], now)
+
+    def _quiet(self) -> Iterator[Stream]:
+        """Live streams that hold slots and use none of them, with nothing asked and not started."""
+        return (s for s in self._live() if s.segment is not None and s.state.settled)
+
+    def _lendable(self, now: float, exclude: Optional[Stream] = None) -> List[Stream]:
+        """Streams whose slots may be lent now, longest quiet first."""
+        return sorted((q for q in self._quiet() if q is not exclude and now - q.asked_at >= self.reclaim_idle_s),
+                      key=lambda q: q.asked_at)
+
+    def _lend(self, s: Stream, now: float) -> None:
+        self.release(s.segment, None)
+        s.segment = None
+        log.info("client %s stream %d has asked for nothing for %.0fs: its %.1f MiB of slots go to a job that "
+                 "needs them", s.ident.hex()[:12], s.id, now - s.asked_at, s.nbytes / 2**20)
+
+    def _will_fit(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit once the streams ending now and the quiet ones (when their quiet
+        time is up) give their slots back: then a new stream waits rather than being refused."""
+        ending = sum(s.segment.size for s in self.retiring if s.segment is not None)
+        quiet = sum(q.segment.size for q in self._quiet())
+        return self.in_use() - self.reserved() - ending - quiet + nbytes <= self.max_bytes
+
+    def _lookahead_headroom(self) -> int:
+        """What a lookahead must leave free: room for a plain stream as large as the largest one
+        live, so an early next epoch never crowds out a current one."""
+        return max((s.nbytes for s in self._live() if not s.lookahead), default=0)
+
+
+def slot_cap(max_shm_bytes: int) -> Tuple[int, str]:
+    """The cap on batch slots, and what raises it: --max-shm-mb, or what the shared-memory
+    filesystem has free if that is less (a container started without shm_size has 64 MB), so
+    the memory policy plans with memory that exists."""
+    room = shm.free_bytes()
+    if room >= max_shm_bytes:
+        return max_shm_bytes, "raise --max-shm-mb"
+    log.warning("%s has %.0f MiB free, less than --max-shm-mb %.0f: batch slots are capped at %.0f MiB; raise the "
+                "container's shm_size (or the emptyDir's sizeLimit)", shm.SHM_DIR, room / 2**20, max_shm_bytes / 2**20,
+                room / 2**20)
+    return max(room, 1), (f"raise the container's shm_size or the emptyDir's sizeLimit ({shm.SHM_DIR} had "
+                          f"{room / 2**20:.0f} MiB free at start, less than --max-shm-mb)")

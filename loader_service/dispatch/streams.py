@@ -1,0 +1,103 @@
+"""A stream as the dispatcher holds it: an :class:`Opening` (admitted, all but its slots) and a
+:class:`Stream` (served). Records only: a stream's progress is its
+:class:`~loader_service.dispatch.stream_state.StreamState`, its memory :mod:`memory`'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+from wire import protocol as P
+from wire.plan import RankPlan
+from loader_service.decode.pipelines import JobPipeline
+from loader_service.dispatch.sending import BatchLayout
+from loader_service.dispatch.sessions import Session
+from loader_service.dispatch.stream_state import StreamLimits, StreamState
+from loader_service.shm import Segment
+from loader_service.sources import Source
+
+
+def _what(nslots: int, layout: BatchLayout) -> str:
+    return f"prefetch {nslots} x {layout.slot_bytes / 2**20:.1f} MiB"
+
+
+@dataclass(eq=False)  # identity: streams are compared as objects (``in retiring``), never by value
+class Stream:
+    """A stream's I/O side: whose it is, what it reads, where its slots live."""
+
+    ident: bytes
+    hello: P.Hello
+    source: Source
+    plan: RankPlan
+    pipe: JobPipeline
+    layout: BatchLayout
+    state: StreamState
+    segment: Optional[Segment]  # None: lent out while the stream was quiet (see BatchMemory)
+    lookahead: bool  # low priority until the client promotes it
+    asked_at: float  # the client's last ask for work: how long the stream has been quiet
+    wait_s: float = 0.0  # the client's stall figures during this stream (sum of its deltas)
+    h2d_s: float = 0.0
+
+    @property
+    def id(self) -> int:
+        return self.hello.stream
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layout.slot_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """The size of its slots (held or lent)."""
+        return self.state.num_slots * self.slot_bytes
+
+    @property
+    def what(self) -> str:
+        """Its slots, for messages."""
+        return _what(self.state.num_slots, self.layout)
+
+
+@dataclass(eq=False)
+class Opening:
+    """A stream admitted but not yet given its slots: what :meth:`open` needs."""
+
+    session: Session
+    hello: P.Hello
+    source: Source
+    plan: RankPlan
+    pipe: JobPipeline
+    layout: BatchLayout
+    limits: StreamLimits
+    order: List[int]  # the batches to send, in order
+    granted: int  # of those, how many may be computed now (credit)
+    final: bool  # no batch will be added to ``order``
+    nslots: int
+
+    @property
+    def ident(self) -> bytes:
+        return self.session.ident
+
+    @property
+    def nbytes(self) -> int:
+        return self.nslots * self.layout.slot_bytes
+
+    @property
+    def what(self) -> str:
+        return _what(self.nslots, self.layout)
+
+    def asked(self, msg: Union[P.Credit, P.Request]) -> None:
+        """A Credit or Request that came while it waited for slots: it counts when it opens
+        (a Request's batches are checked, range and repeats, by the stream then)."""
+        if isinstance(msg, P.Credit) and not self.hello.on_demand:
+            self.granted += msg.n
+        elif isinstance(msg, P.Request) and self.hello.on_demand:
+            self.order.extend(msg.batches)
+            self.final = self.final or msg.final
+            self.granted = len(self.order)
+
+    def open(self, segment: Segment, now: float) -> Stream:
+        """The stream, on ``segment``."""
+        state = StreamState(self.order, self.nslots, self.granted, self.plan.batch, self.source.describe, self.limits,
+                            final=self.final)
+        return Stream(ident=self.ident, hello=self.hello, source=self.source, plan=self.plan, pipe=self.pipe,
+                      layout=self.layout, state=state, segment=segment, lookahead=self.hello.lookahead, asked_at=now)
