@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from bench_throughput import START_TIMEOUT_S, ServiceProcess, cpu_seconds, machine  # noqa: E402
+from bench_throughput import cpu_seconds, machine, start_service  # noqa: E402
 
 from client import RemoteLoader  # noqa: E402
 from wire.keys import make_keys  # noqa: E402
@@ -70,26 +70,16 @@ def parse_split(text: str):
 
 def run_row(keys: Optional[str], io_threads: int, args) -> dict:
     data = ["--data", os.path.abspath(args.data)] if args.data else ["--demo", "--demo-size", str(args.demo_size)]
-    cmd = [sys.executable, "-m", "loader_service", "serve", *data,
-           "--workers", str(args.workers), "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0",
-           "--log-level", "warning"] + (["--curve-keys", keys] if keys else [])
     env = {"LOADER_IO_THREADS": str(io_threads), "LOADER_BENCH_SKIP_DECODE": "1" if args.skip_decode else ""}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # ServiceProcess passes this process's environment on
     service_cpus, client_cpus = args.split or (None, None)
     try:
         set_affinity(service_cpus)  # the service and its decode processes inherit it
-        svc = ServiceProcess(cmd)
+        svc = start_service([*data, "--workers", str(args.workers)] + (["--curve-keys", keys] if keys else []), env)
     finally:
         set_affinity(client_cpus)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     prefetch = max(4, 2 * args.workers)
     try:
-        endpoint = svc.wait_ready(START_TIMEOUT_S)
+        endpoint = svc.endpoint
         with RemoteLoader(endpoint, batch_size=args.batch_size, seed=SEED, prefetch=prefetch,
                           curve_keys=keys or "") as loader:
             loader.set_epoch(0)

@@ -54,7 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from bench_throughput import START_TIMEOUT_S, ServiceProcess  # noqa: E402
+from bench_throughput import start_service  # noqa: E402
 
 from bench.models import SmallResNet  # noqa: E402
 from client import RemoteLoader  # noqa: E402
@@ -236,12 +236,9 @@ def train(args, cuda: bool) -> dict:
     y = torch.randint(0, 10, (B,), device=dev)
     resident = per_call(lambda: step(x, y), args.steps, args.warmup, cuda)
 
-    cmd = [sys.executable, "-m", "loader_service", "serve", "--demo", "--demo-size", str(args.demo_size),
-           "--workers", str(args.workers), "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0",
-           "--log-level", "warning"]
-    svc = ServiceProcess(cmd)
+    svc = start_service(["--demo", "--demo-size", str(args.demo_size), "--workers", str(args.workers)])
     try:
-        endpoint = svc.wait_ready(START_TIMEOUT_S)
+        endpoint = svc.endpoint
         with RemoteLoader(endpoint, batch_size=B, image_size=S, device=str(dev), normalize=True,
                           prefetch=args.prefetch, timeout=300, drop_last=True) as ld:
             batches = _forever(ld)

@@ -37,7 +37,7 @@ from typing import List, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from client import RemoteLoader  # noqa: E402
-from loader_service.testing import free_port  # noqa: E402
+from tests.support.service import free_port  # noqa: E402
 
 
 def _serve(port: int, workers: int, delay_s: float, demo_size: int, data: Optional[str], ready, stop) -> None:

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from client import RemoteLoader  # noqa: E402
-from loader_service.testing import ServiceProcess, free_port  # noqa: E402
+from tests.support.service import ServiceProcess, free_port  # noqa: E402
 
 
 def latencies(url: str, n: int) -> list:

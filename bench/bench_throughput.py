@@ -54,17 +54,13 @@ does not depend on them.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import multiprocessing as mp
 import os
 import queue
-import re
 import shlex
 import signal
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -81,7 +77,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
 
 from bench import plots  # noqa: E402
 from client import RemoteLoader  # noqa: E402
-from loader_service import shm  # noqa: E402
+from tests.support.service import ServiceProcess  # noqa: E402
 from wire.plan import PlanSpec, RankPlan, make_plan  # noqa: E402
 from loader_service.sources import Source, SourceSpec, open_source  # noqa: E402
 from loader_service.sources.demo import ensure_demo  # noqa: E402
@@ -92,7 +88,6 @@ from loader_service.decode.transforms import (TransformSpec, process_sample, ran
 
 SEED = 0
 START_TIMEOUT_S = 180.0  # for decode processes and the service to come up
-STOP_TIMEOUT_S = 30.0
 
 RAW, DATALOADER, SERVICE = "raw_limit", "torch_dataloader", "service_client"
 LABELS = {RAW: "raw limit (no transport)", DATALOADER: "torch DataLoader", SERVICE: "service + RemoteLoader"}
@@ -382,99 +377,11 @@ def _shutdown_dataloader(loader: DataLoader, workers: List[psutil.Process]) -> N
 
 
 # --------------------------------------------------------------------- service + RemoteLoader
-READY_RE = re.compile(r"loader-service ready: data (tcp://\S+)")
-
-
-class ServiceProcess:
-    """``python -m loader_service serve`` as a child process; stopped with SIGTERM."""
-
-    def __init__(self, cmd: List[str]):
-        self.cmd = cmd
-        self.stderr_tail: "collections.deque[str]" = collections.deque(maxlen=40)
-        self._lines: "queue.Queue[str]" = queue.Queue()
-        env = dict(os.environ)
-        env.pop("LOADER_AUTOSCALE", None)  # every contender keeps exactly N decode processes
-        # same process group: a Ctrl-C in the terminal reaches it too, and it stops itself
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, bufsize=1)
-        self._threads = [threading.Thread(target=self._pump, args=(self.proc.stdout, True), daemon=True),
-                         threading.Thread(target=self._pump, args=(self.proc.stderr, False), daemon=True)]
-        for t in self._threads:
-            t.start()
-
-    def _pump(self, stream, is_stdout: bool) -> None:
-        for line in stream:
-            if is_stdout:
-                self._lines.put(line)
-            else:
-                self.stderr_tail.append(line.rstrip("\n"))
-
-    def wait_ready(self, timeout: float) -> str:
-        """Wait for the "loader-service ready:" line; return the data endpoint."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the service exited with code {self.proc.returncode} before it was ready "
-                                       f"({shlex.join(self.cmd)}); its stderr:\n" + "\n".join(self.stderr_tail))
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the service printed no 'loader-service ready:' line within {timeout:.0f}s "
-                                       f"({shlex.join(self.cmd)}); its stderr:\n" + "\n".join(self.stderr_tail))
-                continue
-            m = READY_RE.search(line)
-            if m:
-                return m.group(1)
-
-    def processes(self) -> List[psutil.Process]:
-        """The service process and everything it started (its decode workers)."""
-        root = psutil.Process(self.proc.pid)
-        return [root] + root.children(recursive=True)
-
-    def stop(self) -> None:
-        """SIGTERM, wait; kill if it hangs; make sure none of its workers outlive it."""
-        try:
-            tree = self.processes()[1:] if self.proc.poll() is None else []
-        except psutil.Error:
-            tree = []
-        running = self.proc.poll() is None
-        if running:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log(f"warning: the service did not stop within {STOP_TIMEOUT_S:.0f}s of SIGTERM; killing it")
-            self.proc.kill()
-            self.proc.wait()
-        _, alive = psutil.wait_procs(tree, timeout=10)
-        for p in alive:  # workers exit when the service does; this is only a safety net
-            log(f"warning: service worker {p.pid} outlived the service; killing it")
-            p.kill()
-        psutil.wait_procs(alive, timeout=5)
-        for name in shm.list_segments(self.proc.pid):  # safety net: a stopped service owns nothing
-            log(f"warning: the stopped service left shared-memory segment {name} behind; removing it")
-            try:
-                os.unlink(os.path.join(shm.SHM_DIR, name))
-            except FileNotFoundError:
-                pass
-        for t in self._threads:
-            t.join(5.0)
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-        if running and self.proc.returncode not in (0, -signal.SIGTERM, -signal.SIGINT):
-            log(f"warning: the service exited with code {self.proc.returncode}; its stderr:\n"
-                + "\n".join(self.stderr_tail))
-
-
 def bench_service(settings: Settings, dataset_args: List[str], prefetch: Optional[int] = None) -> Result:
-    cmd = [sys.executable, "-m", "loader_service", "serve", *dataset_args, "--workers", str(settings.workers),
-           "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0", "--log-level", "warning"]
     prefetch = prefetch or max(4, 2 * settings.workers)
-    svc = ServiceProcess(cmd)
+    svc = start_service([*dataset_args, "--workers", str(settings.workers)])
     try:
-        endpoint = svc.wait_ready(START_TIMEOUT_S)
+        endpoint = svc.endpoint
         with RemoteLoader(endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
                           seed=settings.seed, prefetch=prefetch) as loader:
             loader.set_epoch(0)
@@ -499,6 +406,13 @@ def bench_service(settings: Settings, dataset_args: List[str], prefetch: Optiona
 
 
 # ----------------------------------------------------------------------------------- report
+def start_service(args: List[str], env: Optional[dict] = None) -> ServiceProcess:
+    """``loader-service serve ARGS`` on free ports, ready; LOADER_AUTOSCALE unset (every contender
+    keeps exactly N decode processes); its output drained and its leftovers swept when it stops."""
+    return ServiceProcess(0, args, env={"LOADER_AUTOSCALE": None, **(env or {})}, http_port=0, drain=True, sweep=True,
+                          ready_timeout=START_TIMEOUT_S)
+
+
 def machine() -> str:
     model = ""
     try:

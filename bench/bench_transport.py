@@ -82,7 +82,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import zmq  # noqa: E402
 
-from bench_throughput import START_TIMEOUT_S, ServiceProcess, cpu_seconds, log, machine  # noqa: E402
+from bench_throughput import START_TIMEOUT_S, cpu_seconds, log, machine, start_service  # noqa: E402
 from bench import plots  # noqa: E402
 from client import RemoteLoader  # noqa: E402
 from loader_service.sources.demo import ensure_demo  # noqa: E402
@@ -277,20 +277,6 @@ def bench_raw(settings: Settings, zero_copy: bool = False) -> Run:
 
 
 # --------------------------------------------------------------- service + RemoteLoader
-@contextlib.contextmanager
-def skip_decode_env():
-    """LOADER_BENCH_SKIP_DECODE=1 in the environment a child process is started with."""
-    old = os.environ.get(SKIP_DECODE_ENV)
-    os.environ[SKIP_DECODE_ENV] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[SKIP_DECODE_ENV]
-        else:
-            os.environ[SKIP_DECODE_ENV] = old
-
-
 def _epochs(loader: RemoteLoader) -> Iterator:
     epoch = 0
     while True:
@@ -301,13 +287,10 @@ def _epochs(loader: RemoteLoader) -> Iterator:
 
 def bench_service(settings: Settings) -> "tuple[Run, bool]":
     """Returns the run and whether decoding was really off (the first batch is all zeros)."""
-    cmd = [sys.executable, "-m", "loader_service", "serve", "--demo", "--demo-size", str(settings.demo_size),
-           "--workers", str(settings.workers), "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0",
-           "--log-level", "warning"]
-    with skip_decode_env():  # Popen copies the environment now; the service's workers inherit it
-        svc = ServiceProcess(cmd)
+    svc = start_service(["--demo", "--demo-size", str(settings.demo_size), "--workers", str(settings.workers)],
+                        {SKIP_DECODE_ENV: "1"})  # the service's workers inherit it
     try:
-        endpoint = svc.wait_ready(START_TIMEOUT_S)
+        endpoint = svc.endpoint
         with RemoteLoader(endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
                           prefetch=settings.window, drop_last=True) as loader:
             batches = _epochs(loader)

@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 
 from client import RemoteLoader  # noqa: E402
 from wire.plan import epoch_permutation  # noqa: E402
-from loader_service.testing import ServiceProcess, free_port  # noqa: E402
+from tests.support.service import ServiceProcess, free_port  # noqa: E402
 
 EVENTS = ("kill_worker", "scale", "restart_client", "restart_service_kill", "restart_service_term")
 

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from client import RemoteLoader  # noqa: E402
-from loader_service.testing import ServiceProcess, free_port  # noqa: E402
+from tests.support.service import ServiceProcess, free_port  # noqa: E402
 
 POINTS = {"start": 1 / 15, "middle": 7 / 15, "end": 14 / 15}  # share of each rank's epoch taken first
 

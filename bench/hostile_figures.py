@@ -21,7 +21,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from client import LoaderTimeout, RemoteLoader  # noqa: E402
-from loader_service.testing import ServiceProcess, free_port  # noqa: E402
+from tests.support.service import ServiceProcess, free_port  # noqa: E402
 from tests.test_http_limits import half_open  # noqa: E402
 from tests.test_pool_hygiene import _workers, _zombies  # noqa: E402
 from tests.test_rogue_peer import CLAIM, RoguePeer  # noqa: E402

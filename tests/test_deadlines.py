@@ -24,7 +24,7 @@ import pytest
 
 from client import LoaderError, LoaderTimeout, RemoteLoader
 from loader_service.sources.fault import FaultSource
-from loader_service.testing import ROOT, free_port
+from tests.support.service import ROOT, free_port
 
 from .conftest import DEMO_SIZE
 from .helpers import collect, indices_of, status, wait_for

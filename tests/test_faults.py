@@ -18,7 +18,7 @@ from client import LoaderError, RemoteLoader
 from wire import protocol as P
 from wire.jobspec import JobSpec
 from loader_service.sources.fault import FaultSource
-from loader_service.testing import ServiceProcess, free_port
+from tests.support.service import ServiceProcess, free_port
 
 from .conftest import DEMO_SIZE, write_imagefolder
 from .helpers import collect, indices_of, status, wait_for

@@ -16,7 +16,7 @@ import pytest
 from client import LoaderTimeout, RemoteLoader
 from client.lookahead import Lookahead
 from loader_service.shm import sweep_stale
-from loader_service.testing import ServiceProcess, free_port
+from tests.support.service import ServiceProcess, free_port
 
 from .conftest import DEMO_SIZE
 from .helpers import collect, indices_of, status, wait_for

@@ -11,7 +11,7 @@ import pytest
 
 from client import RemoteLoader
 from loader_service.control.http_limits import RateLimitFilter
-from loader_service.testing import ServiceProcess, free_port
+from tests.support.service import ServiceProcess, free_port
 
 from .conftest import DEMO_SIZE
 from .helpers import collect, indices_of, wait_for

@@ -14,7 +14,7 @@ import httpx
 import psutil
 
 from client import RemoteLoader
-from loader_service.testing import ROOT, ServiceProcess, free_port
+from tests.support.service import ROOT, ServiceProcess, free_port
 
 from .conftest import DEMO_SIZE
 from .helpers import collect, indices_of, wait_for

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from client import LoaderError, RemoteLoader, resolve_endpoints
-from loader_service.testing import ServiceProcess, free_port
+from tests.support.service import ServiceProcess, free_port
 
 from .conftest import DEMO_SIZE
 from .helpers import collect, indices_of, status

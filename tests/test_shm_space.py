@@ -100,7 +100,7 @@ needs_mount_ns = pytest.mark.skipif(not _unshare_ok(), reason="needs a private m
 SCRIPT = textwrap.dedent("""
     import sys, urllib.request
     from client import LoaderError, RemoteLoader
-    from loader_service.testing import ServiceProcess, free_port
+    from tests.support.service import ServiceProcess, free_port
     svc = ServiceProcess(free_port(), ["--demo", "--demo-size", "256", "--workers", "1"])
     try:
         with RemoteLoader(svc.endpoint, batch_size=8, image_size=32, prefetch=2, timeout=60) as ld:

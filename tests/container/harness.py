@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -40,6 +39,8 @@ import time
 import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from tests.support.service import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("LOADER_CONTAINER_CACHE")
@@ -109,12 +110,6 @@ def _exists(path: str) -> Optional[str]:
 
 def cached_rootfs() -> List[Path]:
     return sorted(CACHE.glob("rootfs-*.tar.gz")) if CACHE.is_dir() else []
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stack_env(images: Dict[str, str], token: str, **settings: str) -> Tuple[Dict[str, str], int, int]:

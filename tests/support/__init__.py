@@ -1,2 +1,4 @@
-"""What several test modules share (no test module imports another's helpers): a dispatcher
-driven by hand (:mod:`tests.support.dispatcher`). Nothing here is part of the installed product."""
+"""What several test modules, the chaos runs and the benchmarks share (no test module imports
+another's helpers): a dispatcher driven by hand (:mod:`tests.support.dispatcher`) and a service
+in its own process (:mod:`tests.support.service`). Imported from the repository root, where
+``tests`` is a package; nothing here is part of the installed product."""
