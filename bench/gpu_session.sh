@@ -6,7 +6,7 @@
 #   bash bench/gpu_session.sh tests    # ON THE GPU: tests/cuda plain, under TORCH_CUDA_SANITIZER=1,
 #                                      # and the mutant runs (tests/cuda/run_mutants.py)
 #   bash bench/gpu_session.sh suite    # ON THE GPU: the new CPU/GPU tests, then the quick suite
-#   bash bench/gpu_session.sh bench    # ON THE GPU: bench/bench_gpu.py at batch 128 and 256
+#   bash bench/gpu_session.sh bench    # ON THE GPU: python -m bench.gpu at batch 128 and 256
 #
 # On the GPU each step installs .whl/ with pip --no-index (no network there), writes its logs into
 # results/gpu-<step>/, prints a summary, and, where the device tool's $OUT is set, packs the logs
@@ -123,7 +123,7 @@ case $STEP in
   bench)
     setup_gpu
     for b in 128 256; do
-      part "bench-gpu-$b" 270 pass "$PY" bench/bench_gpu.py --batch-size "$b" --json "$RESULTS/bench-gpu-$b.json"
+      part "bench-gpu-$b" 270 pass "$PY" -m bench.gpu --batch-size "$b" --json "$RESULTS/bench-gpu-$b.json"
     done
     finish
     ;;

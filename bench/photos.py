@@ -1,158 +1,116 @@
-#!/usr/bin/env python
-"""Build the real-photo benchmark sets from photographs that a Debian package ships.
+"""Real-photo throughput: the decode kernel against the naive code a user would write.
 
-    python bench/photos.py [--out ~/.cache/remote-loader/photos] [--imagenet 500] [--camera 200]
-    python bench/photos.py --prepared [--workers 2]   # also imagenet-rst/, camera-rst/
-    python bench/photos.py --prepared --mcus 0          # also imagenet-rst-rows/, camera-rst-rows/
+    python -m bench.photo_sets                          # build the sets once
+    python -m bench.photos [--photos ~/.cache/remote-loader/photos] [--runs 3] [--workers 2]
+                           [--plot results/photos.png]
 
-Source: the photographs of Debian's ``mate-backgrounds`` package (``usr/share/backgrounds/mate/
-nature/*.jpg``: 12 camera photos of 1280-2560 px, plants, water, sky, sand, wood) plus the
-5640x3172 scan of ``abstract/Elephants_5640x3172.jpg`` (a detailed painting: camera-size detail
-without upscaling). The ``.deb`` is fetched with ``apt-get download`` (or given with ``--deb``)
-and unpacked with ``dpkg-deb``; nothing is installed.
+On each size group (``imagenet/``: ~500x375; ``camera/``: 4000x3000), in one run, the same
+samples, plan order, crop boxes and flips (RandomResizedCrop(224) + flip), N decode processes
+everywhere:
 
-Two ImageFolder sets, 4 classes each, the same every run (fixed seed; the bytes depend only on
-the OpenCV build's libjpeg):
+1. **naive, raw**: ``bench.throughput.naive_sample`` (simplejpeg full decode, slice, cv2.resize
+   bilinear) in N processes, no transport: the fixed reference every ratio is against.
+2. **DataLoader, naive**: the same function in a torch DataLoader, N workers.
+3. **DataLoader, PIL**: a torchvision-style PIL pipeline in a DataLoader, N workers.
+4. **service decode loop**: the service's ``process_sample`` in N processes, no transport.
+5. **service + RemoteLoader**: the real service (N workers) and client, on the same machine.
 
-* ``imagenet/``: ImageNet-like. A random window of a source photo (10-60 % of its area, aspect
-  3:4 to 4:3), resized with INTER_AREA so its longer side is 320-640 px (most near 500x375),
-  JPEG quality 90, 4:2:0.
-* ``camera/``: camera-size, 4000x3000 or 3000x4000 (a third portrait). A random window of at
-  least 2/3 of a source's shorter side, resized to the camera size (mostly upscaled: only the
-  Elephants scan is that large), light sensor-like grain (Gaussian, sigma 2) so the entropy-coded
-  data per pixel is in a phone camera's range rather than an upscale's, JPEG quality 92.
-
-Prints each set's count, mean size and bits per pixel.
-
-``--prepared`` also makes ``imagenet-rst/`` and ``camera-rst/``: the same sets through
-``loader-service prepare-jpegs`` (loader_service.decode.jpeg_prepare.prepare_tree: its default, a
-restart marker every 8 MCUs or a few less, tiling each MCU row; lossless), for the decode
-kernel's restart-segment path; ``--mcus 0``: ``*-rst-rows/`` with a marker at every MCU row,
-``--mcus N``: ``*-rst-mcusN/``. Sets already there are
-not built again (they are the same every run), and prepared files newer than their source are
-kept. Prints the time it took and the mean size before and after.
+Each row is the median of ``--runs`` runs (contenders interleaved within a run). Prints a
+markdown table per group and the issue's target checks (the exit status does not depend on them),
+and draws each group's table as bars (``--plot`` base name + ``-<group>.png``, default
+``results/bench_photos-<group>.png``; the naive raw reference is the dashed line).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import subprocess
+import statistics
 import sys
-import tempfile
-import time
+from dataclasses import replace
 
-import cv2
-import numpy as np
+from bench import plots
+from bench import throughput as B
+from bench.harness import command, log, machine, table_head, table_row, warm_page_cache
+from loader_service.decode.jpeg import decode_path
+from loader_service.sources.imagefolder import ImageFolderSource
 
-PACKAGE = "mate-backgrounds"
-MEMBERS = ("usr/share/backgrounds/mate/nature/*.jpg", "usr/share/backgrounds/mate/abstract/Elephants_5640x3172.jpg")
-
-
-def fetch_sources(deb: str | None, work: str) -> list:
-    if deb is None:
-        subprocess.run(["apt-get", "download", PACKAGE], cwd=work, check=True, stdout=subprocess.DEVNULL)
-        (deb,) = glob.glob(os.path.join(work, f"{PACKAGE}_*.deb"))
-    subprocess.run(["dpkg-deb", "-x", deb, os.path.join(work, "x")], check=True)
-    files = sorted(f for pat in MEMBERS for f in glob.glob(os.path.join(work, "x", pat)))
-    if len(files) < 10:
-        raise SystemExit(f"expected >= 10 photos in {deb}, found {len(files)}")
-    return [cv2.imread(f, cv2.IMREAD_COLOR) for f in files]
+PREPARED = "-rst"  # python -m bench.photo_sets --prepared: the same photos after `loader-service prepare-jpegs`
+ROWS = [("naive", "naive, raw (reference)"), ("dl_naive", "torch DataLoader, naive function"),
+        ("dl_pil", "torch DataLoader, PIL pipeline"), ("loop", "service decode loop (no transport)"),
+        ("service", "service + RemoteLoader")]
 
 
-def window(rng: np.random.Generator, h: int, w: int, area: tuple, aspect: tuple) -> tuple:
-    for _ in range(100):
-        a = h * w * rng.uniform(*area)
-        r = np.exp(rng.uniform(np.log(aspect[0]), np.log(aspect[1])))
-        cw, ch = int(round(np.sqrt(a * r))), int(round(np.sqrt(a / r)))
-        if 0 < cw <= w and 0 < ch <= h:
-            y, x = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
-            return y, x, ch, cw
-    return 0, 0, h, w
-
-
-def imagenet_like(src: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    y, x, ch, cw = window(rng, *src.shape[:2], (0.10, 0.60), (3 / 4, 4 / 3))
-    long_side = int(np.clip(rng.normal(500, 60), 320, 640))
-    s = long_side / max(ch, cw)
-    size = (max(1, round(cw * s)), max(1, round(ch * s)))
-    return cv2.resize(src[y:y + ch, x:x + cw], size, interpolation=cv2.INTER_AREA)
-
-
-def camera_like(src: np.ndarray, rng: np.random.Generator, portrait: bool) -> np.ndarray:
-    h, w = src.shape[:2]
-    aspect = 3 / 4 if portrait else 4 / 3
-    side = int(min(h, w) * rng.uniform(2 / 3, 1.0))
-    ch, cw = (side, int(side * aspect)) if side * aspect <= w else (int(w / aspect), w)
-    ch, cw = min(ch, h), min(cw, w)
-    y, x = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
-    size = (3000, 4000) if portrait else (4000, 3000)
-    img = cv2.resize(src[y:y + ch, x:x + cw], size, interpolation=cv2.INTER_CUBIC if size[0] > cw else cv2.INTER_AREA)
-    grain = rng.normal(0, 2.0, img.shape).astype(np.float32)
-    return np.clip(img.astype(np.float32) + grain, 0, 255).astype(np.uint8)
-
-
-def build(out: str, name: str, n: int, make, sources: list, quality: int, seed: int) -> None:
-    root = os.path.join(out, name)
-    rng = np.random.default_rng(seed)
-    sizes, pixels = [], []
-    for i in range(n):
-        img = make(sources[i % len(sources)], rng, i)
-        path = os.path.join(root, f"class_{i % 4}", f"{name}_{i:05d}.jpg")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, quality])
-        assert ok
-        with open(path, "wb") as f:
-            f.write(buf.tobytes())
-        sizes.append(len(buf))
-        pixels.append(img.shape[0] * img.shape[1])
-    print(f"{name}: {n} photos in {root}, mean {np.mean(sizes) / 1024:.0f} KiB, "
-          f"mean {np.mean(pixels) / 1e6:.2f} MP, {8 * np.sum(sizes) / np.sum(pixels):.2f} bits/pixel")
+def run_once(settings: B.Settings, dataset_args) -> dict:
+    return {
+        "naive": B.bench_raw(replace(settings, fn="naive")),
+        "dl_naive": B.bench_dataloader(replace(settings, fn="naive")),
+        "dl_pil": B.bench_dataloader(replace(settings, fn="pil")),
+        "loop": B.bench_raw(settings),
+        "service": B.bench_service(settings, dataset_args),
+    }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.expanduser("~/.cache/remote-loader/photos"))
-    p.add_argument("--deb", help=f"a downloaded {PACKAGE} .deb (default: apt-get download it)")
-    p.add_argument("--imagenet", type=int, default=500, help="ImageNet-like photos")
-    p.add_argument("--camera", type=int, default=200, help="camera-size photos")
-    p.add_argument("--prepared", action="store_true", help="also make imagenet-rst/ and camera-rst/ with "
-                   "prepare-jpegs (restart markers in tiles of <= 8 MCUs, its default); existing sets are not rebuilt")
-    p.add_argument("--workers", type=int, default=2, help="--prepared: processes (2)")
-    p.add_argument("--mcus", type=int, default=8, help="--prepared: restart tiles of N MCUs (8, prepare-jpegs' "
-                   "default: *-rst/), or 0 for whole rows (*-rst-rows/)")
+    p.add_argument("--photos", default=os.path.expanduser("~/.cache/remote-loader/photos"))
+    p.add_argument("--groups", default="imagenet,camera",
+                   help="sets under --photos; imagenet-rst,camera-rst are the prepared copies (bench.photo_sets --prepared)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--epochs", default="imagenet:4,camera:1", help="timed epochs per group (a prepared set, "
+                   "imagenet-rst, takes its original's)")
+    p.add_argument("--plot", metavar="PNG", help="figure base name: one PNG per group, suffixed -<group>")
     args = p.parse_args(argv)
-    sets = {"imagenet": (args.imagenet, lambda s, r, i: imagenet_like(s, r), 90, 1),
-            "camera": (args.camera, lambda s, r, i: camera_like(s, r, portrait=i % 3 == 2), 92, 2)}
-    todo = [n for n in sets if not (args.prepared and os.path.isdir(os.path.join(args.out, n)))]
-    if todo:
-        with tempfile.TemporaryDirectory() as work:
-            sources = fetch_sources(os.path.abspath(args.deb) if args.deb else None, work)
-        for name in todo:
-            n, make, quality, seed = sets[name]
-            build(args.out, name, n, make, sources, quality, seed)
-    if args.prepared:
-        for name in sets:
-            prepare(args.out, name, args.workers, args.mcus)
+    epochs = dict((k, int(v)) for k, v in (e.split(":") for e in args.epochs.split(",")))
+    command_line = command("bench.photos", argv)
+    mach = machine()
+    print(f"machine: {mach} | decode path: {decode_path()} | command: `{command_line}`")
+    verdicts = []
+    medians = {}
+    for group in args.groups.split(","):
+        path = os.path.join(args.photos, group)
+        source = ImageFolderSource.scan(path)
+        count = len(source)
+        try:
+            nbytes = warm_page_cache(source)
+            timed = epochs.get(group, epochs.get(group.split("-")[0], 1))
+            settings = B.Settings(source.spec(), len(source), args.workers, args.batch_size, 224, timed)
+            runs = []
+            for r in range(args.runs):
+                log(f"{group}: run {r + 1}/{args.runs}")
+                runs.append(run_once(settings, ["--data", path]))
+                log("  " + ", ".join(f"{k} {v.images_per_s:.0f}" for k, v in runs[-1].items()))
+        finally:
+            source.close()
+        med = medians[group] = {k: statistics.median(run[k].images_per_s for run in runs) for k, _ in ROWS}
+        print(f"\n### {group}: {count} photos, {nbytes / count / 1024:.0f} KiB mean, "
+              f"{settings.expected_samples} samples timed per run, median of {args.runs} runs\n")
+        print(table_head(["contender", "img/s (median)", "runs", "vs naive raw"], "lrlr"))
+        for k, label in ROWS:
+            each = " / ".join(f"{run[k].images_per_s:.0f}" for run in runs)
+            print(table_row([label, f"{med[k]:.0f}", each, f"{med[k] / med['naive']:.2f}x"]))
+        plots.bars(plots.png_path(args.plot, None, "bench_photos", f"-{group}"),
+                   f"{group}: images/s, {args.workers} decode processes (median of {args.runs})",
+                   {label: med[k] for k, label in ROWS if k != "naive"}, "images/s",
+                   f"{mach}; {count} photos, {nbytes / count / 1024:.0f} KiB mean; batch {args.batch_size}, "
+                   f"224 px, {settings.epochs} timed epoch(s); {command_line}",
+                   reference=("naive, raw (reference)", med["naive"]))
+        target = 1.2 if group.startswith("imagenet") else 3.0
+        verdicts.append((f"{group}: service + RemoteLoader >= {target}x naive raw", med["service"] / med["naive"] >= target,
+                         f"{med['service'] / med['naive']:.2f}x"))
+        original = group[:-len(PREPARED)] if group.endswith(PREPARED) else None
+        if original in medians:  # the user's own comparison: their files as they were vs the service on prepared ones
+            ref = medians[original]["naive"]
+            verdicts.append((f"{group}: service + RemoteLoader >= {target}x naive raw on {original} (the files before "
+                             "prepare-jpegs)", med["service"] / ref >= target, f"{med['service'] / ref:.2f}x"))
+        verdicts.append((f"{group}: service + RemoteLoader >= 1.3x DataLoader naive",
+                         med["service"] / med["dl_naive"] >= 1.3, f"{med['service'] / med['dl_naive']:.2f}x"))
+    print()
+    for target, ok, detail in verdicts:
+        print(f"{'PASS' if ok else 'MISS'} {target}: {detail}")
     return 0
-
-
-def prepare(out: str, name: str, workers: int, mcus: int = 8) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-    from loader_service.decode.jpeg_prepare import prepare_tree
-
-    t = time.perf_counter()
-    prepared = {8: f"{name}-rst", 0: f"{name}-rst-rows"}.get(mcus, f"{name}-rst-mcus{mcus}")
-    s = prepare_tree(os.path.join(out, name), os.path.join(out, prepared), workers=workers, progress=False, mcus=mcus)
-    dt = time.perf_counter() - t
-    if s.failed:
-        raise SystemExit(f"{name}: {len(s.failed)} files failed: {s.failed[:3]}")
-    line = f"{prepared}: {s.converted} JPEGs prepared in {dt:.1f} s with {workers} workers"
-    if s.converted:
-        line += (f", mean {s.jpeg_bytes_in / s.converted / 1024:.1f} KiB -> {s.jpeg_bytes_out / s.converted / 1024:.1f}"
-                 f" KiB ({100 * (s.jpeg_bytes_out / s.jpeg_bytes_in - 1):+.1f} %)")
-    print(line + (f"; {s.skipped} already up to date" if s.skipped else ""))
 
 
 if __name__ == "__main__":

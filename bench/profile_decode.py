@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """Per-image cost on one core, on the real-photo sets: where the time goes, and what
 ``--jpeg-fast-dct`` / ``--jpeg-fast-upsample`` buy against what they cost in PSNR.
 
-    python bench/profile_decode.py [--photos ~/.cache/remote-loader/photos] [--n 200]
+    python -m bench.profile_decode [--photos ~/.cache/remote-loader/photos] [--n 200]
 
-Rows: the naive reference function (bench_throughput.naive_sample), the service's
+Rows: the naive reference function (bench.throughput.naive_sample), the service's
 process_sample, and process_sample's stages (header + crop draw, decode of the crop, resize,
 flip) timed separately. Then the decode options: microseconds per image and PSNR of the output
 against the accurate path's (same crop boxes). Best of 3 passes.
@@ -19,15 +18,12 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-sys.path.insert(0, ROOT)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import bench_throughput as B  # noqa: E402
-from loader_service.decode import jpeg as J  # noqa: E402
-from loader_service.decode import transforms as T  # noqa: E402
+from bench import throughput as B
+from bench.harness import table_head, table_row
+from loader_service.decode import jpeg as J
+from loader_service.decode import transforms as T
 
 
 def best_us(fn, datas, passes=3) -> float:
@@ -79,18 +75,16 @@ def main(argv=None) -> int:
         scales = np.bincount([b[3] for b in boxes], minlength=9)
         print(f"\n### {group}: {len(datas)} photos, scales used 1/1 {scales[1]}, 1/2 {scales[2]}, 1/4 {scales[4]}, "
               f"1/8 {scales[8]}\n")
-        print("| per image, one core | us |")
-        print("|---|---:|")
+        print(table_head(["per image, one core", "us"], "lr"))
         for k, v in rows.items():
-            print(f"| {k} | {v:.0f} |")
+            print(table_row([k, f"{v:.0f}"]))
 
         ref = []
         for i, d in enumerate(datas):
             o = np.empty_like(out)
             T.process_sample(d, spec, rng(i), o)
             ref.append(o)
-        print("\n| decode option | us / image (process_sample) | PSNR vs accurate (dB) |")
-        print("|---|---:|---:|")
+        print("\n" + table_head(["decode option", "us / image (process_sample)", "PSNR vs accurate (dB)"], "lrr"))
         for name, opts in (("accurate (default)", J.DecodeOptions()), ("fast DCT", J.DecodeOptions(fast_dct=True)),
                            ("fast upsample", J.DecodeOptions(fast_upsample=True)),
                            ("both", J.DecodeOptions(fast_dct=True, fast_upsample=True))):
@@ -102,7 +96,7 @@ def main(argv=None) -> int:
                 mse.append(np.mean((o.astype(np.float64) - ref[i]) ** 2))
             m = float(np.mean(mse))
             psnr = "identical" if m == 0 else f"{10 * math.log10(255 ** 2 / m):.1f}"
-            print(f"| {name} | {us:.0f} | {psnr} |")
+            print(table_row([name, f"{us:.0f}", psnr]))
     return 0
 
 

@@ -1,18 +1,17 @@
-"""Smoke test of bench/bench_gpu.py: end to end with tiny settings on whatever this machine has
-(without CUDA: the receive rows and the training step on the CPU, GPU rows skipped with a
+"""Smoke test of ``python -m bench.gpu``: end to end with tiny settings on whatever this machine
+has (without CUDA: the receive rows and the training step on the CPU, GPU rows skipped with a
 message); every row present, no process left behind. No speed is asserted."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
 from .test_bench_smoke import ROOT, _run
 
-SCRIPT = os.path.join(ROOT, "bench", "bench_gpu.py")
+SCRIPT = "bench.gpu"
 
 
 @pytest.mark.slow
@@ -41,6 +40,6 @@ def test_gpu_benchmark_refuses_fewer_than_ten_warmup_iterations():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, SCRIPT, "--warmup", "3"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", SCRIPT, "--warmup", "3"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--warmup must be at least 10" in proc.stderr

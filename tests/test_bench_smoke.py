@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "bench_throughput.py")
+SCRIPT = "bench.throughput"
 
 
 def _tagged_processes(tag: str) -> list:
@@ -30,12 +30,13 @@ def _tagged_processes(tag: str) -> list:
 
 
 def _run(script: str, args: list) -> str:
-    """Run a benchmark script to the end; its stdout. Fails on an error, a hang or leftovers."""
+    """Run a benchmark module (``python -m bench.x`` from the repository root) to the end; its
+    stdout. Fails on an error, a hang or leftovers."""
     tag = uuid.uuid4().hex
     # conftest put LOADER_CACHE_DIR in os.environ: the benchmark and its service inherit it
     env = dict(os.environ, BENCH_SMOKE_TAG=tag)
     env.pop("LOADER_BENCH_SKIP_DECODE", None)  # the transport benchmark sets it for its service itself
-    cmd = [sys.executable, script, *args]
+    cmd = [sys.executable, "-m", script, *args]
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=240)
@@ -99,7 +100,7 @@ def test_benchmark_runs_repeats_and_training_step(tmp_path):
     assert "training step: 40 ms per batch | runs: 2 (median)" in stdout
 
 
-TRANSPORT_SCRIPT = os.path.join(ROOT, "bench", "bench_transport.py")
+TRANSPORT_SCRIPT = "bench.transport"
 
 
 @pytest.mark.slow
@@ -131,7 +132,7 @@ def test_transport_benchmark_reports_every_row(tmp_path):
 @pytest.mark.slow
 def test_pipelines_benchmark_reports_each_contender_and_op(tmp_path):
     out = tmp_path / "pipelines.json"
-    stdout = _run(os.path.join(ROOT, "bench", "bench_pipelines.py"),
+    stdout = _run("bench.pipelines",
                   ["--workers", "1", "--demo-size", "16", "--batch-size", "4", "--repeats", "1", "--op-repeats", "2",
                    "--pipelines", "colorjitter", "--json", str(out)])
     report = json.loads(out.read_text())
@@ -147,7 +148,7 @@ def test_pipelines_benchmark_reports_each_contender_and_op(tmp_path):
 def test_curve_benchmark_split_reports_both_rows_with_every_sample(tmp_path):
     out = tmp_path / "curve.json"
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    stdout = _run(os.path.join(ROOT, "bench", "bench_curve.py"),
+    stdout = _run("bench.curve",
                   ["--demo-size", "32", "--batch-size", "8", "--epochs", "1", "--rounds", "1", "--workers", "1",
                    "--io-threads", "1", "--split", f"{cpus[0]}:{cpus[1]}", "--json", str(out)])
     report = json.loads(out.read_text())
@@ -158,14 +159,14 @@ def test_curve_benchmark_split_reports_both_rows_with_every_sample(tmp_path):
 
 
 def test_curve_benchmark_refuses_overlapping_cpu_lists():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_curve.py"), "--split", "0:0"],
+    proc = subprocess.run([sys.executable, "-m", "bench.curve", "--split", "0:0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--split needs two disjoint CPU lists" in proc.stderr
 
 
 def test_cipher_benchmark_reports_the_floor_and_each_frame_count():
-    stdout = _run(os.path.join(ROOT, "bench", "bench_cipher.py"),
+    stdout = _run("bench.cipher",
                   ["--mb", "0.5", "--messages", "4", "--rounds", "1", "--frames", "1,4"])
     assert "| libsodium crypto_secretbox alone (one core) |" in stdout
     for frames in (1, 4):

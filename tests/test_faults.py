@@ -275,7 +275,7 @@ def test_sixteen_clients_several_epochs_exactly_once_with_bounded_resources(proc
 @pytest.mark.slow
 def test_chaos_run_loses_and_doubles_nothing(demo_source, tmp_path):
     out = tmp_path / "chaos.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "chaos.py"), "--epochs", "8", "--demo-size",
+    r = subprocess.run([sys.executable, "-m", "bench.reliability.chaos", "--epochs", "8", "--demo-size",
                         str(DEMO_SIZE), "--seed", "3", "--min-gap", "0.2", "--max-gap", "0.6", "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
     report = json.loads(out.read_text())

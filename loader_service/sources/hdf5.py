@@ -22,7 +22,7 @@ The chunk cache is per open file, so per worker: ``rdcc_nbytes`` (bytes; HDF5's 
 (must be < 1: at 1, HDF5 2.0 keeps every chunk a random read touched, whatever
 ``rdcc_nbytes`` says). Unset, HDF5's defaults apply. Set them as keyword arguments or with
 ``LOADER_HDF5_RDCC_NBYTES`` / ``LOADER_HDF5_RDCC_NSLOTS`` / ``LOADER_HDF5_RDCC_W0``.
-What ``bench/bench_index_memory.py hdf5-cache`` measured (random reads, one shuffled epoch):
+What ``python -m bench.index_memory hdf5-cache`` measured (random reads, one shuffled epoch):
 
 * encoded images (what ``pack`` writes): chunks hold only references, the bytes live in
   HDF5's global heap, so the cache size makes no difference that the noise does not hide;

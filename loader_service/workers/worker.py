@@ -25,7 +25,7 @@ from loader_service.decode.transforms import sample_rng
 
 SEGMENT_CACHE = 4  # mappings a worker keeps open at most
 
-# The transport benchmark (bench/bench_transport.py) measures dispatch, transport and the client
+# The transport benchmark (bench/transport.py) measures dispatch, transport and the client
 # with decoding off: LOADER_BENCH_SKIP_DECODE=1 makes the worker run blank_task (report every task
 # done at once, slot bytes untouched) instead of run_task. It is read once when the worker starts,
 # so run_task itself carries no hook. Never set it outside that benchmark: clients would get blanks.

@@ -1,6 +1,6 @@
 """REST responsiveness under load, and live scale-up.
 
-    python bench/bench_rest.py [--workers-before 1 --workers-after 2] [--seconds 8]
+    python -m bench.rest [--workers-before 1 --workers-after 2] [--seconds 8]
 
 Starts a service (separate process) on the demo dataset and a client that consumes batches as
 fast as it can (the data plane at full rate), then, in this process:
@@ -20,11 +20,9 @@ import threading
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from client import RemoteLoader  # noqa: E402
-from tests.support.service import ServiceProcess, free_port  # noqa: E402
+from bench.harness import command, table_head, table_row
+from client import RemoteLoader
+from tests.support.service import ServiceProcess, free_port
 
 
 def latencies(url: str, n: int) -> list:
@@ -87,14 +85,15 @@ def main() -> int:
     finally:
         stop.set()
         svc.stop()
-    print(f"# CPUs {os.cpu_count()}; command: python bench/bench_rest.py {' '.join(sys.argv[1:])}\n")
-    print("| endpoint | data plane | p50 ms | p99 ms | max ms |\n|---|---|---:|---:|---:|")
+    print(f"# CPUs {os.cpu_count()}; command: {command('bench.rest')}\n")
+    print(table_head(["endpoint", "data plane", "p50 ms", "p99 ms", "max ms"], "llrrr"))
     for label, table in (("idle", idle), ("streaming at full rate", busy)):
         for path, xs in table.items():
-            print(f"| {path} | {label} | {1e3 * statistics.median(xs):.2f} | {1e3 * pct(xs, 0.99):.2f} | "
-                  f"{1e3 * max(xs):.2f} |")
-    print(f"\n| workers | client img/s |\n|---|---:|\n| {args.workers_before} | {before:.0f} |\n"
-          f"| {args.workers_after} (scaled live; PUT took {scale_ms:.1f} ms) | {after:.0f} |")
+            print(table_row([path, label, f"{1e3 * statistics.median(xs):.2f}", f"{1e3 * pct(xs, 0.99):.2f}",
+                             f"{1e3 * max(xs):.2f}"]))
+    print("\n" + table_head(["workers", "client img/s"], "lr"))
+    print(table_row([args.workers_before, f"{before:.0f}"]))
+    print(table_row([f"{args.workers_after} (scaled live; PUT took {scale_ms:.1f} ms)", f"{after:.0f}"]))
     return 0
 
 

@@ -1,16 +1,15 @@
-#!/usr/bin/env python
 """Transport benchmark: the service's data path with decoding switched off, against a raw
 pyzmq program that moves the same messages over the same socket types.
 
-    python bench/bench_transport.py [--batch-size 64] [--image-size 224] [--workers 2] [--window W]
-                                    [--seconds 5 | --batches N] [--warmup 20] [--rounds 3] [--json PATH]
+    python -m bench.transport [--batch-size 64] [--image-size 224] [--workers 2] [--window W]
+                              [--seconds 5 | --batches N] [--warmup 20] [--rounds 3] [--json PATH]
 
 Both rows move the same messages: a msgpack header frame shaped like ``protocol.Batch`` (0.1-0.4
 KB at batch 64), an image frame of ``batch x size x size x 3`` uint8 bytes (9.63 MB at 64 x 224)
 and a labels frame of ``batch`` int64, from a ROUTER in another process to a DEALER in this
 one, over ``tcp://127.0.0.1``, with the same flow control: the receiver asks for ``--window``
 batches up front and for one more after each batch it receives (the client's credits; window
-default ``max(4, 2 x workers)``, what ``bench_throughput.py`` gives ``RemoteLoader`` as prefetch).
+default ``max(4, 2 x workers)``, what ``bench.throughput`` gives ``RemoteLoader`` as prefetch).
 
 1. **raw pyzmq**: a spawned process binds a ROUTER (``SNDHWM=RCVHWM=0`` like the service's)
    and answers each credit with one batch: the header packed with msgpack, the image frame
@@ -61,31 +60,24 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
-import os
-import shlex
 import signal
 import statistics
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, List, Optional
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(BENCH)
-for _p in (ROOT, BENCH):  # run as a script from anywhere: the project and bench_throughput's helpers
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import msgpack
+import numpy as np
+import psutil
+import zmq
 
-import msgpack  # noqa: E402
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import zmq  # noqa: E402
-
-from bench_throughput import START_TIMEOUT_S, cpu_seconds, log, machine, start_service  # noqa: E402
-from bench import plots  # noqa: E402
-from client import RemoteLoader  # noqa: E402
-from loader_service.sources.demo import ensure_demo  # noqa: E402
+from bench import plots
+from bench.harness import (START_TIMEOUT_S, command, cpu_seconds, forever, log, machine, raise_on_sigterm,
+                           start_service, table_head, table_row)
+from client import RemoteLoader
+from loader_service.sources.demo import ensure_demo
 
 RAW, RAW_ZC, SERVICE = "raw_pyzmq", "raw_pyzmq_zero_copy", "service_client"
 LABELS = {RAW: "raw pyzmq ROUTER -> DEALER, recv_into", RAW_ZC: "raw pyzmq ROUTER -> DEALER, recv(copy=False)",
@@ -277,14 +269,6 @@ def bench_raw(settings: Settings, zero_copy: bool = False) -> Run:
 
 
 # --------------------------------------------------------------- service + RemoteLoader
-def _epochs(loader: RemoteLoader) -> Iterator:
-    epoch = 0
-    while True:
-        loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
 def bench_service(settings: Settings) -> "tuple[Run, bool]":
     """Returns the run and whether decoding was really off (the first batch is all zeros)."""
     svc = start_service(["--demo", "--demo-size", str(settings.demo_size), "--workers", str(settings.workers)],
@@ -293,7 +277,7 @@ def bench_service(settings: Settings) -> "tuple[Run, bool]":
         endpoint = svc.endpoint
         with RemoteLoader(endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
                           prefetch=settings.window, drop_last=True) as loader:
-            batches = _epochs(loader)
+            batches = forever(loader)
             try:
                 first = next(batches)
                 shape = (settings.batch_size, settings.image_size, settings.image_size, 3)
@@ -336,17 +320,16 @@ def report(results: dict, header: dict) -> dict:
           f"header) | window: {s['window']} batches | service workers: {s['workers']} | timed: {timing} per row "
           f"per round after {s['warmup']} warm-up batches, {header['rounds']} round(s), median shown | "
           f"transport: tcp://127.0.0.1 (ipc: {header['ipc']}) | command: `{header['command']}`\n")
-    print("| row | processes (sender -> receiver) | batches/s | images/s | MB/s | % of raw | "
-          "receiver CPU ms / batch | sender CPU ms / batch |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print(table_head(["row", "processes (sender -> receiver)", "batches/s", "images/s", "MB/s", "% of raw",
+                      "receiver CPU ms / batch", "sender CPU ms / batch"], "llrrrrrr"))
     raw = max(results[RAW]["summary"]["batches_per_s"], results[RAW_ZC]["summary"]["batches_per_s"])
     procs = {RAW: "1 -> 1", RAW_ZC: "1 -> 1", SERVICE: f"1 + {s['workers']} workers -> 1"}
     for name, r in results.items():
         m = r["summary"]
         pct = 100.0 * m["batches_per_s"] / raw if raw else 0.0
-        print(f"| {LABELS[name]} | {procs[name]} | {m['batches_per_s']:.1f} | {m['images_per_s']:.0f} | "
-              f"{m['mb_per_s']:.0f} | {pct:.1f}% | {m['receiver_cpu_ms_per_batch']:.2f} | "
-              f"{m['sender_cpu_ms_per_batch']:.2f} |")
+        print(table_row([LABELS[name], procs[name], f"{m['batches_per_s']:.1f}", f"{m['images_per_s']:.0f}",
+                         f"{m['mb_per_s']:.0f}", f"{pct:.1f}%", f"{m['receiver_cpu_ms_per_batch']:.2f}",
+                         f"{m['sender_cpu_ms_per_batch']:.2f}"]))
     ratios = [100.0 * sv.batches_per_s / max(rw.batches_per_s, zc.batches_per_s, 1e-9)
               for rw, zc, sv in zip(results[RAW]["runs"], results[RAW_ZC]["runs"], results[SERVICE]["runs"])]
     if len(ratios) > 1:
@@ -359,10 +342,6 @@ def report(results: dict, header: dict) -> dict:
         check["detail"] += "; WARNING: the service decoded, so this is not the transport alone"
     print(f"\n{'PASS' if check['pass'] else 'MISS'} {check['target']}: {check['detail']}")
     return check
-
-
-def _on_sigterm(signum, frame) -> None:
-    raise KeyboardInterrupt  # unwind through every finally: the raw process and the service stop
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -395,12 +374,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     settings = Settings(args.batch_size, args.image_size, args.workers, args.window, args.warmup, args.seconds,
                         args.batches, args.demo_size)
-    command = shlex.join([os.path.basename(sys.executable)] + sys.argv) if argv is None else shlex.join(argv)
-    header = {"machine": machine(), "command": command, "settings": asdict(settings), "rounds": args.rounds,
+    command_line = command("bench.transport", argv)
+    header = {"machine": machine(), "command": command_line, "settings": asdict(settings), "rounds": args.rounds,
               "image_mb": settings.image_bytes / 1e6,
               "header_bytes": len(_batch_header(0, args.batch_size, args.image_size)),
               "ipc": "skipped: the service binds tcp only"}
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    raise_on_sigterm()  # unwind through every finally: the raw process and the service stop
     results = {RAW: {"runs": []}, RAW_ZC: {"runs": []}, SERVICE: {"runs": [], "decode_skipped": True}}
     try:
         ensure_demo(args.demo_size).close()  # generate it now if needed, not while the service starts
@@ -424,9 +403,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in results.values():
         r["summary"] = summarize(r["runs"])
     check = report(results, header)
-    plots.bars(plots.png_path(args.plot, args.json, __file__), "transport alone: MB/s received (median of rounds)",
+    plots.bars(plots.png_path(args.plot, args.json, "bench_transport"), "transport alone: MB/s received (median of rounds)",
                {LABELS[n]: r["summary"]["mb_per_s"] for n, r in results.items()}, "MB/s",
-               f"{header['machine']}; batch {args.batch_size} x {args.image_size} px, window {args.window}; {command}")
+               f"{header['machine']}; batch {args.batch_size} x {args.image_size} px, window {args.window}; {command_line}")
     if args.json:
         out = dict(header)
         out["rows"] = {name: {"label": LABELS[name], **r["summary"], "runs": [x.to_json() for x in r["runs"]],

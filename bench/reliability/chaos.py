@@ -3,7 +3,7 @@ pool is rescaled, clients restart from their state_dict, and the service is SIGK
 SIGTERMed and started again on the same port. Then every (job, epoch) is checked against
 its plan: samples lost and doubled must both be 0.
 
-    python bench/chaos.py --epochs 4 --seed 0            # exit code 0 when nothing was lost or doubled
+    python -m bench.reliability.chaos --epochs 4 --seed 0   # exit code 0 when nothing was lost or doubled
 """
 
 from __future__ import annotations
@@ -18,12 +18,9 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from client import RemoteLoader  # noqa: E402
-from wire.plan import epoch_permutation  # noqa: E402
-from tests.support.service import ServiceProcess, free_port  # noqa: E402
+from client import RemoteLoader
+from tests.support.service import ServiceProcess, free_port
+from wire.plan import epoch_permutation
 
 EVENTS = ("kill_worker", "scale", "restart_client", "restart_service_kill", "restart_service_term")
 

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
-"""What CURVE's cipher costs per byte, apart from the service: the floor under bench_curve.py.
+"""What CURVE's cipher costs per byte, apart from the service: the floor under bench.curve.
 
-    python bench/bench_cipher.py [--mb 9.6] [--frames 1,16,64] [--messages 50] [--rounds 5]
+    python -m bench.cipher [--mb 9.6] [--frames 1,16,64] [--messages 50] [--rounds 5]
 
 Two measures, each the median of ``--rounds``:
 
@@ -14,7 +13,7 @@ Two measures, each the median of ``--rounds``:
   sealing cache-sized pieces cost less than one big frame?).
 
 CURVE's extra CPU per GB on a side times the bytes per second a rank receives is what the
-service (or the trainer) pays for encryption; bench_curve.py measures it inside the product.
+service (or the trainer) pays for encryption; bench.curve measures it inside the product.
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ import time
 
 import numpy as np
 import zmq
+
+from bench.harness import table_head, table_row
 
 
 def cpu_now() -> float:
@@ -137,9 +138,8 @@ def main(argv=None) -> int:
     print(f"libzmq {zmq.zmq_version()}, pyzmq {zmq.pyzmq_version()}, {os.cpu_count()} CPUs, "
           f"messages of {nbytes / 1e6:.2f} MB, median of {args.rounds}\n")
     box = secretbox_s_per_gb(nbytes, args.rounds)
-    print("| measure | sender CPU s / GB | receiver CPU s / GB | GB/s |")
-    print("|---|---:|---:|---:|")
-    print(f"| libsodium crypto_secretbox alone (one core) | {box:.3f} | - | {1 / box:.2f} |")
+    print(table_head(["measure", "sender CPU s / GB", "receiver CPU s / GB", "GB/s"], "lrrr"))
+    print(table_row(["libsodium crypto_secretbox alone (one core)", f"{box:.3f}", "-", f"{1 / box:.2f}"]))
     img = 224 * 224 * 3 / 1e9
     extras = []
     for frames in (int(f) for f in args.frames.split(",")):
@@ -149,9 +149,10 @@ def main(argv=None) -> int:
             rows[curve] = [statistics.median(r[i] for r in runs) for i in range(3)]
         for curve, name in ((False, "plain"), (True, "CURVE")):
             s, r, g = rows[curve]
-            print(f"| pyzmq {name}, {frames} frame(s) of {nbytes / frames / 1e6:.2f} MB | {s:.3f} | {r:.3f} | {g:.2f} |")
+            print(table_row([f"pyzmq {name}, {frames} frame(s) of {nbytes / frames / 1e6:.2f} MB", f"{s:.3f}", f"{r:.3f}",
+                             f"{g:.2f}"]))
         extra_s, extra_r = rows[True][0] - rows[False][0], rows[True][1] - rows[False][1]
-        print(f"| CURVE's extra, {frames} frame(s) | {extra_s:.3f} | {extra_r:.3f} | - |")
+        print(table_row([f"CURVE's extra, {frames} frame(s)", f"{extra_s:.3f}", f"{extra_r:.3f}", "-"]))
         extras.append((frames, extra_s, extra_r))
     print()
     for frames, extra_s, extra_r in extras:

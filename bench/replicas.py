@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """One trainer rank fed by two service replicas of unequal speed (1 and 2 workers).
 
-    python bench/bench_replicas.py [--mode latency|cpu|both] [--epochs 3] [--batch-size 32]
-                                   [--read-delay-ms 10] [--demo-size 2000] [--data DIR] [--runs 3]
-                                   [--json PATH]
+    python -m bench.replicas [--mode latency|cpu|both] [--epochs 3] [--batch-size 32]
+                             [--read-delay-ms 10] [--demo-size 2000] [--data DIR] [--runs 3]
+                             [--json PATH]
 
 Each replica is a service in its own process on this machine (the demo dataset, or the
-ImageFolder / packed dataset ``--data DIR``, e.g. the real-photo set of ``bench/photos.py``), one
+ImageFolder / packed dataset ``--data DIR``, e.g. the real-photo set of ``bench.photo_sets``), one
 with ``--workers 1`` and one with ``--workers 2``. Three runs of a ``RemoteLoader`` in this
 process, each over one warm-up epoch and ``--epochs`` timed ones: the slow replica alone, the fast
 one alone, then both (``RemoteLoader([slow, fast])``). The target: both together deliver at least
@@ -29,15 +28,13 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 from typing import List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from client import RemoteLoader  # noqa: E402
-from tests.support.service import free_port  # noqa: E402
+from bench.harness import command, median_of, table_head, table_row
+from client import RemoteLoader
+from tests.support.service import free_port
 
 
 def _serve(port: int, workers: int, delay_s: float, demo_size: int, data: Optional[str], ready, stop) -> None:
@@ -98,7 +95,7 @@ def run(mode: str, args) -> dict:
         stop.set()
         for p in procs:
             p.join(60)
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    med = median_of(runs)
     return {"mode": mode, **med, "runs": runs}
 
 
@@ -123,14 +120,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nmachine: {os.cpu_count()} CPUs (load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end) | "
           f"{dataset} | runs: {args.runs} (median) | "
           f"batch {args.batch_size} | 224 px | {args.epochs} timed epochs (+1 warm-up) | read delay "
-          f"{args.read_delay_ms:g} ms in latency mode | command: `python bench/bench_replicas.py "
-          f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n")
-    print("| mode | slow replica alone (1 worker) img/s | fast replica alone (2 workers) img/s | both, one rank img/s | "
-          "both / (slow + fast) | both / (slow + fast), each run |")
-    print("|---|---:|---:|---:|---:|---|")
+          f"{args.read_delay_ms:g} ms in latency mode | command: `{command('bench.replicas', argv)}`\n")
+    print(table_head(["mode", "slow replica alone (1 worker) img/s", "fast replica alone (2 workers) img/s",
+                      "both, one rank img/s", "both / (slow + fast)", "both / (slow + fast), each run"], "lrrrrl"))
     for r in rows:
-        print(f"| {r['mode']} | {r['slow_1_worker']:.1f} | {r['fast_2_workers']:.1f} | {r['both']:.1f} | "
-              f"{r['ratio_to_sum']:.2f} | " + " / ".join(f"{x['ratio_to_sum']:.2f}" for x in r["runs"]) + " |")
+        print(table_row([r["mode"], f"{r['slow_1_worker']:.1f}", f"{r['fast_2_workers']:.1f}", f"{r['both']:.1f}",
+                         f"{r['ratio_to_sum']:.2f}", " / ".join(f"{x['ratio_to_sum']:.2f}" for x in r["runs"])]))
     for r in rows:
         if r["mode"] == "latency":
             verdict = "PASS" if r["ratio_to_sum"] >= 0.9 else "MISS"

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Worker memory of a dataset index, and the HDF5 chunk cache's effect on random reads.
 
-    python bench/bench_index_memory.py [index] [--entries 10000000] [--workers 1,2,4,8]
-    python bench/bench_index_memory.py hdf5-cache [--images 4096] [--size 64]
+    python -m bench.index_memory [index] [--entries 10000000] [--workers 1,2,4,8]
+    python -m bench.index_memory hdf5-cache [--images 4096] [--size 64]
 
 ``index`` (the default): a synthetic index of ``--entries`` ImageNet-like relative paths
 (``train/n01440764/n01440764_10026.JPEG``). For each K in ``--workers``, K worker processes are
@@ -37,17 +36,14 @@ import argparse
 import gc
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from loader_service.shm import Segment  # noqa: E402
-from loader_service.sources.index import PackedStrings  # noqa: E402
+from loader_service.shm import Segment
+from loader_service.sources.index import PackedStrings
 
 MiB = 1 << 20
 PATHS: list = []  # the list contender, inherited by forked workers

@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """User pipelines: the service + RemoteLoader against a torch DataLoader doing the same work.
 
-    python bench/bench_pipelines.py [--workers N] [--batch-size 32] [--demo-size 512 | --data DIR]
-                                    [--epochs 1] [--repeats 3] [--json PATH]
+    python -m bench.pipelines [--workers N] [--batch-size 32] [--demo-size 512 | --data DIR]
+                              [--epochs 1] [--repeats 3] [--json PATH]
 
-``--data DIR``: a dataset folder (e.g. the real-photo sets of bench/photos.py) instead of the
+``--data DIR``: a dataset folder (e.g. the real-photo sets of bench.photo_sets) instead of the
 embedded demo set.
 
 Two pipelines from examples/pipelines/: ``multicrop`` (2 x 224 global + 6 x 96 local views,
@@ -36,16 +35,14 @@ import sys
 import time
 from typing import Callable, Dict, List
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
-
-from loader_service.decode import ops  # noqa: E402
-from loader_service.decode.pipelines import Registry  # noqa: E402
-from loader_service.decode.transforms import sample_rng  # noqa: E402
+from bench.harness import table_head, table_row
+from loader_service.decode import ops
+from loader_service.decode.pipelines import Registry
+from loader_service.decode.transforms import sample_rng
 
 PIPELINES = {"multicrop": "examples.pipelines.multicrop:multicrop",
              "colorjitter": "examples.pipelines.colorjitter:colorjitter"}
@@ -288,16 +285,16 @@ def main(argv=None) -> int:
     print(f"\n# load average at start {load:.2f}; workers {args.workers}, batch {args.batch_size}, "
           f"{args.demo_size} images of {args.data or 'the demo set'}, "
           f"{args.epochs} timed epoch(s) after a warm-up, median of {args.repeats}\n")
-    print("| pipeline | service + RemoteLoader | DataLoader, same ops | DataLoader, PIL (torchvision-style) |")
-    print("|---|---|---|---|")
+    print(table_head(["pipeline", "service + RemoteLoader", "DataLoader, same ops", "DataLoader, PIL (torchvision-style)"],
+                     "llll"))
     for name, row in results.items():
-        print(f"| {name} | " + " | ".join(f"{row[k]['median']:.0f} img/s" for k in row) + " |")
+        print(table_row([name] + [f"{row[k]['median']:.0f} img/s" for k in row]))
     op_rows = per_op(args.op_repeats)
-    print("\n| op (224 x 224 RGB) | loader_service.decode.ops (us) | PIL, as torchvision calls it (us) |")
-    print("|---|---|---|")
+    print("\n" + table_head(["op (224 x 224 RGB)", "loader_service.decode.ops (us)", "PIL, as torchvision calls it (us)"],
+                            "lll"))
     for r in op_rows:
         pil = f"{r['pil_us']:.0f}" if r["pil_us"] is not None else "-"
-        print(f"| {r['op']} | {r['ours_us']:.0f} | {pil} |")
+        print(table_row([r["op"], f"{r['ours_us']:.0f}", pil]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "pipelines": results, "ops": op_rows}, f, indent=1)

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """The cost of CURVE on the data port: the service + RemoteLoader with and without keys.
 
-    python bench/bench_curve.py [--data DIR] [--workers N] [--batch-size 64] [--epochs 2] [--rounds 3]
-                                [--io-threads 1,2] [--skip-decode] [--demo-size 2000] [--json PATH]
-                                [--split SERVICE_CPUS:CLIENT_CPUS]
+    python -m bench.curve [--data DIR] [--workers N] [--batch-size 64] [--epochs 2] [--rounds 3]
+                          [--io-threads 1,2] [--skip-decode] [--demo-size 2000] [--json PATH]
+                          [--split SERVICE_CPUS:CLIENT_CPUS]
 
 Rows, alternated round by round so that a drifting machine hurts them alike:
 
@@ -13,7 +12,7 @@ Rows, alternated round by round so that a drifting machine hurts them alike:
 
 Each row is the service in its own process and a RemoteLoader in this one (prefetch
 ``max(4, 2N)``), one warm-up epoch, then ``--epochs`` timed epochs (the same
-``bench_throughput.py`` measures as its service row). ``--skip-decode`` sets
+``bench.throughput`` measures as its service row). ``--skip-decode`` sets
 ``LOADER_BENCH_SKIP_DECODE=1`` (workers do not decode; the transport alone, what CURVE costs at
 most). The table shows each row's median over the rounds, its share of the plain row's
 images/s, and the CPU seconds per 1000 images of the client process and of the service's
@@ -28,44 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import statistics
 import sys
 import tempfile
-import time
 from typing import Dict, List, Optional
 
-import psutil
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from bench_throughput import cpu_seconds, machine, start_service  # noqa: E402
-
-from client import RemoteLoader  # noqa: E402
-from wire.keys import make_keys  # noqa: E402
-from wire.plan import PlanSpec, make_plan  # noqa: E402
-from loader_service.sources import open_path  # noqa: E402
-from loader_service.sources.demo import ensure_demo  # noqa: E402
+from bench.harness import (command, machine, median_of, parse_split, run_epochs, set_affinity, start_service,
+                           table_head, table_row, warm_page_cache)
+from client import RemoteLoader
+from loader_service.sources import open_path
+from loader_service.sources.demo import ensure_demo
+from wire.keys import make_keys
+from wire.plan import PlanSpec, make_plan
 
 SEED = 0
-
-
-def set_affinity(cpus: Optional[set]) -> None:
-    """Pin every thread of this process to ``cpus``; threads and processes started later inherit it."""
-    if cpus is None:
-        return
-    for tid in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(tid), cpus)
-
-
-def parse_split(text: str):
-    service, _, client = text.partition(":")
-    cpus = [{int(c) for c in part.split(",")} for part in (service, client)]
-    if not all(cpus) or cpus[0] & cpus[1]:
-        raise argparse.ArgumentTypeError("--split needs two disjoint CPU lists, like 0:1 or 0,1:2,3")
-    return cpus
 
 
 def run_row(keys: Optional[str], io_threads: int, args) -> dict:
@@ -79,26 +53,15 @@ def run_row(keys: Optional[str], io_threads: int, args) -> dict:
         set_affinity(client_cpus)
     prefetch = max(4, 2 * args.workers)
     try:
-        endpoint = svc.endpoint
-        with RemoteLoader(endpoint, batch_size=args.batch_size, seed=SEED, prefetch=prefetch,
+        with RemoteLoader(svc.endpoint, batch_size=args.batch_size, seed=SEED, prefetch=prefetch,
                           curve_keys=keys or "") as loader:
-            loader.set_epoch(0)
-            for _ in loader:
-                pass
-            me, sprocs = psutil.Process(), svc.processes()
-            c0, s0, t0 = cpu_seconds([me]), cpu_seconds(sprocs), time.perf_counter()
-            samples = nbytes = 0
-            for epoch in range(1, args.epochs + 1):
-                loader.set_epoch(epoch)
-                for images, _ in loader:
-                    samples += images.shape[0]
-                    nbytes += images.numel()
-            dt = time.perf_counter() - t0
-            client_cpu, service_cpu = cpu_seconds([me]) - c0, cpu_seconds(sprocs) - s0
+            run = run_epochs(loader, svc, range(1, args.epochs + 1))
     finally:
         svc.stop()
-    return {"samples": samples, "seconds": dt, "img_s": samples / dt, "mb_s": nbytes / dt / 1e6,
-            "client_cpu_per_1000": 1000 * client_cpu / samples, "service_cpu_per_1000": 1000 * service_cpu / samples}
+    samples, dt = run.samples, run.seconds
+    return {"samples": samples, "seconds": dt, "img_s": samples / dt, "mb_s": run.nbytes / dt / 1e6,
+            "client_cpu_per_1000": 1000 * run.client_cpu_s / samples,
+            "service_cpu_per_1000": 1000 * run.service_cpu_s / samples}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -115,11 +78,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--split", type=parse_split, metavar="SERVICE_CPUS:CLIENT_CPUS",
                    help="pin the service to SERVICE_CPUS and this client process to CLIENT_CPUS (two machines' worth)")
     args = p.parse_args(argv)
-    command = shlex.join([os.path.basename(sys.executable)] + (sys.argv if argv is None else ["bench/bench_curve.py", *argv]))
+    command_line = command("bench.curve", argv)
     if args.data:
         src = open_path(os.path.abspath(args.data))
         n, what = len(src), f"{args.data} ({len(src)} images)"
-        sum(len(src.read(i)) for i in range(n))  # warm the page cache: no row pays for the first read
+        warm_page_cache(src)  # no row pays for the first read
     else:
         src = ensure_demo(args.demo_size)
         n, what = len(src), f"demo {len(src)} images"
@@ -140,26 +103,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"round {rnd + 1} {name}: {r['img_s']:.1f} img/s, {r['mb_s']:.0f} MB/s", file=sys.stderr,
                       flush=True)
                 results[name].append(r)
-    med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in results.items()}
+    med = {name: median_of(rs) for name, rs in results.items()}
     base = med[rows[0][0]]["img_s"]
     print(f"\nmachine: {started} | {what} | batch {args.batch_size} | workers {args.workers} | "
           f"decode {'off' if args.skip_decode else 'on'} | "
           f"{'service CPUs %s, client CPUs %s' % tuple(sorted(c) for c in args.split) if args.split else 'CPUs shared'} | {args.epochs} timed epochs x {args.rounds} rounds | "
-          f"command: `{command}`\n")
-    print("| row | images/s (median) | MB/s | % of plain | each round's % of plain | client CPU s / 1000 img | "
-          "service CPU s / 1000 img |")
-    print("|---|---:|---:|---:|---|---:|---:|")
+          f"command: `{command_line}`\n")
+    print(table_head(["row", "images/s (median)", "MB/s", "% of plain", "each round's % of plain",
+                      "client CPU s / 1000 img", "service CPU s / 1000 img"], "lrrrlrr"))
     for name, _, _ in rows:
         m = med[name]
         per_round = ", ".join(f"{100 * r['img_s'] / p['img_s']:.0f}" for r, p in zip(results[name], results[rows[0][0]]))
-        print(f"| {name} | {m['img_s']:.1f} | {m['mb_s']:.0f} | {100 * m['img_s'] / base:.1f}% | {per_round} | "
-              f"{m['client_cpu_per_1000']:.3f} | {m['service_cpu_per_1000']:.3f} |")
+        print(table_row([name, f"{m['img_s']:.1f}", f"{m['mb_s']:.0f}", f"{100 * m['img_s'] / base:.1f}%", per_round,
+                         f"{m['client_cpu_per_1000']:.3f}", f"{m['service_cpu_per_1000']:.3f}"]))
     best = max((med[n]["img_s"], n) for n, c, _ in rows if c)
     verdict = "PASS" if best[0] >= 0.9 * base else "MISS"
     print(f"\n{verdict}: best CURVE row ({best[1]}) at {100 * best[0] / base:.1f}% of plain (target >= 90%)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": command, "machine": started, "rounds": results, "median": med}, f, indent=2)
+            json.dump({"command": command_line, "machine": started, "rounds": results, "median": med}, f, indent=2)
     return 0
 
 

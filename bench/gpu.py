@@ -1,8 +1,8 @@
 """GPU path benchmark: H2D bandwidth with and without the receive, and the data stall measured
 on the GPU in a real training step.
 
-    python bench/bench_gpu.py --batch-size 128 --json results/gpu-128.json   # NVIDIA GPU
-    python bench/bench_gpu.py --batch-size 256 --json results/gpu-256.json
+    python -m bench.gpu --batch-size 128 --json results/gpu-128.json   # NVIDIA GPU
+    python -m bench.gpu --batch-size 256 --json results/gpu-256.json
 
 Part 1, one batch (B x S x S x 3 uint8) host -> device, seconds per batch after >= 10 warm-up
 iterations (``--warmup``), ended by a synchronize:
@@ -16,7 +16,7 @@ iterations (``--warmup``), ended by a synchronize:
                        hand_over, from the same loopback socket
   Target: pinned ring >= 90% of the raw pinned copy.
 
-Part 2, a training step of a small ResNet (bench/models.py, bf16 autocast, channels_last):
+Part 2, a training step of a small ResNet (bench.models, bf16 autocast, channels_last):
   * resident     the same batch already on the GPU every step (no data loading at all)
   * fed          batches streamed by a local loader service (subprocess, --workers W)
                  through RemoteLoader(device="cuda", normalize=True)
@@ -40,8 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import signal
 import sys
 import threading
 import time
@@ -50,18 +48,13 @@ from typing import Callable, Optional
 import torch
 import zmq
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from bench_throughput import start_service  # noqa: E402
-
-from bench.models import SmallResNet  # noqa: E402
-from client import RemoteLoader  # noqa: E402
-from client.config import LoaderConfig  # noqa: E402
-from client.sinks import CudaSink, make_sink  # noqa: E402
-from wire import protocol as P  # noqa: E402
-from loader_service.sources.demo import ensure_demo  # noqa: E402
+from bench.harness import command, forever, raise_on_sigterm, start_service, table_head, table_row
+from bench.models import SmallResNet
+from client import RemoteLoader
+from client.config import LoaderConfig
+from client.sinks import CudaSink, make_sink
+from loader_service.sources.demo import ensure_demo
+from wire import protocol as P
 
 MIN_WARMUP = 10
 
@@ -241,7 +234,7 @@ def train(args, cuda: bool) -> dict:
         endpoint = svc.endpoint
         with RemoteLoader(endpoint, batch_size=B, image_size=S, device=str(dev), normalize=True,
                           prefetch=args.prefetch, timeout=300, drop_last=True) as ld:
-            batches = _forever(ld)
+            batches = forever(ld)
             # the service alone: how fast it delivers with no model
             for _ in range(args.warmup):
                 next(batches)
@@ -279,18 +272,6 @@ def train(args, cuda: bool) -> dict:
             "cpu_blocked_in_next": wait / wall, "h2d_s": h2d_s}
 
 
-def _forever(ld: RemoteLoader):
-    epoch = 0
-    while True:
-        ld.set_epoch(epoch)
-        yield from ld
-        epoch += 1
-
-
-def _on_sigterm(signum, frame) -> None:
-    raise KeyboardInterrupt  # unwind through every finally: the service stops
-
-
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-size", type=int, default=128, help="128 and 256 are the recorded runs")
@@ -307,12 +288,12 @@ def main(argv: Optional[list] = None) -> int:
         p.error(f"--warmup must be at least {MIN_WARMUP}")
     if args.demo_size < args.batch_size:
         p.error("--demo-size must be at least --batch-size (the loader drops the last partial batch)")
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    raise_on_sigterm()  # unwind through every finally: the service stops
     cuda = torch.cuda.is_available()
     B, S = args.batch_size, args.image_size
     print(f"# {'GPU: ' + torch.cuda.get_device_name() if cuda else 'no CUDA: GPU rows skipped, CPU rows only'}"
           f"  torch {torch.__version__}  CPUs {os.cpu_count()}")
-    print(f"# command: {shlex.join(['python', 'bench/bench_gpu.py'] + (argv if argv is not None else sys.argv[1:]))}\n")
+    print(f"# command: {command('bench.gpu', argv)}\n")
     ensure_demo(args.demo_size).close()  # generate it now if needed, not while the service starts
 
     h = h2d(B, S, args.h2d_iters, args.warmup) if cuda else {}
@@ -324,11 +305,11 @@ def main(argv: Optional[list] = None) -> int:
             ("recv_only", "receive only: recv_into a host buffer (loopback tcp)"),
             ("recv_sink", "receive + pinned ring + H2D (CudaSink.receive/push/hand_over)" if cuda
              else "receive + host sink (HostSink.receive/push)")]
-    print("| path | GB/s | % of raw pinned |\n|---|---:|---:|")
+    print(table_head(["path", "GB/s", "% of raw pinned"], "lrr"))
     for k, label in rows:
         if k in h:
             pct = f"{100 * h[k] / h['raw_pinned']:.1f}%" if "raw_pinned" in h else "-"
-            print(f"| {label} | {h[k]:.2f} | {pct} |")
+            print(table_row([label, f"{h[k]:.2f}", pct]))
     if cuda:
         print(f"\nring >= 90% of raw pinned: {'PASS' if h['ring'] >= 0.9 * h['raw_pinned'] else 'MISS'}\n")
     else:

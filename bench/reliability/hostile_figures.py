@@ -1,25 +1,23 @@
 """Figures for docs/reliability.md "Hostile input and connections": what a slowloris flood, a
 scale storm and a rogue ZeroMQ peer cost. Prints a markdown table.
 
-    python bench/hostile_figures.py
+    python -m bench.reliability.hostile_figures
 """
 
 from __future__ import annotations
 
 import os
 import random
-import sys
 import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("LOADER_CACHE_DIR", tempfile.mkdtemp(prefix="loader-hostile-"))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
+from bench.harness import table_head, table_row  # noqa: E402
 from client import LoaderTimeout, RemoteLoader  # noqa: E402
 from tests.support.service import ServiceProcess, free_port  # noqa: E402
 from tests.test_http_limits import half_open  # noqa: E402
@@ -128,6 +126,6 @@ def rogue() -> list:
 
 if __name__ == "__main__":
     rows = slowloris() + storm() + rogue()
-    print("| measure | result |\n|---|---:|")
+    print(table_head(["measure", "result"], "lr"))
     for k, v in rows:
-        print(f"| {k} | {v} |")
+        print(table_row([k, v]))

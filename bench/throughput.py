@@ -1,11 +1,10 @@
-#!/usr/bin/env python
 """Throughput benchmark: the loader service + RemoteLoader against a torch DataLoader and
 against the raw decode limit of the same machine.
 
-    python bench/bench_throughput.py [--data DIR] [--workers N] [--batch-size 64] [--epochs 2]
-                                     [--image-size 224] [--demo-size 2000] [--json PATH]
-                                     [--runs 3] [--step-ms 50] [--sweep-workers 1,2] [--sweep-prefetch 1,2,4]
-                                     [--sweep-step 0,30,60]
+    python -m bench.throughput [--data DIR] [--workers N] [--batch-size 64] [--epochs 2]
+                               [--image-size 224] [--demo-size 2000] [--json PATH]
+                               [--runs 3] [--step-ms 50] [--sweep-workers 1,2] [--sweep-prefetch 1,2,4]
+                               [--sweep-step 0,30,60]
 
 Every contender does exactly the same work: the same images (the embedded demo set by
 default, or any ImageFolder / packed folder given with ``--data``), in the same plan order
@@ -58,37 +57,31 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import shlex
-import signal
 import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from anywhere: import the project from the checkout
-    sys.path.insert(0, ROOT)
+import numpy as np
+import psutil
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset, Sampler  # noqa: E402
-
-from bench import plots  # noqa: E402
-from client import RemoteLoader  # noqa: E402
-from tests.support.service import ServiceProcess  # noqa: E402
-from wire.plan import PlanSpec, RankPlan, make_plan  # noqa: E402
-from loader_service.sources import Source, SourceSpec, open_source  # noqa: E402
-from loader_service.sources.demo import ensure_demo  # noqa: E402
-from loader_service.sources.imagefolder import ImageFolderSource  # noqa: E402
-from loader_service.sources.packed import PackedSource  # noqa: E402
-from loader_service.decode.transforms import (TransformSpec, process_sample, random_resized_crop_params,  # noqa: E402
-                                       sample_rng)
+from bench import plots
+from bench.harness import (START_TIMEOUT_S, command, cpu_seconds, log, machine, raise_on_sigterm, run_epochs,
+                           start_service, table_head, table_row, train_step, upper_median, warm_page_cache)
+from client import RemoteLoader
+from loader_service.decode.transforms import TransformSpec, process_sample, random_resized_crop_params, sample_rng
+from loader_service.sources import Source, SourceSpec, open_source
+from loader_service.sources.demo import ensure_demo
+from loader_service.sources.imagefolder import ImageFolderSource
+from loader_service.sources.packed import PackedSource
+from wire.plan import PlanSpec, RankPlan, make_plan
 
 SEED = 0
-START_TIMEOUT_S = 180.0  # for decode processes and the service to come up
 
+PLOT_NAME = "bench_throughput"  # results/bench_throughput.png and its -workers / -prefetch figures
 RAW, DATALOADER, SERVICE = "raw_limit", "torch_dataloader", "service_client"
 LABELS = {RAW: "raw limit (no transport)", DATALOADER: "torch DataLoader", SERVICE: "service + RemoteLoader"}
 
@@ -141,19 +134,6 @@ class Result:
         return None if cpu_s is None or not self.samples else 1000.0 * cpu_s / self.samples
 
 
-def cpu_seconds(procs: List[psutil.Process]) -> float:
-    """User + system CPU of these processes themselves (not of their reaped children)."""
-    total = 0.0
-    for p in procs:
-        t = p.cpu_times()
-        total += t.user + t.system
-    return total
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # ------------------------------------------------------------------------ per-sample functions
 def naive_sample(data: bytes, spec: TransformSpec, rng: np.random.Generator, out: np.ndarray) -> None:
     """What a user writes without the project (the fixed reference of issue 11; do not replace it
@@ -188,12 +168,6 @@ def pil_sample(data: bytes, spec: TransformSpec, rng: np.random.Generator, out: 
 
 
 SAMPLE_FNS = {"service": process_sample, "naive": naive_sample, "pil": pil_sample}
-
-
-def train_step(seconds: float) -> None:
-    """The simulated training step: a sleep (see the module docstring for why not a busy loop)."""
-    if seconds > 0:
-        time.sleep(seconds)
 
 
 # ---------------------------------------------------------------------------------- raw limit
@@ -381,52 +355,18 @@ def bench_service(settings: Settings, dataset_args: List[str], prefetch: Optiona
     prefetch = prefetch or max(4, 2 * settings.workers)
     svc = start_service([*dataset_args, "--workers", str(settings.workers)])
     try:
-        endpoint = svc.endpoint
-        with RemoteLoader(endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
+        with RemoteLoader(svc.endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
                           seed=settings.seed, prefetch=prefetch) as loader:
-            loader.set_epoch(0)
-            for _ in loader:  # warm-up: the workers start, the first stream is set up
-                pass
-            me, service_procs = psutil.Process(), svc.processes()
-            cpu0, svc0, t0 = cpu_seconds([me]), cpu_seconds(service_procs), time.perf_counter()
-            wait0 = loader.stats()["wait_s"]
-            samples = 0
-            for epoch in settings.timed_epochs:
-                loader.set_epoch(epoch)
-                for images, labels in loader:
-                    samples += images.shape[0]
-                    train_step(settings.step_s)
-            t1 = time.perf_counter()
-            cpu, svc_cpu = cpu_seconds([me]) - cpu0, cpu_seconds(service_procs) - svc0
-            extra = {"service_cpu_s": svc_cpu, "prefetch": prefetch, "endpoint": endpoint,
-                     "client_stall_s": loader.stats()["wait_s"] - wait0, "service_processes": len(service_procs)}
-        return Result(SERVICE, settings.workers, samples, t1 - t0, cpu, cpu + svc_cpu, extra)
+            run = run_epochs(loader, svc, settings.timed_epochs, settings.step_s)
+        extra = {"service_cpu_s": run.service_cpu_s, "prefetch": prefetch, "endpoint": svc.endpoint,
+                 "client_stall_s": run.stall_s, "service_processes": run.service_processes}
+        return Result(SERVICE, settings.workers, run.samples, run.seconds, run.client_cpu_s,
+                      run.client_cpu_s + run.service_cpu_s, extra)
     finally:
         svc.stop()
 
 
 # ----------------------------------------------------------------------------------- report
-def start_service(args: List[str], env: Optional[dict] = None) -> ServiceProcess:
-    """``loader-service serve ARGS`` on free ports, ready; LOADER_AUTOSCALE unset (every contender
-    keeps exactly N decode processes); its output drained and its leftovers swept when it stops."""
-    return ServiceProcess(0, args, env={"LOADER_AUTOSCALE": None, **(env or {})}, http_port=0, drain=True, sweep=True,
-                          ready_timeout=START_TIMEOUT_S)
-
-
-def machine() -> str:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    load = " (load average %.2f at start)" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
-    return f"{os.cpu_count()} CPUs, {model or 'unknown model'}{load}"
-
-
 def fmt(x: Optional[float], digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -440,14 +380,13 @@ def report(results: dict, header: dict, all_runs: Optional[dict] = None) -> List
           f"batch size: {header['batch_size']} | image size: {header['image_size']} | "
           f"epochs: {header['epochs']} timed (+1 warm-up) | training step: {header['step_ms']:g} ms per batch | "
           f"runs: {header['runs']} (median) | command: `{header['command']}`\n")
-    print("| contender | decode processes | images/s | % of raw limit | trainer CPU s / 1000 img |"
-          + (" images/s each run |" if several else ""))
-    print("|---|---:|---:|---:|---:|" + ("---|" if several else ""))
+    print(table_head(["contender", "decode processes", "images/s", "% of raw limit", "trainer CPU s / 1000 img"]
+                     + (["images/s each run"] if several else []), "lrrrr" + ("l" if several else "")))
     for name, r in results.items():
         pct = 100.0 * r.images_per_s / raw.images_per_s if raw.images_per_s else 0.0
         cpu = f"({fmt(r.per_1000(r.all_cpu_s))})" if name == RAW else fmt(r.per_1000(r.trainer_cpu_s))
-        each = f" {_each(x.images_per_s for x in all_runs[name])} |" if several else ""
-        print(f"| {LABELS[name]} | {r.processes} | {r.images_per_s:.1f} | {pct:.1f}% | {cpu} |{each}")
+        each = [_each(x.images_per_s for x in all_runs[name])] if several else []
+        print(table_row([LABELS[name], r.processes, f"{r.images_per_s:.1f}", f"{pct:.1f}%", cpu, *each]))
     svc = results[SERVICE]
     print(f"\n(raw limit: CPU of its decode processes, for reference.) CPU s / 1000 img, all processes: "
           + ", ".join(f"{LABELS[n]} {fmt(r.per_1000(r.all_cpu_s))}" for n, r in results.items())
@@ -498,22 +437,8 @@ def open_dataset(args) -> "tuple[Source, List[str], str]":
     return src, ["--demo", "--demo-size", str(args.demo_size)], f"demo ({src.path})"
 
 
-def warm_page_cache(source: Source) -> int:
-    """Read every sample once, so no contender pays for the first read from disk. Returns bytes."""
-    return sum(len(source.read(i)) for i in range(len(source)))
-
-
-def _on_sigterm(signum, frame) -> None:
-    if os.getpid() != _MAIN_PID:  # a forked DataLoader worker inherited this handler: just exit
-        os._exit(128 + signum)
-    raise KeyboardInterrupt  # unwind through every finally: workers and the service are stopped
-
-
-_MAIN_PID = os.getpid()
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    raise_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", metavar="DIR", help="ImageFolder or packed dataset (default: the embedded demo set)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="decode processes, every contender")
@@ -540,7 +465,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.step_ms < 0:
         p.error("--step-ms must be >= 0")
 
-    command = shlex.join([os.path.basename(sys.executable)] + sys.argv) if argv is None else shlex.join(argv)
+    command_line = command("bench.throughput", argv)
     try:
         source, dataset_args, description = open_dataset(args)
     except (OSError, ValueError) as exc:
@@ -553,7 +478,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "mean_image_kb": nbytes / max(len(source), 1) / 1024, "batch_size": args.batch_size,
                   "image_size": args.image_size, "epochs": args.epochs, "workers": args.workers,
                   "expected_samples": settings.expected_samples, "runs": args.runs, "step_ms": args.step_ms,
-                  "command": command}
+                  "command": command_line}
         log(f"benchmark: {len(source)} images ({header['mean_image_kb']:.0f} KB each on average), "
             f"{args.workers} decode processes, batch {args.batch_size}, {args.epochs} timed epochs, "
             f"{args.runs} run(s), training step {args.step_ms:g} ms per batch")
@@ -582,22 +507,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         out["runs_images_per_s"] = {n: [r.images_per_s for r in rs] for n, rs in all_runs.items()}
     step = f", training step {args.step_ms:g} ms per batch" if args.step_ms else ""
     note = (f"{header['machine']}; {header['dataset']}; batch {args.batch_size}, {args.image_size} px, "
-            f"{args.epochs} timed epochs{step}; median of {args.runs} run(s); {command}")
-    plots.bars(plots.png_path(args.plot, args.json, __file__), f"images/s with {args.workers} decode processes",
+            f"{args.epochs} timed epochs{step}; median of {args.runs} run(s); {command_line}")
+    plots.bars(plots.png_path(args.plot, args.json, PLOT_NAME), f"images/s with {args.workers} decode processes",
                {LABELS[n]: r.images_per_s for n, r in results.items() if n != RAW}, "images/s", note,
                reference=("raw decode limit", results[RAW].images_per_s))
     if workers_sweep:
         out["sweep_workers"] = report_workers(workers_sweep)
-        plots.lines(plots.png_path(args.plot, args.json, __file__, "-workers"), "images/s by decode processes",
+        plots.lines(plots.png_path(args.plot, args.json, PLOT_NAME, "-workers"), "images/s by decode processes",
                     "decode processes", "images/s",
                     {LABELS[n]: (list(workers_sweep), [median_run(r[n]).images_per_s for r in workers_sweep.values()])
                      for n in LABELS}, note)
     if prefetch_sweep:
         out["sweep_prefetch"] = report_prefetch(prefetch_sweep, args.batch_size)
-        plots.lines(plots.png_path(args.plot, args.json, __file__, "-prefetch"),
+        plots.lines(plots.png_path(args.plot, args.json, PLOT_NAME, "-prefetch"),
                     f"client stall by prefetch depth, service + RemoteLoader ({args.workers} decode processes)",
                     "prefetch (batches)", "client stall, % of wall time",
-                    {_step_label(ms, args.batch_size): (list(by_n), [_median(_stall_pct(r) for r in rs)
+                    {_step_label(ms, args.batch_size): (list(by_n), [upper_median(_stall_pct(r) for r in rs)
                                                                      for rs in by_n.values()])
                      for ms, by_n in prefetch_sweep.items()}, note)
     if args.json:
@@ -622,11 +547,6 @@ def run_contenders(settings: Settings, dataset_args: List[str], runs: int = 1) -
     return results
 
 
-def _median(values) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
 def median_run(runs: List[Result]) -> Result:
     """The run with the median images/s (the upper median for an even count)."""
     return sorted(runs, key=lambda r: r.images_per_s)[len(runs) // 2]
@@ -643,15 +563,14 @@ def _stall_pct(r: Result) -> float:
 def report_workers(sweep: dict) -> list:
     """Print the scaling table (medians, and each run's images/s when there are several); return its rows."""
     several = any(len(rs) > 1 for results in sweep.values() for rs in results.values())
-    print("\n| decode processes | " + " | ".join(f"{LABELS[n]} img/s" + (" (runs)" if several else "") for n in LABELS)
-          + " |")
-    print("|---:|" + "---:|" * len(LABELS))
+    print("\n" + table_head(["decode processes"] + [f"{LABELS[n]} img/s" + (" (runs)" if several else "") for n in LABELS],
+                            "r" * (1 + len(LABELS))))
     rows = []
     for w, results in sweep.items():
         med = {n: median_run(results[n]).images_per_s for n in LABELS}
         cells = [f"{med[n]:.1f}" + (f" ({_each(r.images_per_s for r in results[n])})" if several else "")
                  for n in LABELS]
-        print(f"| {w} | " + " | ".join(cells) + " |")
+        print(table_row([w, *cells]))
         rows.append({"workers": w, **med})
     return rows
 
@@ -665,16 +584,15 @@ def _step_label(step_ms: float, batch_size: int) -> str:
 def report_prefetch(sweep: dict, batch_size: int) -> list:
     """Print the prefetch table, {step ms: {prefetch: [Result per run]}} (medians over the runs,
     each run's stall % listed); return its rows."""
-    print("\n| training step (ms per batch) | prefetch (batches) | service + RemoteLoader img/s | client stall s | "
-          "stall % of wall time | stall % each run |")
-    print("|---:|---:|---:|---:|---:|---|")
+    print("\n" + table_head(["training step (ms per batch)", "prefetch (batches)", "service + RemoteLoader img/s",
+                             "client stall s", "stall % of wall time", "stall % each run"], "rrrrrl"))
     rows = []
     for step_ms, by_n in sweep.items():
         for n, rs in by_n.items():
-            ips, stall_s = _median(r.images_per_s for r in rs), _median(r.extra["client_stall_s"] for r in rs)
-            pct = _median(_stall_pct(r) for r in rs)
-            print(f"| {step_ms:g} | {n} | {ips:.1f} | {stall_s:.2f} | {pct:.1f}% | "
-                  + " / ".join(f"{_stall_pct(r):.1f}" for r in rs) + " |")
+            ips, stall_s = upper_median(r.images_per_s for r in rs), upper_median(r.extra["client_stall_s"] for r in rs)
+            pct = upper_median(_stall_pct(r) for r in rs)
+            print(table_row([f"{step_ms:g}", n, f"{ips:.1f}", f"{stall_s:.2f}", f"{pct:.1f}%",
+                             " / ".join(f"{_stall_pct(r):.1f}" for r in rs)]))
             rows.append({"step_ms": step_ms, "prefetch": n, "images_per_s": ips, "client_stall_s": stall_s,
                          "stall_pct": pct, "runs_stall_pct": [_stall_pct(r) for r in rs]})
     return rows

@@ -3,7 +3,7 @@ debugger) while two DDP ranks stream, then continued. For each freeze length and
 the epoch, how long after SIGCONT the ranks get their next batch and finish the epoch, and
 whether every sample came exactly once.
 
-    python bench/freeze.py --freezes 5 15 25 --repeats 3      # prints a table; exit 1 on a lost or doubled sample
+    python -m bench.reliability.freeze --freezes 5 15 25 --repeats 3   # prints a table; exit 1 on a lost or doubled sample
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from client import RemoteLoader  # noqa: E402
-from tests.support.service import ServiceProcess, free_port  # noqa: E402
+from bench.harness import table_head, table_row
+from client import RemoteLoader
+from tests.support.service import ServiceProcess, free_port
 
 POINTS = {"start": 1 / 15, "middle": 7 / 15, "end": 14 / 15}  # share of each rank's epoch taken first
 
@@ -81,9 +79,8 @@ def main() -> int:
     a = p.parse_args()
     print(f"# load average at start: {os.getloadavg()[0]:.2f}; 2 ranks, {a.demo_size} samples, batch {a.batch_size}, "
           f"heartbeat {a.heartbeat}s, loader timeout 60s", flush=True)
-    print("| freeze | point of the epoch | first batch after SIGCONT, s (median, range) | epoch done after SIGCONT, s "
-          "(median, range) | exactly once |")
-    print("|---:|---|---:|---:|---|")
+    print(table_head(["freeze", "point of the epoch", "first batch after SIGCONT, s (median, range)",
+                      "epoch done after SIGCONT, s (median, range)", "exactly once"], "rlrrl"))
     ok = True
     for f in a.freezes:
         for point in a.points:
@@ -93,8 +90,8 @@ def main() -> int:
             ok &= exact
             verdict = (f"yes ({len(runs)}/{len(runs)} runs)" if exact
                        else "NO: " + "; ".join(str(r) for r in runs if not r["exact"]))
-            print(f"| {f:g} s | {point} | {statistics.median(firsts):.1f} ({min(firsts):.1f}-{max(firsts):.1f}) | "
-                  f"{statistics.median(dones):.1f} ({min(dones):.1f}-{max(dones):.1f}) | {verdict} |", flush=True)
+            print(table_row([f"{f:g} s", point, f"{statistics.median(firsts):.1f} ({min(firsts):.1f}-{max(firsts):.1f})",
+                             f"{statistics.median(dones):.1f} ({min(dones):.1f}-{max(dones):.1f})", verdict]), flush=True)
     return 0 if ok else 1
 
 
