@@ -44,7 +44,7 @@ def _serve(port: int, workers: int, delay_s: float, demo_size: int, data: Option
     from loader_service.service import Service
     from loader_service.sources import open_path
     from loader_service.sources.demo import ensure_demo
-    from loader_service.sources.fault import FaultSource
+    from tests.support.fault_source import FaultSource
 
     logging.basicConfig(level=logging.WARNING)
     src = open_path(data) if data else ensure_demo(demo_size, quiet=True)

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from client import LoaderError, LoaderTimeout, RemoteLoader
-from loader_service.sources.fault import FaultSource
+from tests.support.fault_source import FaultSource
 from tests.support.service import ROOT, free_port
 
 from .conftest import DEMO_SIZE

@@ -17,7 +17,7 @@ import zmq
 from client import LoaderError, RemoteLoader
 from wire import protocol as P
 from wire.jobspec import JobSpec
-from loader_service.sources.fault import FaultSource
+from tests.support.fault_source import FaultSource
 from tests.support.service import ServiceProcess, free_port
 
 from .conftest import DEMO_SIZE, write_imagefolder

@@ -566,3 +566,35 @@ def test_webdataset_members_in_the_other_formats_are_images(tmp_path, monkeypatc
     _tar(tmp_path / "y.tar", members)
     with pytest.raises(ShardError, match=r"sample 's/9' has no image member \(\.jpg, \.jpeg, \.png, \.ppm"):
         open_path(str(tmp_path / "y.tar"))
+
+
+KIND_IN_A_FRESH_PROCESS = """
+import pickle, sys
+from loader_service.sources.base import SOURCE_KINDS, import_kind_modules, open_source
+spec, modules = pickle.loads(sys.stdin.buffer.read())
+print("known before:", spec.kind in SOURCE_KINDS)
+import_kind_modules(modules)
+src = open_source(spec)
+print("opened:", type(src).__name__, len(src), src.read(3) == src.inner.read(3))
+"""
+
+
+def test_a_source_kind_registered_outside_the_package_reaches_a_fresh_process(demo_source):
+    """What a spawned worker does: a kind the service registered from its own module (here the
+    fault double of tests/support) is unknown to a fresh interpreter until it imports the
+    modules ``kind_modules`` names; then the spec opens."""
+    import subprocess
+    import sys
+
+    from loader_service.sources.base import kind_modules
+    from tests.support.fault_source import FaultSource
+    from tests.support.service import ROOT
+
+    spec = FaultSource(demo_source, crash=[7]).spec()
+    modules = kind_modules([spec, demo_source.spec()])
+    assert "tests.support.fault_source" in modules
+    out = subprocess.run([sys.executable, "-c", KIND_IN_A_FRESH_PROCESS], input=pickle.dumps((spec, modules)),
+                         capture_output=True, cwd=ROOT, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split("\n")[:2] == ["known before: False", f"opened: FaultSource {len(demo_source)} True"]

@@ -103,7 +103,7 @@ SERVE_WITH_UNOPENABLE_DATA = textwrap.dedent("""
     import sys
     from loader_service import service
     from loader_service.cli.main import main
-    from loader_service.sources.fault import FaultSource
+    from tests.support.fault_source import FaultSource
     real = service.open_datasets
     # the test double: every worker fails to open the dataset, as in a container without the mount
     service.open_datasets = lambda config: {n: FaultSource(s, unopenable=True) for n, s in real(config).items()}

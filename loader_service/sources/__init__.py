@@ -5,7 +5,7 @@ is described to worker processes by a :class:`SourceSpec`, so the plan, the work
 wire are the same whatever the format.
 """
 
-from loader_service.sources import fault, hdf5, imagefolder, packed, webdataset  # noqa: F401  (registers the source kinds)
+from loader_service.sources import hdf5, imagefolder, packed, webdataset  # noqa: F401  (registers the source kinds)
 from loader_service.sources.base import Source, SourceSpec, open_source
 from loader_service.sources.detect import detect_kind, open_path
 from loader_service.sources.index import PackedStrings

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import importlib
 from dataclasses import dataclass
-from typing import Any, Tuple, Union
+from typing import Any, Iterable, Tuple, Union
 
 import numpy as np
 
@@ -105,8 +106,25 @@ SOURCE_KINDS: dict = {}
 
 
 def register(kind: str):
+    """Class decorator: ``@register("kind")`` makes a :class:`Source` subclass the one that
+    :func:`open_source` reopens specs of that kind with. A kind registered outside this package
+    (a format of one's own, a test double) works in the service's spawned workers too: the pool
+    hands each worker :func:`kind_modules` of its specs, which it imports before opening them."""
+
     def deco(cls):
         SOURCE_KINDS[kind] = cls
         return cls
 
     return deco
+
+
+def kind_modules(specs: Iterable[SourceSpec]) -> Tuple[str, ...]:
+    """The modules that registered the kinds of ``specs`` in this process: what another process
+    (a spawned worker starts with only the built-in kinds) imports before :func:`open_source`."""
+    return tuple(sorted({SOURCE_KINDS[s.kind].__module__ for s in specs}))
+
+
+def import_kind_modules(modules: Iterable[str]) -> None:
+    """Import what :func:`kind_modules` named, so that their kinds are registered here too."""
+    for name in modules:
+        importlib.import_module(name)

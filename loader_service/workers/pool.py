@@ -21,6 +21,7 @@ import zmq
 from wire import protocol as P
 from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
 from loader_service.sources import SourceSpec
+from loader_service.sources.base import kind_modules
 from loader_service.workers.worker import worker_main
 
 log = logging.getLogger("loader_service.workers.pool")
@@ -82,6 +83,7 @@ class WorkerPool:
         self._mp = mp.get_context(start_method)
         self.start_s = start_s  # a worker not Ready this long after its start is killed
         self._specs = specs
+        self._kind_modules = kind_modules(specs)  # a kind registered outside loader_service works in workers too
         self._decode = decode
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -137,7 +139,8 @@ class WorkerPool:
         self._next_id += 1
         progress = self._mp.RawArray("d", [-1.0, 0.0])
         proc = self._mp.Process(
-            target=worker_main, args=(wid, self.endpoint, self._specs, self._death_r, self._decode, progress),
+            target=worker_main,
+            args=(wid, self.endpoint, self._specs, self._death_r, self._decode, progress, self._kind_modules),
             name=f"loader-worker-{wid}", daemon=True,
         )
         proc.start()

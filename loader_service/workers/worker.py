@@ -12,7 +12,7 @@ import signal
 import time
 import traceback
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import zmq
 
@@ -20,6 +20,7 @@ from wire import protocol as P
 from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
 from loader_service.shm import SHM_DIR, Segment
 from loader_service.sources import Source, SourceSpec, open_source
+from loader_service.sources.base import import_kind_modules
 from loader_service.decode.pipelines import Cache, Item, run_one
 from loader_service.decode.transforms import sample_rng
 
@@ -33,9 +34,11 @@ BENCH_SKIP_DECODE_ENV = "LOADER_BENCH_SKIP_DECODE"
 
 
 def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn,
-                decode: DecodeOptions = DEFAULT_OPTIONS, progress=None) -> None:
+                decode: DecodeOptions = DEFAULT_OPTIONS, progress=None, kind_modules: Sequence[str] = ()) -> None:
     """Entry point of a worker process. Returns when told to stop or when the service dies.
-    ``progress``: shared ``[position, since]`` of the sample being worked on (see pool.py)."""
+    ``progress``: shared ``[position, since]`` of the sample being worked on (see pool.py);
+    ``kind_modules``: the modules that registered the specs' source kinds in the service
+    (``sources.base.kind_modules``), imported before the specs are opened."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the service, which stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     segments: "OrderedDict[str, Segment]" = OrderedDict()
@@ -47,6 +50,7 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
+        import_kind_modules(kind_modules)
         for spec in specs:
             sources[spec.name] = open_source(spec)
     except Exception as exc:

@@ -7,6 +7,9 @@ replicas whose speed is set by their worker count, not by cores they share); ``h
 makes a worker's opening of it never return (a dataset on a mount that stopped answering). The
 fault lives here, in the data, so the worker's code path is the real one.
 A service gets it only when a test or a benchmark builds it: ``Service(config, sources=...)``.
+Not part of the product: the kind "fault" exists only in a process that imported this module;
+the service's spawned workers import it by themselves, as they do for any source kind
+registered outside loader_service.sources (``kind_modules`` in loader_service/sources/base.py).
 """
 
 from __future__ import annotations
