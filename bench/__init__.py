@@ -9,7 +9,8 @@ on a GPU machine), ``index_memory``, ``profile_decode``. Reliability figures:
 :mod:`bench.reliability` (``chaos``, ``freeze``, ``hostile_figures``).
 
 What the scripts share lives in :mod:`bench.harness` (service launching, timing, medians, tables,
-CPU pinning); :mod:`bench.plots` draws the figures; :mod:`bench.models` is the GPU benchmark's
-network.
+CPU pinning); :mod:`bench.plots` draws the figures; :mod:`bench.doubles` holds the ``blank``
+pipeline the transport benchmark registers (decoding off, with no hook in the product);
+:mod:`bench.models` is the GPU benchmark's network.
 A service in its own process comes from :mod:`tests.support.service`, the same helper the tests use.
 """

@@ -12,9 +12,9 @@ Rows, alternated round by round so that a drifting machine hurts them alike:
 
 Each row is the service in its own process and a RemoteLoader in this one (prefetch
 ``max(4, 2N)``), one warm-up epoch, then ``--epochs`` timed epochs (the same
-``bench.throughput`` measures as its service row). ``--skip-decode`` sets
-``LOADER_BENCH_SKIP_DECODE=1`` (workers do not decode; the transport alone, what CURVE costs at
-most). The table shows each row's median over the rounds, its share of the plain row's
+``bench.throughput`` measures as its service row). ``--skip-decode`` registers and asks for
+the ``blank`` pipeline of bench/doubles.py (workers decode nothing; the transport alone, what
+CURVE costs at most; see bench.transport). The table shows each row's median over the rounds, its share of the plain row's
 images/s, and the CPU seconds per 1000 images of the client process and of the service's
 processes (where encryption and decryption land). ``--split 0:1`` gives the service (and its
 decode processes) CPU 0 and this process CPU 1, as two machines would: the trainer's cipher
@@ -31,6 +31,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
+from bench import doubles
 from bench.harness import (command, machine, median_of, parse_split, run_epochs, set_affinity, start_service,
                            table_head, table_row, warm_page_cache)
 from client import RemoteLoader
@@ -44,17 +45,20 @@ SEED = 0
 
 def run_row(keys: Optional[str], io_threads: int, args) -> dict:
     data = ["--data", os.path.abspath(args.data)] if args.data else ["--demo", "--demo-size", str(args.demo_size)]
-    env = {"LOADER_IO_THREADS": str(io_threads), "LOADER_BENCH_SKIP_DECODE": "1" if args.skip_decode else ""}
+    env = {"LOADER_IO_THREADS": str(io_threads)}
+    blank = ["--pipeline", doubles.BLANK] if args.skip_decode else []
     service_cpus, client_cpus = args.split or (None, None)
     try:
         set_affinity(service_cpus)  # the service and its decode processes inherit it
-        svc = start_service([*data, "--workers", str(args.workers)] + (["--curve-keys", keys] if keys else []), env)
+        svc = start_service([*data, "--workers", str(args.workers), *blank] + (["--curve-keys", keys] if keys else []),
+                            env)
     finally:
         set_affinity(client_cpus)
     prefetch = max(4, 2 * args.workers)
     try:
+        pipeline = dict(pipeline="blank", pipeline_args={"size": 224}) if args.skip_decode else {}
         with RemoteLoader(svc.endpoint, batch_size=args.batch_size, seed=SEED, prefetch=prefetch,
-                          curve_keys=keys or "") as loader:
+                          curve_keys=keys or "", **pipeline) as loader:
             run = run_epochs(loader, svc, range(1, args.epochs + 1))
     finally:
         svc.stop()

@@ -24,16 +24,21 @@ default ``max(4, 2 x workers)``, what ``bench.throughput`` gives ``RemoteLoader`
    (zmq's own message buffer, no copy; what the client's CPU path does). The faster of the
    two is the most a pyzmq program moves with this message shape and flow: it is the 100%.
 2. **service + RemoteLoader, decode off**: ``python -m loader_service serve --demo
-   --workers N`` in its own process with ``LOADER_BENCH_SKIP_DECODE=1`` (the benchmark hook in
-   ``loader_service/workers/worker.py``: a worker neither reads nor decodes, it reports each task done
-   at once and leaves the slot's bytes untouched), consumed by ``RemoteLoader(prefetch=window,
-   drop_last=True)`` in this process (so every batch is full). What remains is the real path:
-   the dispatcher's task round trip to a worker through its internal socket, ordering, the
-   header encode, the zero-copy send from a shared-memory slot with its tracker, and on the
-   client side header decode, checks, the images tensor wrapping the received message, the
-   credit, reordering and epoch boundaries (every ``demo-size // batch`` batches: a new stream,
-   on the slots of that connection's previous one; epoch lookahead on, the default). Its first batch must arrive all zeros,
-   which shows decoding really was off.
+   --workers N --pipeline blank=bench.doubles:blank`` in its own process, consumed by
+   ``RemoteLoader(prefetch=window, drop_last=True, pipeline="blank")`` in this process (so every
+   batch is full). ``blank`` (bench/doubles.py, registered like any operator pipeline) declares
+   the ``image`` output and writes nothing: a worker still runs its per-sample loop (reads the
+   sample's bytes, draws its random generator, calls the pipeline) but decodes nothing and leaves
+   the slot's bytes untouched. What remains is the real path: the dispatcher's task round trip
+   to a worker through its internal socket, the worker's per-sample loop, ordering, the header
+   encode, the zero-copy send from a shared-memory slot with its tracker, and on the client
+   side header decode, checks, the images tensor wrapping the received message, the credit,
+   reordering and epoch boundaries (every ``demo-size // batch`` batches: a new stream, on the
+   slots of that connection's previous one; epoch lookahead on, the default). Its first batch
+   must arrive all zeros, which shows decoding really was off. (Until the worker lost its
+   benchmark hook, LOADER_BENCH_SKIP_DECODE, workers reported each task done without reading
+   its samples; the loop now in the row costs some tens of microseconds of worker CPU per
+   sample: docs/benchmarks.md section 2.)
 
 The service binds tcp only (``Dispatcher`` has no ipc endpoint), so there is no ipc row.
 
@@ -73,7 +78,7 @@ import numpy as np
 import psutil
 import zmq
 
-from bench import plots
+from bench import doubles, plots
 from bench.harness import (START_TIMEOUT_S, command, cpu_seconds, forever, log, machine, raise_on_sigterm,
                            start_service, table_head, table_row)
 from client import RemoteLoader
@@ -83,7 +88,6 @@ RAW, RAW_ZC, SERVICE = "raw_pyzmq", "raw_pyzmq_zero_copy", "service_client"
 LABELS = {RAW: "raw pyzmq ROUTER -> DEALER, recv_into", RAW_ZC: "raw pyzmq ROUTER -> DEALER, recv(copy=False)",
           SERVICE: "service (decode off) + RemoteLoader"}
 TARGET = 0.80  # DESIGN.md: transport alone >= 80% of raw pyzmq on the same socket type
-SKIP_DECODE_ENV = "LOADER_BENCH_SKIP_DECODE"
 STOP_JOIN_S = 10.0
 
 
@@ -271,12 +275,12 @@ def bench_raw(settings: Settings, zero_copy: bool = False) -> Run:
 # --------------------------------------------------------------- service + RemoteLoader
 def bench_service(settings: Settings) -> "tuple[Run, bool]":
     """Returns the run and whether decoding was really off (the first batch is all zeros)."""
-    svc = start_service(["--demo", "--demo-size", str(settings.demo_size), "--workers", str(settings.workers)],
-                        {SKIP_DECODE_ENV: "1"})  # the service's workers inherit it
+    svc = start_service(["--demo", "--demo-size", str(settings.demo_size), "--workers", str(settings.workers),
+                         "--pipeline", doubles.BLANK])
     try:
-        endpoint = svc.endpoint
-        with RemoteLoader(endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
-                          prefetch=settings.window, drop_last=True) as loader:
+        with RemoteLoader(svc.endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
+                          prefetch=settings.window, drop_last=True, pipeline="blank",
+                          pipeline_args={"size": settings.image_size}) as loader:
             batches = forever(loader)
             try:
                 first = next(batches)
@@ -285,8 +289,8 @@ def bench_service(settings: Settings) -> "tuple[Run, bool]":
                     raise RuntimeError(f"service: batch of shape {tuple(first.images.shape)}, expected {shape}")
                 skipped = not bool(first.raw.any())
                 if not skipped:
-                    log(f"warning: the service decoded images: is {SKIP_DECODE_ENV} honoured by "
-                        "loader_service/workers/worker.py?")
+                    log("warning: the service decoded images: did its workers run the blank pipeline "
+                        "(bench/doubles.py)?")
                 del first
 
                 def next_batch() -> None:

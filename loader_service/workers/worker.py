@@ -26,12 +26,6 @@ from loader_service.decode.transforms import sample_rng
 
 SEGMENT_CACHE = 4  # mappings a worker keeps open at most
 
-# The transport benchmark (bench/transport.py) measures dispatch, transport and the client
-# with decoding off: LOADER_BENCH_SKIP_DECODE=1 makes the worker run blank_task (report every task
-# done at once, slot bytes untouched) instead of run_task. It is read once when the worker starts,
-# so run_task itself carries no hook. Never set it outside that benchmark: clients would get blanks.
-BENCH_SKIP_DECODE_ENV = "LOADER_BENCH_SKIP_DECODE"
-
 
 def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn,
                 decode: DecodeOptions = DEFAULT_OPTIONS, progress=None, kind_modules: Sequence[str] = ()) -> None:
@@ -60,8 +54,6 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
         sock.close()
         ctx.term()
         return
-    skip_decode = os.environ.get(BENCH_SKIP_DECODE_ENV, "").strip() not in ("", "0")
-    task_fn = blank_task if skip_decode else run_task
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(death_conn.fileno(), zmq.POLLIN)  # EOF when the service process is gone
@@ -74,7 +66,7 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
             msg, _ = P.decode(sock.recv_multipart(), expect=(P.Task, P.Stop))
             if isinstance(msg, P.Stop):
                 return
-            done = task_fn(msg, worker_id, sources, segments, decode, progress, pipelines)
+            done = run_task(msg, worker_id, sources, segments, decode, progress, pipelines)
             sock.send_multipart(P.encode(done))
     finally:
         for seg in segments.values():
@@ -136,11 +128,6 @@ def _describe(source: Source, idx: int) -> str:
         return source.describe(idx)
     except Exception as exc:  # an index the source cannot name: still report the sample's failure
         return f"sample {idx} (no name: {type(exc).__name__}: {exc})"
-
-
-def blank_task(task: P.Task, worker_id: int, sources, segments, decode=None, progress=None, pipelines=None) -> P.Done:
-    """The transport benchmark's task: done at once, nothing read or decoded (see above)."""
-    return P.Done(task=task.task, worker=worker_id, ok=True)
 
 
 def _segment(cache: "OrderedDict[str, Segment]", name: str) -> Segment:
