@@ -1,5 +1,5 @@
 #!/bin/sh
-# Install what the status page test (tests/test_status_page.py) needs on a fresh Debian machine:
+# Install what the status page test (tests/e2e/test_status_page.py) needs on a fresh Debian machine:
 # Debian's chromium and chromedriver (same version, from the same archive; no browser download).
 # Idempotent: run it as often as you like.
 #

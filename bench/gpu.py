@@ -31,7 +31,7 @@ Part 2, a training step of a small ResNet (bench.models, bf16 autocast, channels
 
 Without CUDA the GPU rows are skipped with a message and the rest runs on the CPU (receive
 only, receive + host sink, the training step with device="cpu", stall by step ratio): that
-checks the script end to end (tests/test_bench_gpu_smoke.py runs it so); its figures say nothing
+checks the script end to end (tests/bench/test_bench_gpu_smoke.py runs it so); its figures say nothing
 about a GPU.
 """
 

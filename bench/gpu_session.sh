@@ -115,8 +115,8 @@ case $STEP in
     ;;
   suite)
     setup_gpu
-    part new-tests 200 pass "$PY" -m pytest tests/test_sinks.py tests/test_examples.py tests/test_bench_gpu_smoke.py \
-      tests/test_client.py -v -rs -p no:cacheprovider
+    part new-tests 200 pass "$PY" -m pytest tests/unit/client/test_sinks.py tests/e2e/test_examples.py tests/bench/test_bench_gpu_smoke.py \
+      tests/e2e/test_client.py -v -rs -p no:cacheprovider
     part quick-suite 360 pass "$PY" -m pytest -q -rs -m "not slow and not container" -p no:cacheprovider
     finish
     ;;

@@ -1,7 +1,7 @@
 """Flow control for one epoch of one rank: which batch to ask of which replica, and when.
 
 Pure bookkeeping over batch numbers (no sockets, no clocks), so that
-``tests/test_flow.py`` can drive it with simulated replicas of any speed.
+``tests/unit/client/test_flow_control.py`` can drive it with simulated replicas of any speed.
 
 The rules (after torchdata's in-order mapper and SPDL's ordered pipe, with tf.data service's
 on-demand sharding):

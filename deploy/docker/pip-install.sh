@@ -14,7 +14,7 @@
 #     PyPI is the multi-GB CUDA build).
 # Build arguments (environment here): WHEELS=auto (default: as above) or WHEELS=required (fail
 # at once when there are no wheels: the air-gapped build, where the index cannot be reached);
-# TORCH_INDEX_URL. WHEELS_DIR (/wheels) and SRC_DIR (/src) move the folders (tests/test_deploy.py).
+# TORCH_INDEX_URL. WHEELS_DIR (/wheels) and SRC_DIR (/src) move the folders (tests/deploy/test_deploy.py).
 set -eu
 
 what=${1:?usage: pip-install.sh deps|project service|trainer}

@@ -8,7 +8,7 @@ Two paths give the crop of the image decoded at scale 1/d (d in 1, 2, 4, 8):
   the MCU grid (``loader-service prepare-jpegs`` adds them losslessly) it decodes only the
   restart segments around the crop: no entropy decoding of the rows above it or the columns
   beside it. Pixels: the same as decoding the whole image at 1/d and slicing, checked by
-  tests/test_jpeg_kernel.py.
+  tests/unit/decode/test_jpeg.py.
 * ``simplejpeg``: the whole image at 1/d, then the slice. Used when the extension is not built
   (no libjpeg-turbo headers); ``LOADER_REQUIRE_NATIVE_JPEG=1`` makes that an import error.
 
@@ -102,7 +102,7 @@ def decode_crop(data: bytes, h: int, w: int, cmyk: bool, d: int, box: Tuple[int,
     y0, y1, x0, x1 = box
     sh, sw = -(-h // d), -(-w // d)
     # The system libjpeg-turbo (2.1 on Debian 12) decodes a whole image ~15 % slower than the one
-    # simplejpeg bundles (3.x); both give the same pixels (tests/test_jpeg_kernel.py). So a crop
+    # simplejpeg bundles (3.x); both give the same pixels (tests/unit/decode/test_jpeg.py). So a crop
     # that needs nearly every row and most columns goes the simplejpeg way (thresholds measured
     # on the real-photo set, docs/benchmarks.md).
     big = y1 - (y0 if restarts else 0) > ROI_MIN_SAVING * sh and (x1 - x0) > ROI_MIN_SAVING * sw

@@ -2,7 +2,7 @@
 tables wherever an op maps each value on its own.
 
 Each op follows torchvision's (v2, tensor) math and is tested against a float numpy version of
-that math with a stated tolerance (tests/test_ops.py); the per-op cost is in docs/benchmarks.md.
+that math with a stated tolerance (tests/unit/decode/test_ops.py); the per-op cost is in docs/benchmarks.md.
 Random ops take the per-sample generator (``item.rng``), so a sample is the same bytes on any
 worker. Ops return a new array unless ``out`` is given; none keeps state.
 """

@@ -8,7 +8,7 @@ which batches are done but not yet sent, and which slots are still read by a sen
 No sockets, shared memory, processes or clocks here: the dispatcher turns its I/O into
 events (``grant``, ``next_task``, ``task_done``, ``task_lost``, ``send_complete``,
 ``retire``) and applies the effects they return (:class:`SendBatch`, :class:`Finish`,
-:class:`Fail`). That is what lets ``tests/test_stream_state.py`` drive it through random
+:class:`Fail`). That is what lets ``tests/unit/dispatch/test_stream_state.py`` drive it through random
 interleavings and check, after every step, that every slot is accounted for exactly once.
 
 Rules:

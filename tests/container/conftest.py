@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from . import harness
+from tests.container import harness
 
 REQUIRED = os.environ.get("LOADER_REQUIRE_CONTAINER", "") not in ("", "0", "false", "no")
 SERVICE_IMAGE = "remote-loader/service:0.1.0"

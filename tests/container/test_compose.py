@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from . import harness
+from tests.container import harness
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 

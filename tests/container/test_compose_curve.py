@@ -17,7 +17,7 @@ import pytest
 from client import RemoteLoader
 from client.errors import LoaderError, LoaderTimeout
 
-from . import harness
+from tests.container import harness
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1200)]
 

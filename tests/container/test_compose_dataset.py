@@ -20,7 +20,7 @@ import pytest
 
 from client import LoaderError, RemoteLoader
 
-from . import harness
+from tests.container import harness
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1200)]
 

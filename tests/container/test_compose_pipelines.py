@@ -15,7 +15,7 @@ import torch
 
 from client import LoaderError, RemoteLoader
 
-from . import harness
+from tests.container import harness
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1200)]
 

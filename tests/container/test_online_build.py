@@ -20,7 +20,7 @@ import re
 
 import pytest
 
-from . import harness
+from tests.container import harness
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 

@@ -33,7 +33,7 @@ import psutil
 import pytest
 import torch
 
-from ..conftest import DEMO_SIZE
+from tests.conftest import DEMO_SIZE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")

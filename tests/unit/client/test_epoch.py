@@ -20,7 +20,7 @@ from client.epoch import EpochRun
 from client.errors import LoaderError, LoaderTimeout
 from client.stats import LoaderStats
 
-from .fakes import Clock, FakeConnections, RecordingSink
+from tests.unit.client.fakes import Clock, FakeConnections, RecordingSink
 
 
 def config(**kw) -> LoaderConfig:

@@ -17,7 +17,7 @@ from wire import protocol as P
 from client.lookahead import Lookahead
 from client.stats import LoaderStats
 
-from .fakes import Clock, FakeConnections, FakeReplica
+from tests.unit.client.fakes import Clock, FakeConnections, FakeReplica
 
 TOTAL = 6
 

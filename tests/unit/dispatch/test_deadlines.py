@@ -2,7 +2,7 @@
 
 The dispatcher gives a task of n samples, started at ``t``, the deadline
 ``t + deadline_s(n)``, kills its worker once the clock passes it, and reports every finished
-task with ``observe(samples, seconds)``. ``tests/test_deadlines.py`` checks that story on live
+task with ``observe(samples, seconds)``. ``tests/e2e/test_deadlines.py`` checks that story on live
 services; these tests check the numbers.
 """
 

@@ -4,7 +4,7 @@ The dispatcher uses it so: ``accepted(fd)`` / ``disconnected(fd)`` on monitor ev
 fd strictly alternately), dropping (``pop``) the identity ``disconnected`` names; on a client's
 first Hello ``add`` then ``bind`` to the message's fd; on a message from a known client over
 another fd, ``bind`` again; every identity ``bind`` reports as replaced is dropped.
-``tests/test_connections.py`` drives the dispatcher through the racy event orders; here the
+``tests/e2e/test_connections.py`` drives the dispatcher through the racy event orders; here the
 table is checked on its own.
 """
 

@@ -1,0 +1,45 @@
+"""Smoke test of ``python -m bench.gpu``: end to end with tiny settings on whatever this machine
+has (without CUDA: the receive rows and the training step on the CPU, GPU rows skipped with a
+message); every row present, no process left behind. No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.support.bench import ROOT, run_bench
+
+SCRIPT = "bench.gpu"
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_and_reports_every_row(tmp_path):
+    out = tmp_path / "gpu.json"
+    stdout = run_bench(SCRIPT, ["--batch-size", "8", "--image-size", "32", "--steps", "12", "--demo-size", "64",
+                           "--workers", "1", "--h2d-iters", "12", "--json", str(out)])
+    result = json.loads(out.read_text())
+    cuda = torch.cuda.is_available()
+    assert result["cuda"] is cuda
+    expected_rows = {"recv_only", "recv_sink"} | ({"pageable", "raw_pinned", "ring", "ring_normalize"} if cuda else set())
+    assert set(result["h2d"]) == expected_rows
+    assert all(v > 0 for v in result["h2d"].values()), result["h2d"]
+    t = result["train"]
+    assert t["resident_step_s"] > 0 and t["fed_step_s"] > 0 and t["service_rate"] > 0
+    assert 0 <= t["stall_step_ratio"] < 1 and 0 <= t["cpu_blocked_in_next"] < 1
+    assert (t["stall_gpu_idle"] is not None) is cuda
+    assert result["args"]["warmup"] >= 10
+    assert "| receive only: recv_into a host buffer (loopback tcp) |" in stdout
+    assert "| data stall: 1 - resident / fed step time |" in stdout
+    if not cuda:
+        assert "no CUDA: GPU rows skipped" in stdout and "ring vs raw pinned: skipped (no CUDA)" in stdout
+
+
+def test_gpu_benchmark_refuses_fewer_than_ten_warmup_iterations():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", SCRIPT, "--warmup", "3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--warmup must be at least 10" in proc.stderr

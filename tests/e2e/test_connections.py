@@ -1,0 +1,152 @@
+"""The dispatcher driven by hand: which client a disconnect belongs to, a stream that waits for
+the slots of one that is ending, and one that waits for the slots it lent (the batch-memory
+policy itself is tests/unit/dispatch/test_memory.py; these check the dispatcher's wiring).
+
+The dispatcher learns of disconnects from a socket monitor that names the connection by its fd,
+and of messages from the ROUTER, each tagged with its connection's fd (SRCFD). A client that
+leaves and a new one that arrives at once get the same fd number, and the new one's Hello can
+be read before the monitor's report of the old one's disconnect. Here the dispatcher is driven
+by hand, with monitor events fed in that exact order: the disconnect must not drop the new client.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import zmq
+
+from wire import protocol as P
+from wire.jobspec import JobSpec
+from loader_service.config import ServiceConfig
+
+from tests.support.dispatcher import FD, close, deliver, loopless, sent_to
+
+@pytest.fixture
+def dispatcher(demo_source):
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0), demo_source)
+    yield d
+    close(d)
+
+
+def _hello(stream: int = 1) -> P.Hello:
+    return P.Hello(stream=stream, spec=JobSpec(batch_size=4, image_size=32), prefetch=2)
+
+
+def test_disconnect_of_an_earlier_connection_on_the_same_fd_keeps_the_new_client(dispatcher):
+    d = dispatcher
+    old, new = uuid.uuid4().bytes, uuid.uuid4().bytes
+    d.event(zmq.EVENT_ACCEPTED)
+    deliver(d, old, _hello())
+    assert d.sessions.get(old).stream is not None
+    deliver(d, old, P.Bye())
+    assert old not in d.sessions
+    # the I/O thread reports the old connection gone and the new one (same fd) accepted, but the
+    # new client's Hello is handled before the loop gets round to reading the monitor
+    d.event(zmq.EVENT_DISCONNECTED)
+    d.event(zmq.EVENT_ACCEPTED)
+    deliver(d, new, _hello())
+    d._read_all(d.monitor, d._on_monitor)
+    assert new in d.sessions and d.sessions.get(new).stream is not None, "the new client was dropped"
+    # its own disconnect still drops it
+    d.event(zmq.EVENT_DISCONNECTED)
+    d._read_all(d.monitor, d._on_monitor)
+    assert new not in d.sessions and d.sessions.fd_owners() == {}
+
+
+def test_a_vanished_client_is_dropped_when_its_fd_number_is_reused(dispatcher):
+    d = dispatcher
+    old, new = uuid.uuid4().bytes, uuid.uuid4().bytes
+    d.event(zmq.EVENT_ACCEPTED)
+    deliver(d, old, _hello())
+    old_stream = d.sessions.get(old).stream
+    # no Bye: the old connection just goes, and a new one takes its fd number
+    d.event(zmq.EVENT_DISCONNECTED)
+    d.event(zmq.EVENT_ACCEPTED)
+    deliver(d, new, _hello())
+    assert old not in d.sessions
+    assert {c.ident for c in d.sessions} == {new} and d.sessions.fd_owners() == {FD: new}
+    assert old_stream.state.done and not d.sessions.get(new).stream.state.done
+
+
+@pytest.fixture
+def tight_dispatcher(demo_source):
+    """Room for one stream of ``_big_hello`` (2 x 3 MiB of slots), not two."""
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0, max_shm_mb=10),
+                 demo_source)
+    yield d
+    close(d)
+
+
+def _big_hello(stream: int = 1, **kw) -> P.Hello:
+    return P.Hello(stream=stream, spec=JobSpec(batch_size=64, image_size=128), prefetch=2, **kw)
+
+
+def test_a_stream_waits_for_the_slots_of_a_stream_that_is_still_ending(tight_dispatcher):
+    """A client that has just left still has a task reading its slots; a new job that fits once
+    that task is done waits for it instead of being refused (the race CI once lost)."""
+    d = tight_dispatcher
+    first, second = uuid.uuid4().bytes, uuid.uuid4().bytes
+    deliver(d, first, _big_hello(), fd=21)
+    ending = d.sessions.get(first).stream
+    assert ending.state.next_task(0) is not None  # a worker is busy on its first batch
+    deliver(d, first, P.Bye(), fd=21)
+    assert d.memory.retiring == [ending]  # gone, but its slots are still read by the task
+
+    deliver(d, second, _big_hello(on_demand=True, batches=[0]), fd=22)
+    deliver(d, second, P.Request(stream=1, batches=[1, 2], final=True), fd=22)
+    assert d.sessions.get(second).stream is None
+    assert second in d.memory.waiting and sent_to(d, second) == []  # no Accept yet, and no refusal
+
+    d._apply(ending, ending.state.task_done(0, [], "", ""))
+    d._release_idle_streams()
+    s = d.sessions.get(second).stream
+    assert s is not None and second not in d.memory.waiting
+    assert sent_to(d, second) == ["Accept"]
+    assert d.memory.in_use() == s.segment.size  # the ending stream's memory went back first
+    assert s.state.dispatchable()
+    assert [s.state.next_task(i).batch for i in range(2)] == [0, 1]  # the Request sent while waiting counts
+
+
+def test_a_stream_that_cannot_fit_even_after_the_ending_ones_is_refused_at_once(tight_dispatcher):
+    d = tight_dispatcher
+    first, second = uuid.uuid4().bytes, uuid.uuid4().bytes
+    deliver(d, first, _big_hello(), fd=21)
+    assert d.sessions.get(first).stream.state.next_task(0) is not None
+    deliver(d, first, _big_hello(stream=2), fd=21)  # its next epoch, while a task reads the old slots
+    assert d.sessions.get(first).stream is None and first in d.memory.waiting  # its own old slots: it waits
+
+    deliver(d, second, P.Hello(stream=1, spec=JobSpec(batch_size=64, image_size=128), prefetch=4), fd=22)  # 12 MiB > 10
+    assert d.sessions.get(second).stream is None and second not in d.memory.waiting
+    refusal = [m for i, m in d.sent if i == second]
+    assert len(refusal) == 1 and refusal[0].code == P.ErrorCode.NO_CAPACITY and refusal[0].fatal
+    assert "this job needs 12.0 MiB of batch slots" in refusal[0].message
+
+    d._apply(ending := d.memory.retiring[0], ending.state.task_done(0, [], "", ""))
+    d._release_idle_streams()  # the first client's old slots come back: its next epoch opens on them
+    assert d.sessions.get(first).stream is not None and sent_to(d, first) == ["Accept", "Accept"]
+
+
+def test_a_stream_that_lent_its_slots_waits_for_them_then_takes_them_from_one_that_went_quiet(demo_source):
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0, max_shm_mb=1,
+                               reclaim_idle_s=0), demo_source)
+    try:
+        a, b = uuid.uuid4().bytes, uuid.uuid4().bytes
+        deliver(d, a, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), prefetch=48, on_demand=True), fd=100)
+        deliver(d, b, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), prefetch=48, on_demand=True,
+                              batches=[0]), fd=101)
+        sa, sb = d.sessions.get(a).stream, d.sessions.get(b).stream
+        assert sa.segment is None and sb.segment is not None  # a asked for nothing: it lent its slots to b
+
+        deliver(d, a, P.Request(stream=1, batches=[0]), fd=100)  # a wants them back, b is busy
+        assert d.memory.starved == [sa] and sa.segment is None
+        deliver(d, a, P.Request(stream=1, probe=True), fd=100)
+        assert d.sent[-1][1].no_slots and d.sent[-1][1].waiting == 1  # what a's client is told
+
+        task = sb.state.next_task(0)
+        d._apply(sb, sb.state.task_done(task.task, [], "", ""))  # b's batch is done and sent: b is quiet
+        d._lend_if_due()  # what the loop does after every event
+        assert d.memory.starved == [] and sa.segment is not None and sb.segment is None
+        assert sa.state.dispatchable() and d.memory.in_use() == sa.nbytes
+    finally:
+        close(d)

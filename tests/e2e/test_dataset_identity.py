@@ -1,0 +1,59 @@
+"""A dataset that changes under the service is named, never mixed into an epoch (round 3: a
+service restarted on a folder with one file added finished the epoch with 689 files missing and
+689 doubled, no error)."""
+
+import os
+import shutil
+
+import pytest
+
+from client import LoaderError, RemoteLoader
+
+from tests.conftest import write_imagefolder
+
+KW = dict(batch_size=4, image_size=32, seed=2, epoch_lookahead=False, timeout=30)
+
+
+def _stopped_mid_epoch(make_service, tmp_path):
+    """A folder of 24 images, a service on it stopped after 2 batches of a live loader's epoch:
+    (folder, port, loader, its iterator, the indices taken)."""
+    folder = write_imagefolder(str(tmp_path / "data"), classes=3, per_class=8)
+    first = make_service(data=(folder,), demo=False)
+    ld = RemoteLoader(first.endpoint, **KW)
+    it = iter(ld)
+    got = [i for _ in range(2) for i in next(it).indices]
+    first.stop()
+    return folder, int(first.endpoint.rsplit(":", 1)[1]), ld, it, got
+
+
+@pytest.mark.parametrize("change", ["add", "remove and add", "new class"])
+def test_a_service_restarted_on_a_changed_folder_is_refused_by_the_live_loader(make_service, tmp_path, change):
+    folder, port, ld, it, got = _stopped_mid_epoch(make_service, tmp_path)
+    with ld:
+        one = os.path.join(folder, "cls0", sorted(os.listdir(os.path.join(folder, "cls0")))[0])
+        if change == "add":
+            shutil.copyfile(one, os.path.join(folder, "cls1", "added.png"))
+        elif change == "remove and add":
+            shutil.copyfile(one, os.path.join(folder, "cls1", "added.png"))
+            os.unlink(os.path.join(folder, "cls2", sorted(os.listdir(os.path.join(folder, "cls2")))[0]))
+        else:
+            os.mkdir(os.path.join(folder, "cls00"))  # later classes' labels shift by one
+            shutil.copyfile(one, os.path.join(folder, "cls00", "x.png"))
+        make_service(data=(folder,), demo=False, data_port=port)  # the same address
+        with pytest.raises(LoaderError, match=r"the dataset changed: the service at tcp://127\.0\.0\.1:\d+ serves "
+                                              r"'data' with \d+ samples .*this loader's epochs were planned on 24 "
+                                              r"samples") as info:
+            for b in it:
+                got.extend(b.indices)
+        assert info.value.code == "dataset_changed"
+    assert len(got) == len(set(got))  # nothing doubled before the refusal
+
+
+def test_a_restart_on_the_same_folder_resumes_exactly_once(make_service, tmp_path):
+    folder, port, ld, it, got = _stopped_mid_epoch(make_service, tmp_path)
+    with ld:
+        for name in os.listdir(os.path.join(folder, "cls0")):  # touched, not changed: mtimes are no identity
+            os.utime(os.path.join(folder, "cls0", name))
+        make_service(data=(folder,), demo=False, data_port=port)
+        got += [i for b in it for i in b.indices]
+    assert sorted(got) == list(range(24))

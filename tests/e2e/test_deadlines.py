@@ -1,0 +1,195 @@
+"""No stall outlives a deadline, and failures are loud (live services, real worker processes).
+
+* a worker frozen with SIGSTOP mid-epoch: its task outlives the deadline, the worker is killed
+  and replaced, the task is redone, and the epoch completes exactly once;
+* a sample whose read hangs every time: isolated like a poison sample, then ``on_error``;
+* a pool whose workers cannot start, or hang while starting: ``/healthz`` answers 503 with the
+  reason;
+* a dispatcher loop that dies: ``/healthz`` answers 503 and ``serve`` exits 1;
+* a dispatcher loop that is stuck: ``/healthz`` and REST reads answer 503 in time, the log
+  shows where the loop is, and all is well again once it moves.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from client import LoaderError, LoaderTimeout, RemoteLoader
+from tests.support.fault_source import FaultSource
+from tests.support.service import ROOT, free_port
+
+from tests.conftest import DEMO_SIZE
+from tests.support.helpers import collect, indices_of, status, wait_for
+
+KW = dict(batch_size=16, image_size=32, shuffle=True, seed=3, timeout=60, epoch_lookahead=False)
+
+
+def test_a_sigstopped_worker_is_replaced_and_the_epoch_completes_exactly_once(make_service):
+    svc = make_service(task_deadline_s=2.0)
+    frozen = []
+
+    def freeze_a_busy_worker():
+        busy = [w for w in status(svc)["workers"]["list"] if w["state"] == "busy" and w["pid"]]
+        if busy:
+            os.kill(busy[0]["pid"], signal.SIGSTOP)
+            frozen.append(busy[0]["pid"])
+        return bool(busy)
+
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        batches = []
+        for b in ld:
+            batches.append(list(b.indices))
+            if len(batches) == 2:
+                wait_for(freeze_a_busy_worker, what="a busy worker to freeze")
+    assert sorted(i for b in batches for i in b) == list(range(DEMO_SIZE))
+    st = status(svc)
+    assert st["workers"]["hung"] >= 1 and st["totals"]["hung_tasks"] >= 1
+    assert frozen[0] not in [w["pid"] for w in st["workers"]["list"]], "the frozen worker is still in the pool"
+    wait_for(lambda: status(svc)["workers"]["counts"].get("idle", 0) == 2, what="the pool back at 2 workers")
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_sample_that_hangs_every_time_is_isolated_and_judged_by_on_error(make_service, demo_source, policy):
+    stuck = 21
+    svc = make_service(on_error=policy, task_deadline_s=1.5,
+                       sources={"demo": FaultSource(demo_source, hang=[stuck])})
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        if policy == "raise":
+            with pytest.raises(LoaderError, match=rf"sample {stuck} \(.*\): hung: still running after its 1.5s"):
+                collect(ld)
+            return
+        batches = collect(ld)
+    assert sorted(indices_of(batches)) == sorted(set(range(DEMO_SIZE)) - {stuck})
+    skipped = [s for b in batches for s in b["skipped"]]
+    assert [i for i, _ in skipped] == [stuck] and "hung" in skipped[0][1] and "deadline" in skipped[0][1]
+    assert status(svc)["workers"]["hung"] == 4  # the batch twice, then the sample alone twice
+
+
+def test_healthz_fails_with_the_reason_when_no_worker_can_start(make_service, demo_source):
+    svc = make_service(sources={"demo": FaultSource(demo_source, unopenable=True)})
+    wait_for(lambda: httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 503, what="healthz to fail")
+    body = httpx.get(f"{svc.http_url}/healthz", timeout=10).json()
+    assert body["status"] == "failing" and "cannot open dataset 'demo'" in body["problem"]
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        with pytest.raises(LoaderError, match="cannot open dataset 'demo'"):
+            collect(ld)
+
+
+def test_workers_that_hang_while_starting_are_killed_and_healthz_says_so(make_service, demo_source):
+    svc = make_service(worker_start_s=1.0, sources={"demo": FaultSource(demo_source, hang_open=True)})
+    wait_for(lambda: httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 503, what="healthz to fail")
+    body = httpx.get(f"{svc.http_url}/healthz", timeout=10).json()
+    # workers 0 and 1, then a replacement: three failed starts in a row
+    assert re.fullmatch(r"worker [23] did not become ready within 1s and was killed \(hung opening a dataset or "
+                        r"importing a pipeline\?\)", body["problem"]), body
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        with pytest.raises(LoaderError, match="did not become ready within 1s and was killed"):
+            collect(ld)
+    assert not [w for w in status(svc)["workers"]["list"] if w["state"] == "starting"]
+
+def test_a_rest_server_that_stopped_is_a_problem_serve_exits_on(make_service):
+    svc = make_service()
+    assert svc.problem() == ""
+    svc._http.should_exit = True  # as if uvicorn's thread had ended on its own
+    wait_for(lambda: not svc._http_thread.is_alive(), what="the REST thread to end")
+    assert svc.problem() == "the REST server has stopped (no /healthz, /v1/status or scaling); see the log"
+    svc.stop()
+    assert svc.problem() == ""  # a stop is not a failure
+
+def test_a_stuck_dispatcher_loop_fails_healthz_in_time_and_recovers(make_service, caplog):
+    svc = make_service(loop_answer_s=0.5)
+    wait_for(lambda: svc.wait_ready(0), what="a worker")
+    assert httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 200
+    release, blocked = threading.Event(), threading.Event()
+
+    def wedge_the_loop():
+        blocked.set()
+        release.wait(60)
+
+    svc.dispatcher.post(wedge_the_loop)
+    try:
+        assert blocked.wait(10)
+        health = httpx.get(f"{svc.http_url}/healthz", timeout=10)
+        assert health.status_code == 503
+        why = "the dispatcher loop has not answered for 0.5s (stuck: every client stalls; its stack is in the log)"
+        assert health.json() == {"status": "failing", "problem": why}
+        st = httpx.get(f"{svc.http_url}/v1/status", timeout=10)
+        assert (st.status_code, st.json()["detail"]) == (503, why)
+        logged = [r.getMessage() for r in caplog.records if "the loop thread is at:" in r.getMessage()]
+        assert len(logged) == 1 and "wedge_the_loop" in logged[0] and "release.wait(60)" in logged[0]
+    finally:
+        release.set()
+    wait_for(lambda: httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 200, what="healthz to recover")
+    assert httpx.get(f"{svc.http_url}/v1/status", timeout=10).status_code == 200
+
+def test_a_dead_dispatcher_fails_healthz(make_service, monkeypatch):
+    from loader_service.dispatch.loop import Dispatcher
+
+    svc = make_service()
+    wait_for(lambda: svc.wait_ready(0), what="a worker")
+    crashed = threading.Event()
+
+    def broken_schedule(self):
+        crashed.set()
+        raise RuntimeError("injected scheduler bug")
+
+    monkeypatch.setattr(Dispatcher, "_schedule", broken_schedule)
+    svc.dispatcher.post(lambda: None)  # wake the loop: it runs the broken step and dies
+    wait_for(crashed.is_set, what="the loop to run the broken step")
+    wait_for(lambda: httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 503, what="healthz to fail")
+    assert "injected scheduler bug" in httpx.get(f"{svc.http_url}/healthz", timeout=10).json()["problem"]
+
+
+SERVE_WITH_A_DISPATCHER_BUG = """
+import sys
+from loader_service.dispatch.loop import Dispatcher
+from loader_service.cli.main import main
+real = Dispatcher._schedule
+def schedule(self):
+    if self.ready.is_set():  # once a worker is up
+        raise RuntimeError("injected scheduler bug")
+    return real(self)
+Dispatcher._schedule = schedule
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_serve_exits_non_zero_when_the_dispatcher_dies(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, LOADER_API_TOKEN="t", LOADER_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE_WITH_A_DISPATCHER_BUG, "serve", "--demo", "--demo-size", "64", "--workers", "1",
+         "--data-port", str(free_port()), "--http-port", str(free_port()), "--status-log", "0"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "injected scheduler bug" in proc.stderr
+
+
+def test_a_timeout_while_a_sample_hangs_names_the_sample_and_its_file(make_service, demo_source):
+    """The service is alive but one read never returns (its deadline is far off): the client's
+    timeout says so, naming the batch, the sample and its file, not "is it running?"."""
+    stuck = 21  # batch 1, position 5, with shuffle off and batches of 16
+    svc = make_service(workers=1, task_deadline_s=120, sources={"demo": FaultSource(demo_source, hang=[stuck])})
+    with RemoteLoader(svc.endpoint, **{**KW, "shuffle": False, "timeout": 3}) as ld:
+        with pytest.raises(LoaderTimeout) as info:
+            collect(ld)
+    assert re.fullmatch(
+        rf"\[timeout\] no batch for 3s: the loader service at {re.escape(svc.endpoint)} is alive but slow: batch 1 has been "
+        rf"decoding for \d+s, its worker on sample {stuck} \({re.escape(demo_source.describe(stuck))}\) for \d+s"
+        r"( \(said \d+s ago\))?", str(info.value)), str(info.value)
+
+
+def test_a_timeout_on_a_service_without_workers_says_so(make_service):
+    svc = make_service(workers=0)
+    with RemoteLoader(svc.endpoint, **{**KW, "timeout": 2}) as ld:
+        with pytest.raises(LoaderTimeout, match=rf"no batch for 2s: the loader service at {re.escape(svc.endpoint)} "
+                                                r"is alive but has no workers \(its /healthz says why\)"):
+            collect(ld)

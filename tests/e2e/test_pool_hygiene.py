@@ -1,0 +1,142 @@
+"""The worker pool under hostile control traffic: a scale storm leaves no zombie and no
+descriptor behind and never starts a burst of workers; a pool whose workers cannot start
+still stops promptly on SIGTERM."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import httpx
+import psutil
+
+from client import RemoteLoader
+from tests.support.service import ROOT, ServiceProcess, free_port
+
+from tests.conftest import DEMO_SIZE
+from tests.support.helpers import collect, indices_of, wait_for
+
+
+def _workers(proc: psutil.Process) -> list:
+    out = []
+    for p in proc.children():
+        try:
+            if "resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _zombies(proc: psutil.Process) -> int:
+    n = 0
+    for p in proc.children():
+        try:
+            n += p.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            pass
+    return n
+
+
+def test_scale_storm_while_streaming_leaves_no_zombies_no_fds_and_starts_no_burst(demo_source):
+    sp = ServiceProcess(free_port(), ["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "2"],
+                        env=dict(LOADER_HEARTBEAT_S="0.5"))
+    try:
+        me = psutil.Process(sp.proc.pid)
+        wait_for(lambda: sp.status()["workers"]["counts"] == {"idle": 2}, what="two idle workers")
+        fds_before = me.num_fds()
+        result, errors, storming = {}, [], threading.Event()
+
+        def stream() -> None:
+            try:
+                with RemoteLoader(sp.endpoint, batch_size=8, image_size=24, seed=5, epoch_lookahead=False) as ld:
+                    result["batches"] = collect(ld)
+            except BaseException as exc:
+                errors.append(exc)
+
+        def storm(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(10):
+                try:
+                    r = httpx.put(f"{sp.url}/v1/workers", json={"count": rng.randint(1, 6)}, timeout=30,
+                                  headers={"Authorization": f"Bearer {sp.token}"})
+                    assert r.status_code == 200, r.text
+                except BaseException as exc:
+                    errors.append(exc)
+
+        client = threading.Thread(target=stream)
+        client.start()
+        storm_threads = [threading.Thread(target=storm, args=(s,)) for s in range(10)]
+        storming.set()
+        for t in storm_threads:
+            t.start()
+        most = 0
+        while any(t.is_alive() for t in storm_threads):
+            most = max(most, len([p for p in _workers(me) if _alive(p)]))
+        for t in storm_threads:
+            t.join()
+        client.join(120)
+        assert not errors, errors
+        assert sorted(indices_of(result["batches"])) == list(range(DEMO_SIZE))
+        # never a burst: at most the largest target live, plus as many again on their way out
+        assert most <= 12, most
+        sp.scale(2)
+        wait_for(lambda: sp.status()["workers"]["counts"] == {"idle": 2}, timeout=60, what="the pool back at 2")
+        wait_for(lambda: len(_workers(me)) == 2 and _zombies(me) == 0, timeout=30, what="every exited worker reaped")
+        wait_for(lambda: me.num_fds() <= fds_before, timeout=30,
+                 what=f"descriptors back to {fds_before} (now {me.num_fds()})")
+    finally:
+        sp.stop()
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+SERVE_WITH_UNOPENABLE_DATA = textwrap.dedent("""
+    import sys
+    from loader_service import service
+    from loader_service.cli.main import main
+    from tests.support.fault_source import FaultSource
+    real = service.open_datasets
+    # the test double: every worker fails to open the dataset, as in a container without the mount
+    service.open_datasets = lambda config: {n: FaultSource(s, unopenable=True) for n, s in real(config).items()}
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_sigterm_with_no_worker_able_to_start_exits_within_the_drain_bound(demo_source):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_WITH_UNOPENABLE_DATA, "serve", "--demo", "--demo-size", str(DEMO_SIZE),
+         "--workers", "2", "--host", "127.0.0.1", "--data-port", "0", "--http-port", "0", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, LOADER_API_TOKEN="t"))
+    try:
+        line = "-"
+        while line and "could not start" not in line:  # EOF ("") if it exits first
+            line = proc.stderr.readline()
+        assert "could not start" in line  # the first worker's failure: the pool is failing to start
+        me = psutil.Process(proc.pid)
+        children = me.children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        # drain_s + 3 stop ladder stages of stop_timeout_s (defaults 2 + 3 x 5) and the join margins
+        code = proc.wait(timeout=2 + 3 * 5 + 10)
+        assert code in (0, 1)  # 1 when it noticed the broken pool first and stopped on its own
+        _, err = proc.communicate(timeout=10)
+        assert "TypeError" not in err and "Exception in thread" not in err and "crashed" not in err, err[-3000:]
+        # the workers are gone with the service; multiprocessing's resource tracker exits on its own
+        # once the last process holding its pipe has, a moment later: wait for it, with a deadline
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not [c for c in alive if _alive(c)], [(c.pid, c.cmdline()) for c in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
