@@ -11,13 +11,15 @@ from client import LoaderError, RemoteLoader
 
 from tests.conftest import write_imagefolder
 
-KW = dict(batch_size=4, image_size=32, seed=2, epoch_lookahead=False, timeout=30)
+# prefetch=1: after 2 batches taken, at most one more can be in flight, so the rest of the epoch
+# must come from the restarted service (with the default window the whole epoch could already be here)
+KW = dict(batch_size=4, image_size=32, seed=2, prefetch=1, epoch_lookahead=False, timeout=30)
 
 
 def _stopped_mid_epoch(make_service, tmp_path):
-    """A folder of 24 images, a service on it stopped after 2 batches of a live loader's epoch:
+    """A folder of 48 images, a service on it stopped after 2 batches of a live loader's epoch:
     (folder, port, loader, its iterator, the indices taken)."""
-    folder = write_imagefolder(str(tmp_path / "data"), classes=3, per_class=8)
+    folder = write_imagefolder(str(tmp_path / "data"), classes=3, per_class=16)
     first = make_service(data=(folder,), demo=False)
     ld = RemoteLoader(first.endpoint, **KW)
     it = iter(ld)
@@ -41,7 +43,7 @@ def test_a_service_restarted_on_a_changed_folder_is_refused_by_the_live_loader(m
             shutil.copyfile(one, os.path.join(folder, "cls00", "x.png"))
         make_service(data=(folder,), demo=False, data_port=port)  # the same address
         with pytest.raises(LoaderError, match=r"the dataset changed: the service at tcp://127\.0\.0\.1:\d+ serves "
-                                              r"'data' with \d+ samples .*this loader's epochs were planned on 24 "
+                                              r"'data' with \d+ samples .*this loader's epochs were planned on 48 "
                                               r"samples") as info:
             for b in it:
                 got.extend(b.indices)
@@ -56,4 +58,4 @@ def test_a_restart_on_the_same_folder_resumes_exactly_once(make_service, tmp_pat
             os.utime(os.path.join(folder, "cls0", name))
         make_service(data=(folder,), demo=False, data_port=port)
         got += [i for b in it for i in b.indices]
-    assert sorted(got) == list(range(24))
+    assert sorted(got) == list(range(48))
