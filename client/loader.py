@@ -103,6 +103,15 @@ class RemoteLoader:
             self._describe()
         return self._batches(0) * self.config.echo
 
+    def batches_left(self) -> int:
+        """Batches this rank still gets in the epoch at the cursor: ``len(self)`` before an epoch
+        starts, the rest of the epoch after :meth:`load_state_dict` (shared at this loader's
+        world size and batch size), 0 once the epoch is complete."""
+        if self._dataset_length is None:
+            self._describe()
+        total = self._batches(self._origin)
+        return (total - min(self._next_batch, total)) * self.config.echo
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration serves (as with DistributedSampler). Called while
         an epoch is being iterated, it applies to the next iteration (the cursor, and so
@@ -129,6 +138,7 @@ class RemoteLoader:
         if self._closed:
             raise RuntimeError("this RemoteLoader is closed")
         with self._iter_lock:
+            self._close_if_taken()
             if self._live_iterator() is not None:
                 raise RuntimeError("this RemoteLoader already has a live iterator (another thread, or an "
                                    "earlier iter() still referenced): finish or close it first; use one "
@@ -149,6 +159,17 @@ class RemoteLoader:
             gen = self._iterate(self._epoch, self._origin, self._next_batch)
             self._live = weakref.ref(gen)
             return gen
+
+    def _close_if_taken(self) -> None:
+        """Close a live iterator whose epoch was taken to its last batch: all it has left is the
+        StopIteration, which a consumer that stops at ``len()`` (Lightning's fetcher) never asks for."""
+        gen = self._live_iterator()
+        if gen is None or self._dataset_length is None or self._next_batch < self._batches(self._origin):
+            return
+        try:
+            gen.close()
+        except ValueError:  # running in another thread right now: the error below says so
+            pass
 
     def _live_iterator(self):
         gen = self._live() if self._live is not None else None

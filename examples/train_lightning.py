@@ -26,13 +26,12 @@ sampler); the epoch numbers stay the same as Lightning's because every epoch run
 It does not inject a DistributedSampler (it does so only for torch DataLoaders): the ranks'
 shares come from ``rank=trainer.global_rank, world_size=trainer.world_size``.
 
-One limit is Lightning's, not the loader's: a resumed epoch ends after ``len(loader)`` batches
-counting the ones trained before the checkpoint, in the *old* world size's batches (the fit
-loop's ``batch_progress``, and a limit it takes from ``len()`` before it loads the loader's
-state). Resumed on fewer ranks, the loader ends the epoch first and all is well; resumed on
-more ranks, Lightning stops the epoch early and the samples left are never trained on (2 ranks
-checkpointed after 6 of 15 batches, 3 ranks resume: Lightning allows 10 - 6 = 4 more batches per
-rank, the rest of the epoch is 6; docs/frameworks.md).
+Resumed on more devices, one callback is needed: Lightning counts a resumed epoch's batches from
+the ones trained before the checkpoint, in the *old* world size's batches, against a limit it
+takes from ``len()`` before it loads the loader's state, so it would end the epoch early (2 ranks
+checkpointed after 6 of 15 batches, 3 ranks resume: 10 - 6 = 4 more batches per rank where 6
+are left). ``client.lightning.ElasticResume`` sets that count from ``loader.batches_left()``
+once the state is loaded (docs/frameworks.md).
 
 ``--devices N`` CPU processes with ``strategy="ddp"`` (gloo). A checkpoint every
 ``--checkpoint-every`` steps through Lightning's ``ModelCheckpoint(every_n_train_steps=...)``,
@@ -48,6 +47,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from client.lightning import ElasticResume  # <- a resume on any number of devices
 from framework_common import IndexLog, TinyNet, add_common_args, hang_if_asked, loss_of, make_loader
 
 
@@ -115,7 +115,7 @@ def main() -> int:
     checkpoints = ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.checkpoint_every,
                                   save_top_k=-1, save_last=True)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_epochs=args.epochs,
-                        callbacks=[HangAfter(args), checkpoints], logger=False, enable_progress_bar=False,
+                        callbacks=[HangAfter(args), checkpoints, ElasticResume()], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=args.ckpt_dir, num_sanity_val_steps=0)
     last = os.path.join(args.ckpt_dir, "last.ckpt")
     ckpt_path = last if args.resume and os.path.exists(last) else None

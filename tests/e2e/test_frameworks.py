@@ -223,15 +223,14 @@ def test_torchrun_killed_and_resumed_on_three_ranks_from_rank0s_state(service, t
 # ---------------------------------------------------------------------------------------- Lightning
 
 
-@pytest.mark.parametrize("first, second", [
-    (1, 1),  # what works without the elastic state: rank 0 of 1 saves, rank 0 of 1 resumes
-    (2, 1),
-    # and then still Lightning's count of the resumed epoch, in the old world size's batches (see
-    # examples/train_lightning.py): 4 more batches per rank where 6 are left, 48 samples never trained on
-    pytest.param(2, 3, marks=pytest.mark.xfail(strict=False, reason="needs the elastic loader state (issue 27); "
-                                               "then Lightning ends the resumed epoch early on more ranks")),
+@pytest.mark.parametrize("first, second, epochs", [
+    (1, 1, 1),  # what works without the elastic state: rank 0 of 1 saves, rank 0 of 1 resumes
+    (2, 1, 1),
+    # more ranks: client.lightning.ElasticResume sets the resumed epoch's count, and gives the
+    # next epoch its whole count back
+    (2, 3, 2),
 ])
-def test_lightning_killed_and_resumed_from_its_own_checkpoint(service, tmp_path, first, second):
+def test_lightning_killed_and_resumed_from_its_own_checkpoint(service, tmp_path, first, second, epochs):
     """Lightning's ModelCheckpoint saves the loader's state by itself (the fit loop's
     ``combined_loader`` entry) and ``trainer.fit(ckpt_path=...)`` restores it."""
     ckpt_dir = tmp_path / "ckpt"
@@ -241,11 +240,11 @@ def test_lightning_killed_and_resumed_from_its_own_checkpoint(service, tmp_path,
     ckpt = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)
     loader_states = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert len(loader_states) == 1 and loader_states[0]["epoch"] == 0, loader_states  # found with no user code
-    out = launch(lightning(second, *common(service, tmp_path / "run2"), "--ckpt-dir", str(ckpt_dir), "--resume"),
-                 tmp_path / "run2.out")
+    out = launch(lightning(second, *common(service, tmp_path / "run2", epochs), "--ckpt-dir", str(ckpt_dir),
+                           "--resume"), tmp_path / "run2.out")
     assert f"step {CKPT_EVERY}, {second} rank(s)" in out, out
     assert_killed_after_checkpoint(tmp_path / "run1", tmp_path / "run2", ckpt["global_step"])
-    assert_exactly_once(trained(tmp_path / "run1", tmp_path / "run2"))
+    assert_exactly_once(trained(tmp_path / "run1", tmp_path / "run2"), epochs)
 
 
 # ---------------------------------------------------------------------------------------- accelerate

@@ -41,6 +41,36 @@ def test_a_second_live_iterator_is_an_error_at_once(service):
     assert len(rest) == N // 16 - 1
 
 
+def test_a_consumer_that_stops_at_len_goes_on_to_the_next_epoch(service):
+    """Lightning's fetcher takes len() batches and never asks for the StopIteration: the iterator
+    of a fully taken epoch is not a second live one."""
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        assert ld.batches_left() == len(ld) == N // 16
+        epochs = []
+        for _ in range(2):
+            it = iter(ld)
+            epochs.append([i for _ in range(len(ld)) for i in next(it).indices])
+            assert ld.batches_left() == 0
+        it = iter(ld)
+        next(it)
+        with pytest.raises(RuntimeError, match="already has a live iterator"):  # one not taken to its end is
+            iter(ld)
+    assert [sorted(e) for e in epochs] == [list(range(N))] * 2 and epochs[0] != epochs[1]
+
+
+def test_batches_left_after_a_resume_is_this_ranks_share_of_the_rest(service):
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        it = iter(ld)
+        for _ in range(3):
+            next(it)
+        state = ld.state_dict()
+    with RemoteLoader(service.endpoint, **dict(KW, world_size=2, rank=1)) as ld:
+        ld.load_state_dict(state)
+        left = ld.batches_left()
+        got = [b.indices for b in ld]
+    assert left == len(got) == -(-(N - 3 * 16) // (2 * 16))
+
+
 def test_set_epoch_during_an_epoch_applies_to_the_next_one_and_state_stays_true(service):
     with RemoteLoader(service.endpoint, **KW) as ld:
         seen = []
