@@ -337,9 +337,9 @@ class Dispatcher:
     def _revoked(self, ident: bytes, session: Optional[Session], msg: P.Message) -> None:
         """The key this connection's handshake used was removed: its stream ends, its session goes."""
         why = "this client's CURVE key is no longer authorized by the service (removed from its keys directory)"
-        self.totals.revoked += 1
-        log.warning("client %s: %s; its stream ends", ident.hex()[:12], why)
         if session is not None and session.stream is not None:
+            self.totals.revoked += 1
+            log.warning("client %s: %s; its stream ends", ident.hex()[:12], why)
             self._end_stream(session.stream, Fail(P.ErrorCode.REVOKED, why))
         else:
             self._send(ident, P.Error(code=P.ErrorCode.REVOKED, stream=getattr(msg, "stream", -1), message=why))
