@@ -58,6 +58,12 @@ class ServiceConfig:
     on_error: Annotated[str, opt("a sample that fails to decode: fail the client's epoch with the reason (raise) "
                                  "or deliver the batch without it (skip)", choices=ON_ERROR)] = "raise"
     heartbeat_s: Annotated[float, opt("ZMTP heartbeat interval; silent peers are dropped after 3 intervals")] = 2.0
+    max_sessions: Annotated[int, opt(
+        "sessions (connections that said Hello) at once; a Hello past it is refused with no_capacity naming this "
+        "cap (each session costs a few KB, and while it streams one shared-memory segment and its descriptor)")] = 8192
+    max_waiting: Annotated[int, opt(
+        "new streams waiting at once for batch slots that ending or quiet streams hold; a Hello past it is refused "
+        "with no_capacity naming this cap (the client retries)")] = 256
     stop_timeout_s: Annotated[float, opt("per stage of the worker stop ladder")] = 5.0
     drain_s: Annotated[float, opt("on stop, let tasks in flight finish and go out for up to this long")] = 2.0
     task_deadline_s: Annotated[float, opt(
@@ -147,6 +153,9 @@ class ServiceConfig:
             raise ValueError("max_sample_bytes, max_http_connections, max_http_body_bytes, http_receipt_s and "
                              f"loop_answer_s must be positive, got {self.max_sample_bytes}, {self.max_http_connections}, "
                              f"{self.max_http_body_bytes}, {self.http_receipt_s} and {self.loop_answer_s}")
+        if self.max_sessions < 1 or self.max_waiting < 0:
+            raise ValueError(f"max_sessions must be >= 1 and max_waiting >= 0, got {self.max_sessions} and "
+                             f"{self.max_waiting}")
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
         DecodeOptions(self.max_image_pixels)  # raises if the limit is out of range

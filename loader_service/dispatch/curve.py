@@ -2,7 +2,11 @@
 
 The service checks each client key with a ZAP
 handler (``zmq.auth.ThreadAuthenticator``) that reads the directory again when it changes, so
-a client key added or removed counts from the next handshake on, with no restart.
+a client key added counts from the next handshake on, with no restart. A key removed also ends
+the streams of connections already open with it: the dispatcher checks the key behind every
+Hello, Credit and Request (:meth:`DataPortGuard.authorized`: a stat of the directory, and a read
+of it when that changed or once a second), so a revoked client gets nothing past its next
+message, which a streaming client sends with every batch it takes (docs/security.md).
 
 A refused handshake never reaches the dispatcher as a message: ZeroMQ reports it on the
 socket monitor. The dispatcher owns that monitor (one reader per monitor socket) and hands
@@ -27,6 +31,7 @@ from wire.keys import HANDSHAKE_FAILED, SERVER, load_pair, load_public
 
 log = logging.getLogger("loader_service.dispatch.curve")
 
+RECHECK_S = 1.0  # a connected client's key is read again from its file at least this often
 LOG_EVERY_S = 60.0  # refused handshakes: one log line per this interval at most (an open port attracts many)
 
 
@@ -41,7 +46,21 @@ class ClientKeyDirectory:
         self._stamp: Optional[tuple] = None
         self._keys: Dict[bytes, str] = {}
         self.last_denied = b""  # the z85 key of the latest refused client, for the log line
+        self._dir_stamp: Optional[int] = None  # the directory's mtime at the last read
+        self._read_at = 0.0
         self.reload()
+
+    def holds(self, key: bytes, now: float) -> bool:
+        """Whether ``key`` (z85) is authorized now: the directory is read again if its mtime
+        changed (a file added, removed or renamed; a Secret's ..data swapped) or every
+        ``RECHECK_S`` (a file edited in place); an unreadable directory authorizes nobody."""
+        try:
+            stamp = os.stat(self.directory).st_mtime_ns
+            if stamp != self._dir_stamp or now - self._read_at >= RECHECK_S:
+                self.reload()
+        except OSError:
+            return False
+        return key in self._keys
 
     def _listing(self) -> tuple:
         entries = []
@@ -53,6 +72,7 @@ class ClientKeyDirectory:
         return tuple(sorted(entries))
 
     def reload(self) -> int:
+        self._dir_stamp, self._read_at = os.stat(self.directory).st_mtime_ns, time.monotonic()
         stamp = self._listing()
         with self._lock:
             if stamp != self._stamp:
@@ -119,6 +139,11 @@ class DataPortGuard:
     @property
     def curve(self) -> bool:
         return self.auth is not None
+
+    def authorized(self, user_id: str, now: float) -> bool:
+        """Whether the client whose messages carry ZAP ``user_id`` (its z85 public key) may still
+        be served; always True without CURVE."""
+        return self.clients is None or self.clients.holds(user_id.encode(), now)
 
     def on_event(self, ev: dict) -> bool:
         """A monitor event the dispatcher does not handle itself; True if it is a refused

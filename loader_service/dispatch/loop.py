@@ -89,7 +89,8 @@ class Dispatcher:
         self.mailbox = Mailbox()  # functions other threads hand to this one
         self.sessions = Sessions()
         cap, hint = slot_cap(config.max_shm_bytes)
-        self.memory = BatchMemory(cap, config.reclaim_idle_s, self._live_streams, self.sessions.__contains__, hint)
+        self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint)
+        self._unreachable: Dict[bytes, None] = {}  # idents a send found gone: dropped after the event at hand
         self.scheduler = Scheduler()
         self.tasks = Tasks(TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s), config.on_error)
         self.totals = Totals()
@@ -192,6 +193,7 @@ class Dispatcher:
                 self._release_idle_streams()
                 self._lend_if_due()
                 self._schedule()
+                self._drop_unreachable()
         except BaseException as exc:
             self.failure = f"the dispatcher loop crashed: {type(exc).__name__}: {exc}"
             log.critical("%s\n%s", self.failure, traceback.format_exc())
@@ -223,6 +225,7 @@ class Dispatcher:
                 return
             try:
                 handler(frames)
+                self._drop_unreachable()
             except Exception as exc:
                 # a bug met by one message must not take the service down for everyone
                 tb = traceback.format_exc()
@@ -243,7 +246,25 @@ class Dispatcher:
             log.exception("could not report an internal error to client %s", ident.hex()[:12])
 
     def _send(self, ident: bytes, msg: P.Message) -> None:
-        self.front.send_multipart([ident, *P.encode(msg)])
+        self._send_frames(ident, P.encode(msg))
+
+    def _send_frames(self, ident: bytes, frames: list, copy: bool = True) -> bool:
+        """Send to ``ident``; False if its connection is gone (ROUTER_MANDATORY says so at once:
+        then the session is dropped after the event at hand, whatever the monitor has said yet)."""
+        try:
+            self.front.send_multipart([ident, *frames], copy=copy)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EHOSTUNREACH, errno.EAGAIN):  # EAGAIN: a pipe being torn down (no HWM here)
+                raise
+            self._unreachable[ident] = None
+            return False
+
+    def _drop_unreachable(self) -> None:
+        while self._unreachable:
+            ident = next(iter(self._unreachable))
+            del self._unreachable[ident]
+            self._drop_client(ident, "is unreachable: its connection is gone")
 
     # ------------------------------------------------------------------ clients
     def _on_monitor(self, frames) -> None:
@@ -257,15 +278,28 @@ class Dispatcher:
         elif self.guard.on_event(ev):
             self.totals.refused_handshakes += 1
 
+    def _read_monitor(self) -> None:
+        """Every monitor event queued now (bounded by the connections the service has)."""
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_monitor(frames)
+
     def _on_client(self, frames) -> None:
         ident = frames[0].bytes
         fd = frames[-1].get(zmq.SRCFD)
         session = self.sessions.get(ident)
         if session is None or session.fd != fd:
             # A new connection's accept is reported before any of its messages can arrive, but
-            # the monitor may not have been read yet: read it now, so that the disconnect of an
-            # earlier connection on this fd number is not taken for this one's.
-            self._read_all(self.monitor, self._on_monitor)
+            # the monitor may not have been read yet: read it to the end now, so that the
+            # disconnect of an earlier connection on this fd number is not taken for this one's,
+            # and a message from a connection already gone is known as such.
+            self._read_monitor()
+            if not self.sessions.is_open(fd):
+                self.totals.late_messages += 1  # its sender left before it was read: nobody to answer
+                return
             session = self.sessions.get(ident)
             if session is not None and session.fd != fd:
                 self._bind_fd(session, fd)
@@ -276,12 +310,20 @@ class Dispatcher:
             log.warning("refused a message from client %s: %s", ident.hex()[:12], exc)
             self._send(ident, P.Error(code=exc.code, message=str(exc), stream=_stream_of(frames[1])))
             return
+        if (self.guard.curve and isinstance(msg, (P.Hello, P.Credit, P.Request))
+                and not self.guard.authorized(frames[-1].get("User-Id"), time.monotonic())):
+            return self._revoked(ident, session, msg)
         if isinstance(msg, P.Hello) and self._stop_by is not None:
             self._send(ident, P.Error(code=P.ErrorCode.SHUTTING_DOWN, stream=msg.stream, fatal=False,
                                       message="the service is shutting down; reconnect and resume"))
             return
         if isinstance(msg, P.Hello):
             if session is None:
+                if len(self.sessions) >= self.config.max_sessions:
+                    self.totals.refused_sessions += 1
+                    return self._send(ident, P.Error(code=P.ErrorCode.NO_CAPACITY, stream=msg.stream, message=(
+                        f"the service holds {len(self.sessions)} sessions, its cap (--max-sessions "
+                        f"{self.config.max_sessions}); try again later or ask its operator to raise the cap")))
                 session = self.sessions.add(ident)
                 self._bind_fd(session, fd)
             self._on_hello(session, msg)
@@ -291,6 +333,18 @@ class Dispatcher:
             self._send(ident, self.admission.describe(msg))
         elif isinstance(msg, P.Bye):
             self._drop_client(ident, "said bye")
+
+    def _revoked(self, ident: bytes, session: Optional[Session], msg: P.Message) -> None:
+        """The key this connection's handshake used was removed: its stream ends, its session goes."""
+        why = "this client's CURVE key is no longer authorized by the service (removed from its keys directory)"
+        if session is not None and session.stream is not None:
+            self.totals.revoked += 1
+            log.warning("client %s: %s; its stream ends", ident.hex()[:12], why)
+            self._end_stream(session.stream, Fail(P.ErrorCode.REVOKED, why))
+        else:
+            self._send(ident, P.Error(code=P.ErrorCode.REVOKED, stream=getattr(msg, "stream", -1), message=why))
+        if session is not None:
+            self._drop_client(ident, "was revoked")
 
     def _bind_fd(self, session: Session, fd: int) -> None:
         for other in self.sessions.bind(session, fd):
@@ -309,19 +363,25 @@ class Dispatcher:
         self.memory.waiting.pop(session.ident, None)
         if session.stream is not None:
             self._retire(session.stream)
-        verdict = self.admission.admit(session, hello, self.sessions, self.pool.broken)
+        verdict = self.admission.admit(session, hello, self.sessions.of_job(hello.job), self.pool.broken)
         for t in verdict.takeovers:
             log.warning("client %s: %s", t.session.name, t.why)
-            t.session.spec = None
+            self.sessions.hold(t.session, None)
             if t.session.stream is not None:
                 self._end_stream(t.session.stream, Fail(P.ErrorCode.REPLACED, t.why))
             else:
                 self._send(t.session.ident, P.Error(code=P.ErrorCode.REPLACED, message=t.why))
         if verdict.spec is not None:
-            session.rank, session.spec, session.run = hello.rank, verdict.spec, (hello.epoch, hello.entry)
+            session.rank, session.run = hello.rank, (hello.epoch, hello.entry)
+            self.sessions.hold(session, verdict.spec)
         if isinstance(verdict.outcome, Refuse):
             return self._refuse(session.ident, hello, verdict.outcome)
         opening = verdict.outcome
+        if len(self.memory.waiting) >= self.config.max_waiting and not hello.lookahead:
+            self.totals.refused_sessions += 1
+            return self._refuse(session.ident, hello, Refuse(P.ErrorCode.NO_CAPACITY, (
+                f"{len(self.memory.waiting)} new streams already wait for batch slots, the cap (--max-waiting "
+                f"{self.config.max_waiting}); try again later"), fatal=False))
         result = self.memory.open(opening, time.monotonic())
         if result is None:
             log.info("client %s stream %d waits for %.1f MiB of slots that ending streams still hold",
@@ -339,7 +399,7 @@ class Dispatcher:
 
     def _start(self, session: Session, s: Stream) -> None:
         hello, plan = s.hello, s.plan
-        session.stream = s
+        self.sessions.serve(session, s)
         self.totals.streams += 1
         self._send(session.ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=plan.num_batches,
                                            num_samples=plan.num_samples, dataset_length=len(s.source),
@@ -407,10 +467,6 @@ class Dispatcher:
         self._opened(opened)
 
     # ------------------------------------------------------------------ streams
-    def _live_streams(self) -> Iterator[Stream]:
-        """The streams being served (the batch memory's view of them)."""
-        return (x.stream for x in self.sessions if x.stream is not None)
-
     def _apply(self, s: Stream, effects: List[Effect]) -> None:
         """Carry out what a stream's state asked for."""
         for e in effects:
@@ -433,7 +489,7 @@ class Dispatcher:
         """Stop serving ``s``; its slots go back once no task or send still uses them."""
         session = self.sessions.get(s.ident)
         if session is not None and session.stream is s:
-            session.stream = None
+            self.sessions.serve(session, None)
         self._opened(self.memory.retire(s, time.monotonic()))
 
     def _release_idle_streams(self) -> None:
@@ -469,10 +525,12 @@ class Dispatcher:
             frames.append(frame)
             pending[0] += zero_copy
             nbytes += size
-        self.front.send_multipart([s.ident, header, *frames, labels], copy=False)
+        delivered = self._send_frames(s.ident, [header, *frames, labels], copy=False)
         if not pending[0]:
             state.send_complete(slot)
-        del frames, frame
+        del frames, frame  # unsent zero-copy frames are released here: their ``sent`` runs all the same
+        if not delivered:
+            return
         session = self.sessions.get(s.ident)
         if session is not None:
             session.batches += 1
@@ -488,16 +546,15 @@ class Dispatcher:
         s.state.send_complete(slot)
 
     def _fail_all(self, why: str) -> None:
-        for session in self.sessions:
-            if session.stream is not None:
-                self._end_stream(session.stream, Fail(P.ErrorCode.INTERNAL, why))
+        for stream in self.sessions.streams():
+            self._end_stream(stream, Fail(P.ErrorCode.INTERNAL, why))
 
     # ------------------------------------------------------------------ workers
     def _schedule(self) -> None:
         idle = self.pool.idle()
         if not idle or self._stop_by is not None:
             return
-        streams = [c.stream for c in self.sessions if c.stream is not None]
+        streams = self.sessions.streams()
         self.scheduler.pick(streams, len(idle), lambda s: s.segment is not None and s.state.dispatchable(),
                             lambda s: s.lookahead,
                             lambda s: self._dispatch(s, idle.pop()))
@@ -562,7 +619,7 @@ class Dispatcher:
         now = time.monotonic()
         t, pool = self.totals, self.pool
         problem = self.failure or pool.broken
-        sizes = [s.hello.spec.batch_size for s in self._live_streams()] or [1]
+        sizes = [s.hello.spec.batch_size for s in self.sessions.streams()] or [1]
         return ServiceStatus(
             instance=self.instance, uptime_s=round(time.time() - self.started, 1), healthy=not problem,
             problem=problem, data_port=self.data_port, data_port_curve=self.guard.curve,
@@ -576,6 +633,8 @@ class Dispatcher:
             autoscaler=self.autoscaler.status() if self.autoscaler else {"enabled": False},
             decode_path=decode_path(),
             shm_limit_bytes=self.memory.max_bytes, skipped_recent=list(self.recent_skips),
+            connections={"open": self.sessions.connections, "sessions": len(self.sessions),
+                         "pending": self.sessions.pending, "waiting": len(self.memory.waiting)},
         )
 
     def status(self) -> dict:
@@ -656,6 +715,9 @@ def _data_port(config: ServiceConfig):
         # blip its old connection may not be torn down yet, and without handover the new one's
         # messages would be dropped until then (the client would wait for an answer forever)
         (zmq.ROUTER_HANDOVER, 1),
+        # a send to an identity whose connection is gone fails at once instead of vanishing: the
+        # session is dropped then, even when the monitor's disconnect was read before its Hello
+        (zmq.ROUTER_MANDATORY, 1),
         (zmq.HEARTBEAT_IVL, int(config.heartbeat_s * 1000)),
         (zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_s * 3000)),
     ):

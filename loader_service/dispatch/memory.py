@@ -63,6 +63,10 @@ class BatchMemory:
         self._connected = connected  # whether an ident is still connected (its reserve is worth keeping)
         self._segments: Set[Segment] = set()  # in use by a live or retiring stream
         self._reserve: Dict[bytes, Segment] = {}  # ident -> its reserve, oldest first
+        # the bytes of each, kept with every change (never summed: a decision costs the same
+        # whatever the number of sessions; see :meth:`check_counts`)
+        self._segment_bytes = 0
+        self._reserve_bytes = 0
         self.retiring: List[Stream] = []  # ended streams whose slots a task or send still reads
         self.waiting: Dict[bytes, Opening] = {}  # ident -> its new stream, until slots free up for it
         self.starved: List[Stream] = []  # streams that asked for work after lending their slots, none free yet
@@ -71,11 +75,40 @@ class BatchMemory:
     # ------------------------------------------------------------------ segments and reserves
     def in_use(self) -> int:
         """Bytes of every segment in use and every reserve."""
-        return sum(s.size for s in self._segments) + self.reserved()
+        return self._segment_bytes + self._reserve_bytes
 
     def reserved(self) -> int:
         """Bytes of every reserve (what :meth:`acquire` may take back)."""
-        return sum(s.size for s in self._reserve.values())
+        return self._reserve_bytes
+
+    def check_counts(self) -> None:
+        """Assert the kept byte counts equal the sums they stand for (for the tests)."""
+        assert self._segment_bytes == sum(s.size for s in self._segments), "segment bytes drifted"
+        assert self._reserve_bytes == sum(s.size for s in self._reserve.values()), "reserve bytes drifted"
+
+    def _add_segment(self, seg: Segment) -> None:
+        self._segments.add(seg)
+        self._segment_bytes += seg.size
+
+    def _drop_segment(self, seg: Segment) -> None:
+        if seg in self._segments:
+            self._segments.remove(seg)
+            self._segment_bytes -= seg.size
+
+    def _keep_reserve(self, ident: bytes, seg: Segment) -> None:
+        self._reserve[ident] = seg
+        self._reserve_bytes += seg.size
+
+    def _take_reserve(self, ident: Optional[bytes] = None) -> Optional[Segment]:
+        """``ident``'s reserve (None: the oldest one), no longer a reserve; None if there is none."""
+        if ident is None:
+            if not self._reserve:
+                return None
+            ident = next(iter(self._reserve))
+        seg = self._reserve.pop(ident, None)
+        if seg is not None:
+            self._reserve_bytes -= seg.size
+        return seg
 
     def held_by(self, ident: bytes) -> int:
         """Bytes of ``ident``'s reserve."""
@@ -86,17 +119,17 @@ class BatchMemory:
         else a new one. ``headroom``: bytes that must still be free afterwards (a lookahead
         leaves room for a current epoch). Raises :class:`NoCapacity` (``what`` describes the
         request); a refused connection keeps its reserve. Lends nothing (see :meth:`open`)."""
-        reserve = self._reserve.pop(ident, None)
+        reserve = self._take_reserve(ident)
         reuse = reserve is not None and reserve.size == nbytes
         if reserve is not None and not reuse:
             reserve.close()  # another shape of job: its memory goes back before the check
         if not reuse or headroom:
             while self._reserve and self.in_use() + nbytes + headroom > self.max_bytes:
-                self._reserve.pop(next(iter(self._reserve))).close()  # oldest first
+                self._take_reserve().close()  # oldest first
             in_use = self.in_use()
             if in_use + nbytes + headroom > self.max_bytes:
                 if reuse:
-                    self._reserve[ident] = reserve
+                    self._keep_reserve(ident, reserve)
                 if headroom:
                     raise NoCapacity(
                         f"{nbytes / 2**20:.1f} MiB of batch slots ({what}) would leave less than "
@@ -106,7 +139,7 @@ class BatchMemory:
                                  f"{in_use / 2**20:.1f} of {self.max_bytes / 2**20:.0f} MiB are in use by "
                                  f"{len(self._segments)} running streams")
         seg = reserve if reuse else self._create(nbytes, what)
-        self._segments.add(seg)
+        self._add_segment(seg)
         return seg
 
     def _create(self, nbytes: int, what: str) -> Segment:
@@ -118,20 +151,20 @@ class BatchMemory:
                 if not self._reserve:
                     raise NoShmSpace(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
                                      f"{exc.strerror}") from None
-                self._reserve.pop(next(iter(self._reserve))).close()
+                self._take_reserve().close()
 
     def release(self, segment: Segment, ident: Optional[bytes]) -> None:
         """Nothing reads ``segment`` any more: keep it as ``ident``'s reserve (if it has none and
         is still connected), else unmap it."""
-        self._segments.discard(segment)
+        self._drop_segment(segment)
         if ident is not None and ident not in self._reserve:
-            self._reserve[ident] = segment
+            self._keep_reserve(ident, segment)
         else:
             segment.close()
 
     def forget(self, ident: bytes) -> None:
         """``ident`` is gone: its reserve goes back."""
-        seg = self._reserve.pop(ident, None)
+        seg = self._take_reserve(ident)
         if seg is not None:
             seg.close()
 
@@ -251,6 +284,7 @@ class BatchMemory:
             seg.close()
         self._segments.clear()
         self._reserve.clear()
+        self._segment_bytes = self._reserve_bytes = 0
 
     # ------------------------------------------------------------------ status
     def slots_word(self, ident: bytes, s: Optional[Stream]) -> str:

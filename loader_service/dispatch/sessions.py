@@ -2,11 +2,18 @@
 :mod:`loader_service.dispatch`: an ident is a connection, a client a loader instance).
 
 ZeroMQ's ROUTER names a peer by its identity; the socket monitor names a connection by its file
-descriptor. The kernel reuses fd numbers, so a connection is (fd, generation): the n-th
-EVENT_ACCEPTED on an fd is its generation n. For one fd the monitor reports accepted and
-disconnected strictly alternately (the old connection's disconnect is emitted before its fd
-is closed, the new one's accept after the fd is reused), so a late disconnect of an earlier
-connection on a reused fd number is recognised and ignored.
+descriptor. The kernel reuses fd numbers, so a connection is (fd, serial): every EVENT_ACCEPTED
+gets the next serial, and the table holds only the connections open now. For one fd the
+monitor reports accepted and disconnected strictly alternately (the old connection's
+disconnect is emitted before its fd is closed, the new one's accept after the fd is reused),
+and a connection's accept is reported before any of its messages reach the ROUTER. So once
+the monitor has been read to the end, a message whose fd is not open came over a connection
+that is gone: it opens nothing (its disconnect was read before it; issue 32).
+
+The table also keeps what the dispatcher's decisions look up, indexed as they change, so
+that no decision walks every session: the streams being served (:meth:`serve`), the
+sessions holding a rank of each job (:meth:`hold`), and the connections that have not said
+Hello yet (:attr:`pending`), oldest first.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ class Session:
 
     ident: bytes
     fd: int = -1
-    fd_gen: int = 0
+    fd_gen: int = 0  # the serial of the connection it is bound to (see :class:`Sessions`)
     job: str = ""
     client: str = ""  # the loader instance behind this connection (Hello.client)
     rank: int = -1
@@ -42,12 +49,17 @@ class Session:
 
 
 class Sessions:
-    """The table of connections, keyed by ident, with the fd bookkeeping above."""
+    """The table of connections, keyed by ident, with the fd bookkeeping and indexes above."""
 
     def __init__(self) -> None:
         self._by_ident: Dict[bytes, Session] = {}
-        self._fd_owner: Dict[int, bytes] = {}
-        self._fd_gen: Dict[int, int] = {}
+        self._open: Dict[int, int] = {}  # fd -> serial of the connection open on it
+        self._fd_owner: Dict[int, bytes] = {}  # fd of an open connection -> the session bound to it
+        self._pending: Dict[int, int] = {}  # open connections no session is bound to: fd -> serial, oldest first
+        self._serial = 0
+        self._streams: Dict[bytes, object] = {}  # ident -> its stream being served
+        self._jobs: Dict[str, Dict[bytes, Session]] = {}  # job -> sessions holding a rank of it
+        self._job_of: Dict[bytes, str] = {}  # ident -> the job it is indexed under
 
     def __len__(self) -> int:
         return len(self._by_ident)
@@ -71,31 +83,105 @@ class Sessions:
 
     def pop(self, ident: bytes) -> Optional[Session]:
         s = self._by_ident.pop(ident, None)
-        if s is not None and self._fd_owner.get(s.fd) == ident:
+        if s is None:
+            return None
+        if self._fd_owner.get(s.fd) == ident:
             del self._fd_owner[s.fd]
+            if s.fd in self._open:
+                self._pending[s.fd] = self._open[s.fd]  # open still, but nobody's any more
+        # out of the indexes; its record keeps its stream and spec for the caller to retire
+        self._streams.pop(ident, None)
+        job = self._job_of.pop(ident, None)
+        if job is not None:
+            del self._jobs[job][ident]
+            if not self._jobs[job]:
+                del self._jobs[job]
         return s
+
+    # ------------------------------------------------------------------ connections
+    @property
+    def pending(self) -> int:
+        """Open connections that no session is bound to (no Hello yet, or their client left)."""
+        return len(self._pending)
+
+    @property
+    def connections(self) -> int:
+        """Open connections, as the monitor has reported them."""
+        return len(self._open)
+
+    def oldest_pending(self, n: int) -> List[int]:
+        """The fds of the ``n`` longest-pending connections."""
+        out = []
+        for fd in self._pending:
+            if len(out) >= n:
+                break
+            out.append(fd)
+        return out
+
+    def is_open(self, fd: int) -> bool:
+        """Whether a connection is open on ``fd`` (per the monitor events read so far)."""
+        return fd in self._open
 
     def accepted(self, fd: int) -> None:
         """The monitor saw a new connection on ``fd``."""
-        self._fd_gen[fd] = self._fd_gen.get(fd, 0) + 1
+        self._serial += 1
+        self._open[fd] = self._serial
+        self._pending.pop(fd, None)  # keeps the order of acceptance
+        self._pending[fd] = self._serial
 
     def disconnected(self, fd: int) -> Optional[bytes]:
         """The monitor saw ``fd`` disconnect: the identity to drop, if it was this connection's."""
-        ident = self._fd_owner.get(fd)
+        serial = self._open.pop(fd, None)
+        self._pending.pop(fd, None)
+        ident = self._fd_owner.pop(fd, None)
         s = self._by_ident.get(ident) if ident is not None else None
-        if s is not None and s.fd_gen > self._fd_gen.get(fd, 0):
-            return None  # the owner came on a later connection that reused this fd number
-        self._fd_owner.pop(fd, None)
+        if s is None or s.fd_gen != serial:
+            return None  # nobody spoke on it, or a late report of a connection already replaced
         return ident
 
     def bind(self, s: Session, fd: int) -> List[bytes]:
-        """Record that ``s`` speaks on ``fd``; returns identities whose connection that replaced."""
+        """Record that ``s`` speaks on ``fd`` (an open connection: see :meth:`is_open`); returns
+        identities whose connection that replaced."""
+        if fd not in self._open:
+            raise ValueError(f"fd {fd} has no open connection: its messages come from one that is gone")
         replaced = []
         owner = self._fd_owner.get(fd)
         if owner is not None and owner != s.ident:
             replaced.append(owner)  # the fd was reused: its previous connection is gone
-        if self._fd_owner.get(s.fd) == s.ident:
+        if s.fd != fd and self._fd_owner.get(s.fd) == s.ident:
             del self._fd_owner[s.fd]
-        s.fd, s.fd_gen = fd, self._fd_gen.get(fd, 0)
+            if s.fd in self._open:
+                self._pending[s.fd] = self._open[s.fd]
+        s.fd, s.fd_gen = fd, self._open[fd]
         self._fd_owner[fd] = s.ident
+        self._pending.pop(fd, None)
         return replaced
+
+    # ------------------------------------------------------------------ indexes
+    def serve(self, s: Session, stream: Optional[object]) -> None:
+        """``s`` is serving ``stream`` now (None: no stream)."""
+        s.stream = stream
+        if stream is None:
+            self._streams.pop(s.ident, None)
+        else:
+            self._streams[s.ident] = stream
+
+    def streams(self) -> List[object]:
+        """The streams being served, one per session that has one (a copy)."""
+        return list(self._streams.values())
+
+    def hold(self, s: Session, spec: Optional[JobSpec]) -> None:
+        """``s`` holds a rank of its job under ``spec`` now (None: no longer)."""
+        job = self._job_of.pop(s.ident, None)
+        if job is not None:
+            del self._jobs[job][s.ident]
+            if not self._jobs[job]:
+                del self._jobs[job]
+        s.spec = spec
+        if spec is not None:
+            self._job_of[s.ident] = s.job
+            self._jobs.setdefault(s.job, {})[s.ident] = s
+
+    def of_job(self, job: str) -> List[Session]:
+        """The sessions holding a rank of ``job`` (a copy)."""
+        return list(self._jobs.get(job, {}).values())

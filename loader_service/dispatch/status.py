@@ -100,6 +100,9 @@ class Totals:
     streams: int = 0
     internal_errors: int = 0
     refused_handshakes: int = 0  # on the data port: unknown keys, no keys, wrong server key
+    refused_sessions: int = 0  # Hellos past --max-sessions or --max-waiting
+    late_messages: int = 0  # messages read after their connection was gone (a Hello among them opens nothing)
+    revoked: int = 0  # streams ended because their client's CURVE key was removed
     read_s: float = Field(0.0, exclude=True)  # workers' reading, summed over tasks
     decode_s: float = Field(0.0, exclude=True)  # workers' decoding and augmenting
     wait_s: float = Field(0.0, exclude=True)  # clients' stall (their messages' wait_s, summed)
@@ -146,6 +149,9 @@ class ServiceStatus(_Frozen):
     decode_path: str = ""  # how JPEGs are decoded: "native-roi (libjpeg-turbo X.Y.Z)" or the simplejpeg fallback
     shm_limit_bytes: int = 0  # the cap on shm_bytes (--max-shm-mb)
     skipped_recent: List[SkippedSample] = []  # the last SKIPS_SHOWN samples skipped (on_error=skip), oldest first
+    # data-port connections: "open" (per the monitor), "sessions" (said Hello; ``clients`` lists
+    # them one per client), "pending" (open, no session), "waiting" (new streams waiting for slots)
+    connections: Dict[str, int] = {}
 
 
 # ---------------------------------------------------------------------------- building the snapshot

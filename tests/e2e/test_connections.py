@@ -150,3 +150,30 @@ def test_a_stream_that_lent_its_slots_waits_for_them_then_takes_them_from_one_th
         assert sa.state.dispatchable() and d.memory.in_use() == sa.nbytes
     finally:
         close(d)
+
+
+def test_a_hello_read_after_its_connection_was_reported_gone_opens_nothing(dispatcher):
+    """Issue 32: the monitor's disconnect is read before that connection's queued Hello."""
+    d = dispatcher
+    gone = uuid.uuid4().bytes
+    d.event(zmq.EVENT_ACCEPTED)
+    d.event(zmq.EVENT_DISCONNECTED)
+    deliver(d, gone, _hello())
+    assert gone not in d.sessions and len(d.sessions) == 0 and d.sent == []
+    assert d.totals.late_messages == 1 and d.memory.in_use() == 0
+
+
+def test_a_hello_past_the_session_cap_is_refused_naming_the_cap(demo_source):
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0, max_sessions=2),
+                 demo_source)
+    try:
+        idents = [uuid.uuid4().bytes for _ in range(3)]
+        for k, ident in enumerate(idents):
+            deliver(d, ident, _hello(), fd=30 + k)
+        assert [i in d.sessions for i in idents] == [True, True, False]
+        (refusal,) = [m for i, m in d.sent if i == idents[2]]
+        assert refusal.code == P.ErrorCode.NO_CAPACITY and refusal.fatal
+        assert refusal.message.startswith("the service holds 2 sessions, its cap (--max-sessions 2)")
+        assert d.status()["connections"] == {"open": 3, "sessions": 2, "pending": 1, "waiting": 0}
+    finally:
+        close(d)

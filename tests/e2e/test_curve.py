@@ -242,3 +242,24 @@ def test_handshake_watch_tolerates_a_dropped_handshake(tmp_path):
     plain.check(fail, 32)
     with pytest.raises(LoaderError, match="it probably requires CURVE keys"):
         plain.check(fail, 32)
+
+
+def test_a_revoked_key_stops_the_stream_at_the_clients_next_message(curve_service, keys):
+    """Issue 32 item 7: removing a client's key ends its stream within its next Credit (one
+    batch taken), not at its next handshake; batches already sent (at most prefetch) may arrive."""
+    prefetch = 2
+    got_after = 0
+    with RemoteLoader(curve_service.endpoint, batch_size=4, curve_keys=keys, prefetch=prefetch,
+                      epoch_lookahead=False, timeout=60) as ld:
+        it = iter(ld)
+        for _ in range(3):
+            next(it)
+        os.unlink(os.path.join(keys, "client.key"))  # revoked
+        with pytest.raises(LoaderError) as info:
+            for _ in it:
+                got_after += 1
+    assert info.value.code == P.ErrorCode.REVOKED, info.value
+    assert "no longer authorized" in str(info.value)
+    assert got_after <= prefetch  # only what was already on its way (240 / 4 = 60 batches in the epoch)
+    assert status(curve_service)["totals"]["revoked"] == 1
+    wait_for(lambda: status(curve_service)["connections"]["sessions"] == 0, what="the revoked session dropped")

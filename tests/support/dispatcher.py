@@ -37,9 +37,10 @@ def loopless(config: ServiceConfig, source) -> Dispatcher:
     d.monitor.connect("inproc://fake-monitor")
 
     def event(kind: int, fd: int = FD) -> None:
+        d.fds_seen.add(fd)
         feed.send_multipart([struct.pack("=hi", kind, fd), b"tcp://127.0.0.1:1"])
 
-    d.event, d.feed = event, feed
+    d.event, d.feed, d.fds_seen = event, feed, set()
     d.sent = []
     d._send = lambda ident, msg: d.sent.append((ident, msg))
     return d
@@ -51,7 +52,11 @@ def close(d: Dispatcher) -> None:
 
 
 def deliver(d: Dispatcher, ident: bytes, msg: P.Message, fd: int = FD) -> None:
-    """``msg`` from the client at ``ident`` on connection ``fd``, as the ROUTER hands it over."""
+    """``msg`` from the client at ``ident`` on connection ``fd``, as the ROUTER hands it over. The
+    first use of an fd no event named yet reports its connection accepted first (the dispatcher
+    ignores messages from connections it does not know to be open)."""
+    if fd not in d.fds_seen:
+        d.event(zmq.EVENT_ACCEPTED, fd)
     d._on_client([Frame(ident, fd)] + [Frame(f, fd) for f in P.encode(msg)])
 
 

@@ -238,6 +238,10 @@ class MemoryModel(RuleBasedStateMachine):
         assert self.loop.memory.in_use() <= self.loop.memory.max_bytes
 
     @invariant()
+    def the_kept_byte_counts_equal_the_sums(self):
+        self.loop.memory.check_counts()  # in_use and reserved are counters, never a walk (issue 32)
+
+    @invariant()
     def work_has_slots(self):
         m = self.loop.memory
         for session in self.loop.sessions.values():

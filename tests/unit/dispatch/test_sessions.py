@@ -10,11 +10,13 @@ table is checked on its own.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from loader_service.dispatch.sessions import Session, Sessions
+from wire.jobspec import JobSpec
 
 X, Y = b"\x01" * 16, b"\x02" * 16
 
@@ -117,7 +119,7 @@ def test_a_session_that_moves_to_another_connection_no_longer_owns_its_old_fd():
     s = connected(table, X, 5)
     table.accepted(8)
     assert table.bind(s, 8) == []
-    assert (s.fd, s.fd_gen) == (8, 1) and table.fd_owners() == {8: X}
+    assert (s.fd, s.fd_gen) == (8, 2) and table.fd_owners() == {8: X}  # the second connection accepted
     assert table.disconnected(5) is None  # the old connection going is not this client leaving
     assert table.disconnected(8) == X
 
@@ -162,118 +164,190 @@ def test_fd_owners_is_a_copy():
     assert table.fd_owners() == {5: X}
 
 
-# ------------------------------------------------------------------ connects and disconnects in any order
+# ------------------------------------------------------------------ gone connections, pending ones, indexes
+
+def test_binding_to_an_fd_with_no_open_connection_is_refused():
+    table = Sessions()
+    table.accepted(5)
+    table.disconnected(5)
+    assert not table.is_open(5)
+    with pytest.raises(ValueError, match="no open connection"):
+        table.bind(table.add(X), 5)
+
+
+def test_a_connection_is_pending_until_a_session_binds_to_it_and_again_once_that_session_goes():
+    table = Sessions()
+    table.accepted(5)
+    table.accepted(6)
+    assert (table.connections, table.pending, table.oldest_pending(1)) == (2, 2, [5])
+    table.bind(table.add(X), 5)
+    assert table.pending == 1 and table.oldest_pending(5) == [6]
+    table.pop(X)
+    assert table.pending == 2
+    table.disconnected(5)
+    table.disconnected(6)
+    assert (table.connections, table.pending) == (0, 0)
+
+
+def test_a_popped_session_leaves_every_index():
+    table = Sessions()
+    table.accepted(5)
+    s = table.add(X)
+    table.bind(s, 5)
+    s.job = "j"
+    table.hold(s, JobSpec(batch_size=4))
+    table.serve(s, stream := object())
+    assert table.of_job("j") == [s] and table.streams() == [stream]
+    assert table.pop(X) is s
+    assert table.of_job("j") == [] and table.streams() == []
+    assert s.stream is stream  # the caller retires it
+
+
+# ------------------------------------------------------------------ the dispatcher's events in any order
 
 FDS = st.integers(3, 6)  # few numbers, so that they are reused often
+JOBS = st.sampled_from(["a", "b"])
 
 
-@settings(max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 class SessionsModel(RuleBasedStateMachine):
-    """The dispatcher's use of the table, against a model of who is connected on which fd.
+    """The table driven as the dispatcher drives it, against the truth of which connections are
+    open, with the monitor's events and each connection's messages queued apart and read in any
+    interleaving (issue 32: the disconnect may be read before that connection's Hello).
 
-    The monitor reports accept and disconnect alternately per fd; a client's message comes over
-    a connection that is open; identities the table reports (replaced, disconnected) are
-    dropped at once, as the dispatcher does; a dropped identity may come back (a DEALER that
-    reconnects keeps its identity). After every step: every live identity is found and no
-    dropped one is; the fd owners are exactly the model's; each session's generation is the
-    number of accepts its fd had when it bound."""
+    The driver: monitor events as they are read (a disconnect drops the session it names); a
+    message from an unknown identity or over another fd first reads the monitor to the end,
+    then is ignored if its fd has no open connection; a Hello opens a session and is answered,
+    and an answer to an identity whose connection is gone fails (ROUTER_MANDATORY), which drops
+    it; a session may hold a rank of a job and a stream. Heartbeat deadlines close silent
+    connections (a disconnect like any other). After every step: every session has a connection
+    that is open, or whose disconnect is still queued; the indexes equal a walk of the sessions;
+    once every queue is read, the sessions are exactly the open connections that said Hello."""
 
     def __init__(self) -> None:
         super().__init__()
         self.table = Sessions()
-        self.open: dict[int, bytes | None] = {}  # fd of an open connection -> who spoke on it
-        self.accepts: dict[int, int] = {}
-        self.live: dict[bytes, int] = {}  # identity -> generation of the fd it bound to
-        self.gone: set[bytes] = set()
-        self.made = 0
+        self.truth: dict[int, list] = {}  # fd -> [ident, connection number] of the connection open on it
+        self.monitor: list = []  # queued events: (kind, fd, connection number)
+        self.messages: list = []  # queued messages: (ident, fd, connection number, is_hello)
+        self.conn = 0
+        self.closed_fds: set[int] = set(range(3, 7))  # fd numbers free, as the kernel sees them
 
-    def _forget(self, ident: bytes) -> None:
-        del self.live[ident]
-        self.gone.add(ident)
-        for fd, who in self.open.items():
-            if who == ident:
-                self.open[fd] = None
+    def _alive(self, ident: bytes) -> bool:
+        return any(who == ident for who, _ in self.truth.values())
 
-    def _bind(self, s: Session, fd: int) -> None:
-        prev = self.open[fd]
-        replaced = self.table.bind(s, fd)
-        assert replaced == ([prev] if prev is not None and prev != s.ident else [])
-        for ident in replaced:
-            assert self.table.pop(ident) is not None
-            self._forget(ident)
-        for other, who in self.open.items():
-            if who == s.ident:
-                self.open[other] = None
-        self.open[fd] = s.ident
-        self.live[s.ident] = self.accepts[fd]
+    def _drop(self, ident: bytes) -> None:
+        self.table.pop(ident)
 
-    @rule(fd=FDS)
-    def accept(self, fd):
-        if fd in self.open:
-            return  # the monitor never reports two accepts on one fd without a disconnect between
-        self.table.accepted(fd)
-        self.accepts[fd] = self.accepts.get(fd, 0) + 1
-        self.open[fd] = None
+    def _read_monitor_event(self) -> None:
+        kind, fd, _ = self.monitor.pop(0)
+        if kind == "accept":
+            self.table.accepted(fd)
+        else:
+            ident = self.table.disconnected(fd)
+            if ident is not None:
+                self._drop(ident)
 
-    @precondition(lambda self: self.open)
     @rule(data=st.data())
-    def hello_from_a_new_client(self, data):
-        self.made += 1
-        ident = self.made.to_bytes(16, "big")
-        self._bind(self.table.add(ident), data.draw(st.sampled_from(sorted(self.open))))
+    def connect(self, data):
+        free = sorted(self.closed_fds)
+        if not free:
+            return
+        fd = data.draw(st.sampled_from(free))
+        self.closed_fds.discard(fd)
+        self.conn += 1
+        self.truth[fd] = [uuid_like(self.conn), self.conn]
+        self.monitor.append(("accept", fd, self.conn))
 
-    @precondition(lambda self: self.open and self.gone)
+    @precondition(lambda self: self.truth)
     @rule(data=st.data())
-    def hello_from_a_client_that_was_dropped_and_came_back(self, data):
-        ident = data.draw(st.sampled_from(sorted(self.gone)))
-        self.gone.discard(ident)
-        self._bind(self.table.add(ident), data.draw(st.sampled_from(sorted(self.open))))
+    def client_sends_hello(self, data):
+        fd = data.draw(st.sampled_from(sorted(self.truth)))
+        ident, conn = self.truth[fd]
+        self.messages.append((ident, fd, conn, True))
 
-    @precondition(lambda self: self.open and self.live)
+    @precondition(lambda self: self.truth)
     @rule(data=st.data())
-    def message_from_a_known_client(self, data):
-        s = self.table.get(data.draw(st.sampled_from(sorted(self.live))))
-        fd = data.draw(st.sampled_from(sorted(self.open)))
-        if s.fd != fd:
-            self._bind(s, fd)
+    def client_sends_credit(self, data):
+        fd = data.draw(st.sampled_from(sorted(self.truth)))
+        ident, conn = self.truth[fd]
+        self.messages.append((ident, fd, conn, False))
 
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def bye(self, data):
-        ident = data.draw(st.sampled_from(sorted(self.live)))
+    @precondition(lambda self: self.truth)
+    @rule(data=st.data(), heartbeat=st.booleans())
+    def disconnect(self, data, heartbeat):
+        """The client leaves, is killed, or goes silent past the heartbeat deadline (``heartbeat``):
+        zmq closes the connection either way; its queued messages stay readable."""
+        fd = data.draw(st.sampled_from(sorted(self.truth)))
+        _, conn = self.truth.pop(fd)
+        self.monitor.append(("disconnect", fd, conn))
+        self.closed_fds.add(fd)
+
+    @precondition(lambda self: self.monitor)
+    @rule()
+    def read_monitor(self):
+        self._read_monitor_event()
+
+    @precondition(lambda self: self.messages)
+    @rule(data=st.data(), job=JOBS)
+    def read_message(self, data, job):
+        ident, fd, conn, hello = self.messages.pop(data.draw(st.integers(0, len(self.messages) - 1)))
         s = self.table.get(ident)
-        assert self.table.pop(ident) is s
-        self._forget(ident)
-
-    @precondition(lambda self: self.open)
-    @rule(data=st.data())
-    def disconnect(self, data):
-        fd = data.draw(st.sampled_from(sorted(self.open)))
-        who = self.open.pop(fd)
-        assert self.table.disconnected(fd) == who
-        if who is not None:
-            assert self.table.pop(who) is not None
-            self._forget(who)
-
-    @invariant()
-    def every_live_session_is_found_by_its_identity(self):
-        for ident, gen in self.live.items():
+        if s is None or s.fd != fd:
+            while self.monitor:
+                self._read_monitor_event()
+            if not self.table.is_open(fd):
+                return  # its connection is gone: nothing opens
             s = self.table.get(ident)
-            assert s is not None and s.ident == ident and ident in self.table
-            assert s.fd_gen == gen
-        assert len(self.table) == len(self.live)
-        assert {s.ident for s in self.table} == set(self.live)
+            if s is not None and s.fd != fd:
+                for other in self.table.bind(s, fd):
+                    self._drop(other)
+        if not hello:
+            return
+        if s is None:
+            s = self.table.add(ident)
+            for other in self.table.bind(s, fd):
+                self._drop(other)
+        s.job = job
+        self.table.hold(s, JobSpec(batch_size=4))
+        self.table.serve(s, ("stream", ident))
+        if not self._alive(ident):  # the Accept cannot be routed: ROUTER_MANDATORY says so
+            self._drop(ident)
+
+    @precondition(lambda self: self.table.streams())
+    @rule(data=st.data())
+    def stream_ends(self, data):
+        ident = data.draw(st.sampled_from(sorted(x[1] for x in self.table.streams())))
+        self.table.serve(self.table.get(ident), None)
 
     @invariant()
-    def no_dropped_session_is_found(self):
-        for ident in self.gone:
-            assert self.table.get(ident) is None and ident not in self.table
+    def every_session_has_an_open_connection_or_a_disconnect_still_queued(self):
+        queued = {fd for kind, fd, _ in self.monitor if kind == "disconnect"}
+        for s in self.table:
+            assert self._alive(s.ident) or s.fd in queued, f"session {s.name} outlived its connection"
 
     @invariant()
-    def fd_owners_are_the_clients_last_heard_on_each_open_connection(self):
-        owners = self.table.fd_owners()
-        assert owners == {fd: who for fd, who in self.open.items() if who is not None}
-        assert all(self.table.get(who).fd == fd for fd, who in owners.items())
+    def the_indexes_equal_a_walk_of_the_sessions(self):
+        walk_streams = sorted(s.stream for s in self.table if s.stream is not None)
+        assert sorted(self.table.streams()) == walk_streams
+        for job in ("a", "b"):
+            assert {x.ident for x in self.table.of_job(job)} == \
+                {s.ident for s in self.table if s.spec is not None and s.job == job}
+        open_fds = {fd for fd, _ in self.truth.items()}
+        if not self.monitor:
+            assert self.table.connections == len(open_fds)
+            assert self.table.pending == len(open_fds - set(self.table.fd_owners()))
+
+    @invariant()
+    def once_everything_is_read_the_sessions_are_the_open_connections_that_said_hello(self):
+        if self.monitor or self.messages:
+            return
+        for s in self.table:
+            assert self._alive(s.ident)
+
+
+def uuid_like(n: int) -> bytes:
+    return n.to_bytes(16, "big")
 
 
 TestSessionsModel = SessionsModel.TestCase
