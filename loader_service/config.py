@@ -82,6 +82,10 @@ class ServiceConfig:
                                   metavar="MIN:MAX")] = ""
     autoscale_interval_s: Annotated[float, opt("how often the autoscaler decides")] = 2.0
     status_log_s: Annotated[float, opt("log clients, img/s and workers this often while serving (0: never)")] = 30.0
+    watch_s: Annotated[float, opt(
+        "look this often for files added to or removed from an ImageFolder dataset since the service scanned it "
+        "(one stat per folder): they are not served until a restart, and /v1/status and the log say so "
+        "(0: never look)")] = 30.0
     max_sample_bytes: Annotated[int, opt("a loose image file (ImageFolder) larger than this is refused through "
                                          "--on-error, with its path; only regular files are read")] = 64 << 20
     max_image_pixels: Annotated[int, opt("an image whose header claims more pixels (width x height) is refused "
@@ -163,6 +167,8 @@ class ServiceConfig:
             name, sep, target = entry.partition("=")
             if not sep or not name.strip() or ":" not in target:
                 raise ValueError(f"pipeline {entry!r}: expected NAME=MODULE:CALLABLE")
+        if self.watch_s < 0:
+            raise ValueError(f"watch_s must be >= 0 (0 turns the dataset watch off), got {self.watch_s}")
         if self.status_log_s < 0:
             raise ValueError(f"status_log_s must be >= 0 (0 turns the log line off), got {self.status_log_s}")
 

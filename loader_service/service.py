@@ -98,6 +98,8 @@ class Service:
                             "loader-autoscale")
             if self.config.status_log_s > 0:
                 self._every(self.config.status_log_s, self._log_progress, "loader-status-log")
+            if self.config.watch_s > 0:
+                self._every(self.config.watch_s, self.watch_datasets, "loader-dataset-watch")
         except BaseException:
             self.stop()
             raise
@@ -142,6 +144,25 @@ class Service:
         t = threading.Thread(target=loop, name=name, daemon=True)
         t.start()
         self._periodic.append(t)
+
+    def watch_datasets(self) -> None:
+        """Look for files added to or removed from the datasets since the scan (off the dispatcher
+        thread: a changed folder is walked again); say each new finding once, and keep them for
+        ``/v1/status``."""
+        d = self.dispatcher
+        assert d is not None
+        found = {}
+        for name, src in self.sources.items():
+            change = src.changes_on_disk()
+            if change is None:
+                continue
+            found[name] = change
+            if d.disk_changes.get(name) != change:
+                log.warning("dataset %r changed on disk since the service scanned it: %s. They are not served: "
+                            "the index taken at the start is the dataset's identity; restart the service to serve "
+                            "them (loaders in the middle of an epoch then stop with [dataset_changed])",
+                            name, change.describe())
+        d.disk_changes = found  # one assignment: the dispatcher's snapshot reads whole dicts
 
     def _log_progress(self) -> None:
         """One log line of what the service did since the last one, while it has work."""

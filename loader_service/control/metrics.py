@@ -45,6 +45,14 @@ class StatusCollector(Collector):
         yield GaugeMetricFamily("loader_throughput_samples_per_second", "Recent delivery rate.",
                                 value=s["throughput"]["samples_per_s"])
         yield GaugeMetricFamily("loader_shm_bytes", "Bytes of batch slots in shared memory.", value=s["shm_bytes"])
+        ds = GaugeMetricFamily("loader_dataset_files_not_served",
+                               "Files added to or removed from a dataset since the service scanned it (not "
+                               "served until a restart).", labels=["dataset", "change"])
+        for name, d in s["datasets"].items():
+            c = d.get("changed_on_disk") or {}
+            for change in ("added", "removed"):
+                ds.add_metric([name, change], c.get(change, 0))
+        yield ds
         a = s.get("autoscaler", {})
         if a.get("enabled"):
             d = CounterMetricFamily("loader_autoscaler_decisions", "Autoscaler decisions.", labels=["action"])

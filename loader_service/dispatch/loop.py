@@ -63,6 +63,7 @@ from loader_service.dispatch.stream_state import Effect, Fail, Finish, SendBatch
 from loader_service.dispatch.streams import Opening, Stream
 from loader_service.dispatch.tasks import Tasks
 from loader_service.sources import Source
+from loader_service.sources.base import DiskChange
 from loader_service.workers.pool import WorkerPool, describe_exit
 
 log = logging.getLogger("loader_service.dispatch.loop")
@@ -95,6 +96,8 @@ class Dispatcher:
         self.tasks = Tasks(TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s), config.on_error)
         self.totals = Totals()
         self.recent_skips: Deque[SkippedSample] = deque(maxlen=SKIPS_SHOWN)  # for the status page
+        # dataset name -> DiskChange: written whole by the service's watch thread, read by snapshot
+        self.disk_changes: Dict[str, DiskChange] = {}
         self._rate = status.Rate()
         self.loop_thread: Optional[int] = None  # the thread running :meth:`run`
         self._running_loop = False
@@ -623,7 +626,7 @@ class Dispatcher:
         return ServiceStatus(
             instance=self.instance, uptime_s=round(time.time() - self.started, 1), healthy=not problem,
             problem=problem, data_port=self.data_port, data_port_curve=self.guard.curve,
-            datasets={n: {"length": len(s), "num_classes": s.num_classes} for n, s in self.sources.items()},
+            datasets={n: status.dataset(s, self.disk_changes.get(n)) for n, s in self.sources.items()},
             workers=status.workers(pool, t.hung_tasks, now),
             clients=status.clients(list(self.sessions), self.memory, now),
             throughput={"samples_per_s": round(self._rate.per_s(now, t.samples), 1)},

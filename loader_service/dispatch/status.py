@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from loader_service.dispatch.sessions import Session
     from loader_service.dispatch.streams import Stream
     from loader_service.dispatch.tasks import Tasks
+    from loader_service.sources.base import DiskChange, Source
     from loader_service.workers.pool import WorkerPool
 
 
@@ -130,6 +131,23 @@ class StageSeconds(_Frozen):
     client_h2d: float
 
 
+class DiskChangeStatus(_Frozen):
+    added: int
+    removed: int
+    relabelled: int
+    examples: List[str]
+    message: str
+
+
+class DatasetStatus(_Frozen):
+    length: int
+    num_classes: int
+    fingerprint: str  # the dataset's identity (names, sizes, labels); loaders resume only on the same
+    # files added or removed since the scan (ImageFolder; --watch), not served: null when none
+    changed_on_disk: Optional[DiskChangeStatus] = None
+    on_change: str = "restart"  # the rescan policy: a changed folder is served after a restart, never mid-run
+
+
 class ServiceStatus(_Frozen):
     instance: str
     uptime_s: float
@@ -137,7 +155,7 @@ class ServiceStatus(_Frozen):
     problem: str  # why not healthy ("" when healthy)
     data_port: int
     data_port_curve: bool = False  # CURVE (--curve-keys) on the data port
-    datasets: Dict[str, Dict[str, int]]
+    datasets: Dict[str, DatasetStatus]
     workers: WorkersStatus
     clients: List[ClientStatus]
     throughput: Dict[str, float]
@@ -171,6 +189,13 @@ class Rate:
             return 0.0
         t0, n0 = self._points[0]
         return (samples - n0) / (now - t0) if now - self._points[-1][0] < 5 else 0.0
+
+
+def dataset(source: "Source", change: Optional["DiskChange"]) -> DatasetStatus:
+    return DatasetStatus(length=len(source), num_classes=source.num_classes, fingerprint=source.fingerprint(),
+                         changed_on_disk=None if change is None else DiskChangeStatus(
+                             added=change.added, removed=change.removed, relabelled=change.relabelled,
+                             examples=list(change.examples), message=change.describe()))
 
 
 def workers(pool: "WorkerPool", hung: int, now: float) -> WorkersStatus:

@@ -6,7 +6,7 @@ import abc
 import hashlib
 import importlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Tuple, Union
+from typing import Any, Iterable, Optional, Tuple, Union
 
 import numpy as np
 
@@ -78,6 +78,12 @@ class Source(abc.ABC):
             fp = self._fingerprint = digest(type(self).__name__, *self.index_parts())
         return fp
 
+    def changes_on_disk(self) -> Optional["DiskChange"]:
+        """What differs between the dataset's files now and the index the service serves (taken
+        when it started), or None when nothing does or this format is not watched. Called by the
+        service's watch thread, never by a worker; cheap when nothing changed."""
+        return None
+
     def index_parts(self) -> Tuple[Any, ...]:
         """What :meth:`fingerprint` digests: strings and buffers (numpy arrays) describing every sample."""
         raise NotImplementedError(f"{type(self).__name__} does not describe its index")
@@ -85,6 +91,23 @@ class Source(abc.ABC):
     @property
     def num_classes(self) -> int:
         return int(self.labels.max()) + 1 if len(self.labels) else 0
+
+
+@dataclass(frozen=True)
+class DiskChange:
+    """Files added to or removed from a dataset since its index was taken: they are not served
+    (the index is the dataset's identity for the service's life; see README "Resume")."""
+
+    added: int
+    removed: int
+    relabelled: int  # samples still there whose class number moved (a class folder added or removed before theirs)
+    examples: Tuple[str, ...]  # a few of the paths added ("+ a/b.jpg") or removed ("- a/c.jpg")
+
+    def describe(self) -> str:
+        parts = [f"{n} {what}" for n, what in ((self.added, "files added"), (self.removed, "removed"),
+                                                (self.relabelled, "relabelled")) if n]
+        return ", ".join(parts or ["folders changed, no image added or removed"]) + (
+            f" (e.g. {'; '.join(self.examples)})" if self.examples else "")
 
 
 def digest(*parts: Any) -> str:

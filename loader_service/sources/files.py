@@ -71,9 +71,11 @@ def _changed(expect: Tuple[int, int], st: os.stat_result) -> str:
 
 
 def walk_once(top: str, seen: set, skipped: List[Tuple[str, str]],
-              progress: Callable[[int], None] = lambda n: None) -> Iterator[Tuple[str, List[str]]]:
+              progress: Callable[[int], None] = lambda n: None) -> Iterator[Tuple[str, List[str], int]]:
     """Like ``os.walk(top, followlinks=True)`` top-down with sorted names, yielding
-    ``(dirpath, filenames)``, but each real directory (device, inode) is entered once.
+    ``(dirpath, filenames, mtime_ns)``, but each real directory (device, inode) is entered once.
+    ``mtime_ns`` is the directory's, taken before it is listed: an entry added or removed after
+    that moves it (what :meth:`ImageFolderSource.changes_on_disk` looks for).
 
     ``seen`` holds the (st_dev, st_ino) of directories already walked (share it across calls
     so two class folders that are one real directory count once). A directory reached again,
@@ -109,7 +111,7 @@ def walk_once(top: str, seen: set, skipped: List[Tuple[str, str]],
             (dirs if is_dir else files).append(e.name)
         files.sort()
         progress(len(files))
-        yield path, files
+        yield path, files, st.st_mtime_ns
         stack.extend(os.path.join(path, d) for d in sorted(dirs, reverse=True))
 
 

@@ -4,6 +4,11 @@ The scan happens once, in the service process; the index (relative paths packed 
 buffer + offsets, and labels) is placed in a shared-memory segment that workers map
 read-only, so their memory stays flat however many files there are.
 
+Files added or removed later are not served: the index is the dataset's identity for the
+service's life. The directories' modification times are kept from the scan, so the service's
+watch thread notices such a change with one ``stat`` per directory and says what it is
+(:meth:`ImageFolderSource.changes_on_disk`); a file replaced in place is refused at its read.
+
 Hostile trees cost bounded work: the scan enters each real directory once (symlink loops are
 reported, not followed again), and a read takes only a regular file of at most
 ``max_sample_bytes`` (see files.py).
@@ -12,16 +17,54 @@ reported, not followed again), and a read takes only a regular file of at most
 from __future__ import annotations
 
 import os
-from typing import Optional
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from loader_service.shm import Segment
-from loader_service.sources.base import IMAGE_EXTENSIONS, Source, SourceSpec, register
+from loader_service.sources.base import IMAGE_EXTENSIONS, DiskChange, Source, SourceSpec, register
 from loader_service.sources.files import DEFAULT_MAX_SAMPLE_BYTES, ScanProgress, log, read_regular, walk_once
 from loader_service.sources.index import PackedStrings
 
 EXTENSIONS = IMAGE_EXTENSIONS
+EXAMPLES = 3  # paths a DiskChange names
+# A directory changed this close to its listing may show the same mtime after a further change
+# (coarse kernel timestamps, NFS): it is listed again at the next look ("racy git").
+RACY_NS = 2_000_000_000
+
+
+@dataclass
+class _Listing:
+    """One walk of a folder: its images (relative paths, labels) and each directory's mtime."""
+
+    classes: List[str]
+    at_ns: int = 0  # wall clock when the listing began
+    rel: List[str] = field(default_factory=list)
+    labels: List[int] = field(default_factory=list)
+    stats: List[Tuple[int, int]] = field(default_factory=list)  # only when asked for (the scan)
+    mtimes: Dict[str, int] = field(default_factory=dict)  # directory -> mtime_ns before it was listed
+    skipped: list = field(default_factory=list)
+
+
+def _list(root: str, with_stats: bool, progress=lambda n: None) -> _Listing:
+    root_mtime = os.stat(root).st_mtime_ns  # before the classes are listed: a class folder added moves it
+    at_ns = time.time_ns()
+    listing = _Listing(sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")), at_ns)
+    listing.mtimes[root] = root_mtime
+    seen: set = {(os.stat(root).st_dev, os.stat(root).st_ino)}  # a link back to the root is a loop too
+    for label, cls_name in enumerate(listing.classes):
+        for dirpath, filenames, mtime_ns in walk_once(os.path.join(root, cls_name), seen, listing.skipped, progress):
+            listing.mtimes[dirpath] = mtime_ns
+            for fn in filenames:
+                if fn.lower().endswith(EXTENSIONS):
+                    path = os.path.join(dirpath, fn)
+                    listing.rel.append(os.path.relpath(path, root))
+                    listing.labels.append(label)
+                    if with_stats:
+                        listing.stats.append(_stat(path))
+    return listing
 
 
 @register("imagefolder")
@@ -33,6 +76,10 @@ class ImageFolderSource(Source):
         self.stats = stats  # int64 (n, 2): each file's size and mtime (ns) at the scan; -1 where stat failed
         self.classes, self._segment, self.max_sample_bytes = classes, segment, max_sample_bytes
         self.scan_skipped: list = []  # (path, why) of folders the scan did not enter
+        # the service's only (a worker's copy watches nothing): the last listing (the scan's, or a
+        # later look's that found directories moved), and what that look found
+        self._last_listing: Optional[_Listing] = None
+        self._change: Optional[DiskChange] = None
 
     @classmethod
     def scan(cls, root: str, name: str = "", max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES) -> "ImageFolderSource":
@@ -43,19 +90,8 @@ class ImageFolderSource(Source):
         root = os.path.abspath(root)
         if not os.path.isdir(root):
             raise FileNotFoundError(f"dataset folder {root} does not exist")
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-        rel, labels, stats = [], [], []
-        seen: set = {(os.stat(root).st_dev, os.stat(root).st_ino)}  # a link back to the root is a loop too
-        skipped: list = []
-        progress = ScanProgress(root)
-        for label, cls_name in enumerate(classes):
-            for dirpath, filenames in walk_once(os.path.join(root, cls_name), seen, skipped, progress):
-                for fn in filenames:
-                    if fn.lower().endswith(EXTENSIONS):
-                        path = os.path.join(dirpath, fn)
-                        rel.append(os.path.relpath(path, root))
-                        labels.append(label)
-                        stats.append(_stat(path))
+        listing = _list(root, with_stats=True, progress=ScanProgress(root))
+        rel, labels, stats, skipped = listing.rel, listing.labels, listing.stats, listing.skipped
         if skipped:
             log.warning("scan of %s: %d folders not entered (each real folder is scanned once): %s%s", root,
                         len(skipped), "; ".join(f"{p}: {why}" for p, why in skipped[:5]),
@@ -67,8 +103,9 @@ class ImageFolderSource(Source):
             )
         packed = PackedStrings.from_strings(rel)
         src = cls._into_shared(root, name or os.path.basename(root), packed, np.asarray(labels, np.int64),
-                               np.asarray(stats, np.int64).reshape(-1, 2), classes, max_sample_bytes)
+                               np.asarray(stats, np.int64).reshape(-1, 2), listing.classes, max_sample_bytes)
         src.scan_skipped = skipped
+        src._last_listing = listing
         return src
 
     @classmethod
@@ -108,6 +145,30 @@ class ImageFolderSource(Source):
         return SourceSpec(self.name, "imagefolder", self.root, self._segment.name if self._segment else "",
                           (("max_sample_bytes", self.max_sample_bytes),))
 
+    def changes_on_disk(self) -> Optional[DiskChange]:
+        """One ``stat`` per directory of the scan; the folder is walked again only when one moved
+        since the last look."""
+        last = self._last_listing
+        if last is None:
+            return None
+        racy = any(m >= last.at_ns - RACY_NS for m in last.mtimes.values())
+        if not racy and _mtimes_now(last.mtimes) == last.mtimes:
+            return self._change
+        self._last_listing = listing = _list(self.root, with_stats=False)
+        self._change = self._compare(listing)
+        return self._change
+
+    def _compare(self, listing: _Listing) -> Optional[DiskChange]:
+        old = {self.paths[i]: int(self.labels[i]) for i in range(len(self))}
+        new = dict(zip(listing.rel, listing.labels))
+        added = sorted(set(new) - set(old))
+        removed = sorted(set(old) - set(new))
+        relabelled = sum(1 for p, label in new.items() if p in old and old[p] != label)
+        if not (added or removed or relabelled):
+            return None  # folders touched, the images the same
+        return DiskChange(len(added), len(removed), relabelled,
+                          tuple([f"+ {p}" for p in added[:EXAMPLES]] + [f"- {p}" for p in removed[:EXAMPLES]]))
+
     def index_parts(self):
         return self.paths.blob, self.paths.offsets, self.stats[:, 0], self.labels
 
@@ -129,6 +190,17 @@ def _views(seg: Segment, n: int, blob_len: int):
     off += 16 * n
     blob = seg.array(np.uint8, (blob_len,), off)
     return offsets, labels, stats, blob
+
+
+def _mtimes_now(mtimes: Dict[str, int]) -> Dict[str, int]:
+    """The same directories' mtimes now (-1: gone)."""
+    out = {}
+    for path in mtimes:
+        try:
+            out[path] = os.stat(path).st_mtime_ns
+        except OSError:
+            out[path] = -1
+    return out
 
 
 def _stat(path: str) -> tuple:

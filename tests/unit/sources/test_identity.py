@@ -83,3 +83,64 @@ def test_a_file_changed_after_the_scan_is_refused_at_read_naming_it(folder):
     finally:
         worker.close()
         src.close()
+
+
+# ------------------------------------------------------------------ the watch: changes since the scan
+
+
+@pytest.mark.parametrize("change, want", [
+    ("none", None),
+    ("touch", None),  # new mtimes, the same images: nothing to say
+    ("add", (1, 0, 0, ("+ cls1/added.png",))),
+    ("remove", (0, 1, 0, ("- cls2/",))),
+    ("new class", (1, 0, 8, ("+ cls00/x.png",))),  # cls1 and cls2 (8 files) move up one label
+    ("other file", None),  # not an image: not a sample
+])
+def test_changes_on_disk_says_what_was_added_removed_and_relabelled(folder, change, want):
+    src = ImageFolderSource.scan(folder)
+    try:
+        first = os.path.join(folder, "cls0", sorted(os.listdir(os.path.join(folder, "cls0")))[0])
+        if change == "touch":
+            os.utime(first)
+        elif change == "add":
+            shutil.copyfile(first, os.path.join(folder, "cls1", "added.png"))
+        elif change == "remove":
+            gone = sorted(os.listdir(os.path.join(folder, "cls2")))[0]
+            os.unlink(os.path.join(folder, "cls2", gone))
+            want = (0, 1, 0, (f"- cls2/{gone}",))
+        elif change == "new class":
+            os.mkdir(os.path.join(folder, "cls00"))
+            shutil.copyfile(first, os.path.join(folder, "cls00", "x.png"))
+        elif change == "other file":
+            open(os.path.join(folder, "cls1", "notes.txt"), "w").close()
+        got = src.changes_on_disk()
+        assert (None if got is None else (got.added, got.removed, got.relabelled, got.examples)) == want
+        assert src.changes_on_disk() == got  # asked again: the same answer
+    finally:
+        src.close()
+
+
+def test_a_change_is_seen_also_after_a_look_that_found_none(folder):
+    src = ImageFolderSource.scan(folder)
+    try:
+        assert src.changes_on_disk() is None
+        first = os.path.join(folder, "cls0", sorted(os.listdir(os.path.join(folder, "cls0")))[0])
+        os.unlink(first)
+        got = src.changes_on_disk()
+        assert got is not None and got.removed == 1 and got.describe() == f"1 removed (e.g. - cls0/{os.path.basename(first)})"
+        shutil.copyfile(os.path.join(folder, "cls1", sorted(os.listdir(os.path.join(folder, "cls1")))[0]), first)
+        assert src.changes_on_disk() is None  # put back: the images the index holds again
+    finally:
+        src.close()
+
+
+def test_a_workers_copy_watches_nothing(folder):
+    src = ImageFolderSource.scan(folder)
+    try:
+        copy = open_source(src.spec())
+        shutil.copyfile(os.path.join(folder, "cls0", sorted(os.listdir(os.path.join(folder, "cls0")))[0]),
+                        os.path.join(folder, "cls0", "added.png"))
+        assert copy.changes_on_disk() is None and src.changes_on_disk().added == 1
+        copy.close()
+    finally:
+        src.close()
