@@ -71,9 +71,11 @@ def test_a_restart_behind_an_accept_then_close_proxy_is_waited_for_exactly_once(
                 services(port)
 
             t = in_background(restart)
-            for b in it:  # waits through the proxy's closes while the service is away
-                got.extend(b.indices)
-            t.join(60)
+            try:
+                for b in it:  # waits through the proxy's closes while the service is away
+                    got.extend(b.indices)
+            finally:
+                t.join(60)  # before the fixture stops the services, whatever happened
             assert not t.errors, t.errors
             assert ld.stats()["restarts"] >= 1
     assert sorted(got) == list(range(DEMO_SIZE))
@@ -94,8 +96,10 @@ def test_a_stranger_briefly_on_the_data_port_is_waited_out_exactly_once(services
                 services(port)
 
             t = in_background(take_over)
-            got = [i for b in ld for i in b.indices]
-            t.join(60)
+            try:
+                got = [i for b in ld for i in b.indices]
+            finally:
+                t.join(60)  # before the fixture stops the services, whatever happened
             assert not t.errors, t.errors
     finally:
         stranger.close()
