@@ -126,8 +126,9 @@ class Connections:
         if isinstance(msg, (P.Accept, P.DatasetInfo)):
             self._check_identity(r, msg)
         if isinstance(msg, P.Error):
-            if msg.code == P.ErrorCode.SHUTTING_DOWN:
-                return None, None  # informational: the reconnect that follows restarts the stream
+            if msg.code == P.ErrorCode.SHUTTING_DOWN:  # the reconnect that follows restarts the stream
+                r.shutdown_at, r.shutdown_wall = time.monotonic(), time.time()  # said if it never comes back
+                return None, None
             if msg.code != P.ErrorCode.UNKNOWN_CLIENT:
                 raise LoaderError(msg.code, f"{msg.message} (from {r.endpoint})" if len(self.replicas) > 1
                                   else msg.message, msg.traceback)
@@ -153,9 +154,9 @@ class Connections:
             r.send(describe)
         deadline = time.monotonic() + c.timeout
         while True:
-            left = min([deadline, *self.cut_times()]) - time.monotonic()
+            left = min([deadline, *self.due_times()]) - time.monotonic()
             events = self.poll(max(0, left) * 1000) if left > 0 else []
-            self.check_cut(time.monotonic())
+            self.check_connections(time.monotonic())
             if not events and time.monotonic() >= deadline:
                 self.raise_timeout()
             for r, changed, readable in events:
@@ -167,31 +168,51 @@ class Connections:
                         return r.endpoint, msg
 
     # ------------------------------------------------------------------ what every wait checks
-    def cut_times(self) -> List[float]:
-        return [t for t in (r.cut_at() for r in self.replicas if not r.dead) if t is not None]
+    def due_times(self) -> List[float]:
+        """When a connection's cut becomes certain or its retry is due: a wait wakes up then."""
+        return [t for r in self.replicas if not r.dead for t in (r.cut_at(), r.retry_at) if t is not None]
 
-    def check_cut(self, now: float) -> None:
-        """Raise at once when every connection was cut for breaking the protocol (a rogue peer,
-        an endpoint that is not a loader service): waiting out the timeout would change nothing."""
+    def check_connections(self, now: float) -> None:
+        """Connect again where a retry is due; raise at once when every connection was cut for
+        breaking the protocol after its handshake (a rogue ZeroMQ peer): waiting out the
+        timeout would change nothing."""
+        for r in self.replicas:
+            r.tick(now)
+        self._check_cut(now)
+
+    def _check_cut(self, now: float) -> None:
         cut = [r for r in self.replicas if r.is_cut(now)]
         if cut and all(r.dead or r in cut for r in self.replicas):
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
                 f"the connection to {', '.join(r.endpoint for r in cut)} was cut for breaking the protocol and is "
                 f"not retried: a peer that sends a frame over this loader's cap of {self.frame_cap} "
-                "bytes (this job's largest data frame + 1 MiB), or that is not a ZeroMQ peer, is refused; is this "
-                "endpoint a loader service?"))
+                "bytes (this job's largest data frame + 1 MiB), or that breaks ZeroMQ's protocol after its "
+                "handshake, is refused; is this endpoint a loader service?"))
 
     def raise_timeout(self) -> None:
         """Nothing came within the timeout: raise LoaderTimeout with the likeliest reason."""
         c, reps = self.config, self.replicas
         down = [r for r in reps if r.down_since is not None]
         where = ", ".join(r.endpoint for r in reps)
-        self.check_cut(float("inf"))  # a cut shorter than its grace still is one at the timeout
+        self._check_cut(float("inf"))  # a cut shorter than its grace still is one at the timeout
+        tried = "; ".join(t for t in (r.attempts.summary() for r in reps) if t)
         if down and len(down) == len(reps) and any(r.was_connected for r in reps):
-            raise LoaderTimeout(f"lost the connection to the loader service at {where} "
-                                f"{time.monotonic() - min(r.down_since for r in down):.0f}s ago and it has not "
-                                f"come back within {c.timeout:g}s")
+            ago = f"{time.monotonic() - min(r.down_since for r in down):.0f}s ago"
+            told = [r for r in down if r.shutdown_at is not None]
+            if told:
+                r = told[0]
+                at = time.strftime("%H:%M:%S", time.localtime(r.shutdown_wall))
+                what = (f"the loader service at {r.endpoint} announced it was shutting down "
+                        f"{time.monotonic() - r.shutdown_at:.0f}s ago (at {at}) and has not come back within "
+                        f"{c.timeout:g}s")
+            else:
+                what = (f"lost the connection to the loader service at {where} {ago} and it has not come back "
+                        f"within {c.timeout:g}s")
+            raise LoaderTimeout(what + (f"; since then, {tried}" if tried else ""))
         if not any(r.was_connected for r in reps):
+            if tried:
+                raise LoaderTimeout(f"{tried}; no loader service answered within {c.timeout:g}s (a TCP proxy without "
+                                    "a backend, a service still starting, or something else on that port?)")
             if any(r.reached for r in reps):
                 raise LoaderTimeout(f"reached {where} but no ZeroMQ handshake completed within {c.timeout:g}s: "
                                     "something else listens there (the REST port? the data port is the service's "

@@ -90,12 +90,12 @@ class EpochRun:
         probed, told = self._heard, False
         while not self._push_due():
             now = self._clock()
-            wake = min([self._heard + c.timeout, probed + self._probe_s, *conns.cut_times()])
+            wake = min([self._heard + c.timeout, probed + self._probe_s, *conns.due_times()])
             if len(conns.replicas) > 1:  # wake up in time to notice a replica that stays down
                 wake = min(wake, now + c.replica_timeout / 2)
             events = conns.poll(max(1, int((wake - now) * 1000) + 1))
             now = self._clock()
-            conns.check_cut(now)
+            conns.check_connections(now)
             if not events:
                 if now >= self._heard + c.timeout:
                     conns.raise_timeout()

@@ -63,8 +63,8 @@ class Lookahead:
                     lost = r.on_monitor() or lost  # reconnected: a restarted service forgot the stream
                 left = deadline - time.monotonic()
                 # a spare opened at the end of the last epoch may still be in its handshake: wait
-                # for it; one that was connected and dropped lost its stream
-                if lost or (r.down_since is not None and r.was_connected) or left <= 0:
+                # for it; one that was connected and dropped, or whose try was dropped, lost its stream
+                if lost or (r.down_since is not None and r.was_connected) or r.retry_at is not None or left <= 0:
                     log.info("epoch lookahead lost or not answered by %s; starting epoch %d plainly", r.endpoint, epoch)
                     return self._close_spare()
                 if not r.wait(left * 1000):

@@ -1,4 +1,10 @@
-"""One connection to one service replica: its socket, its connection state, its stream."""
+"""One connection to one service replica: its socket, its connection state, its stream.
+
+A try that ends before its ZeroMQ handshake (a proxy without a backend, a stranger on the
+port) is retried here, with backoff, by :mod:`client.attempts`' rules: the socket drops that
+try (libzmq would retry at once, or, after a peer that is not ZeroMQ, never) and connects
+again when :meth:`Replica.tick` finds the retry due.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +18,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from wire import protocol as P
 
-from client.curve import EVENTS as HANDSHAKE_EVENTS, ClientKeys, HandshakeWatch, secure_dealer
+from client.attempts import Attempts, Probe, Refuse
+from client.curve import AUTH_FAILED, EVENTS as HANDSHAKE_EVENTS, ClientKeys, HandshakeWatch, greeting_mechanism, \
+    secure_dealer
+from client.errors import LoaderError
 
 
 CUT_GRACE_S = 1.0  # a disconnect with no reconnect scheduled this long after it was a cut
+HANDSHAKE_S = 5.0  # a peer that accepts and says nothing for this long is dropped and tried again
 
 
 class Replica:
@@ -39,11 +49,13 @@ class Replica:
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # a rogue peer's 3 GB frame costs nothing
         sock.setsockopt(zmq.RECONNECT_IVL, 100)  # reconnect with exponential backoff ...
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # ... up to 2 s between tries
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))  # libzmq's default: 30 s
         # heartbeats from our side too: a frozen service (or a dead link) reads as a disconnect
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_s * 3000))
         secure_dealer(sock, curve)  # CURVE keys, if any (client/curve.py)
         self.handshake = HandshakeWatch(endpoint, curve)
+        self.attempts = Attempts(endpoint, curve.directory if curve is not None else None)
         # "Connected" is the end of the ZMTP handshake, not the TCP connect: a refused handshake
         # (CURVE) ends the session, and a send into it would block for good.
         self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
@@ -53,6 +65,10 @@ class Replica:
         self.down_since: Optional[float] = time.monotonic()  # not connected yet
         self.was_connected = False
         self.reached = False  # a TCP connection was made (something listens there), handshake or not
+        self.shutdown_at: Optional[float] = None  # when the service said it shuts down (monotonic; and wall)
+        self.shutdown_wall = 0.0
+        self.retry_at: Optional[float] = None  # a try that ended before its handshake: when to connect again
+        self._dropped = False  # a try was dropped, and what was queued on it with it: send it again
         # libzmq retries a connection lost to a network error, never one it cut for breaking the
         # protocol (a frame over MAXMSGSIZE): lost and not retried means the peer was refused
         self.retried = True
@@ -87,24 +103,53 @@ class Replica:
         self.wait_s = self.h2d_s = 0.0
 
     def on_monitor(self) -> bool:
-        """Handle one connection event; True when the connection came back after a loss.
-        Raises LoaderError when the service refuses the handshake (keys)."""
+        """Handle one connection event; True when the connection came back after a loss (or
+        after a dropped try: what was sent before it is lost). Raises LoaderError when the
+        service refuses the handshake (keys)."""
         msg = recv_monitor_message(self.monitor)
-        ev = msg["event"]
-        self.handshake.check(ev, msg["value"])
+        ev, value = msg["event"], msg["value"]
+        self.handshake.check(ev, value)
         if ev == zmq.EVENT_DISCONNECTED:
-            self.retried = False
-            if self.down_since is None:
-                self.down_since = time.monotonic()
+            self._ended(time.monotonic())
         elif ev == zmq.EVENT_CONNECT_RETRIED:
             self.retried = True
         elif ev == zmq.EVENT_CONNECTED:
             self.reached = True
+            self.attempts.connected()
+        elif ev in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            self.attempts.failed(value, protocol=ev == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         elif ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            back = self.was_connected
-            self.was_connected, self.down_since = True, None
+            self.attempts.succeeded()
+            back = self.was_connected or self._dropped
+            self.was_connected, self.down_since, self._dropped, self.shutdown_at = True, None, False, None
             return back
         return False
+
+    def _ended(self, now: float) -> None:
+        """The connection ended: a lost one is libzmq's to retry (or a cut); a try that ended
+        before its handshake is dropped and tried again later, unless the service refused it."""
+        if self.down_since is None:
+            self.down_since = now
+        action = self.attempts.disconnected(now)
+        if isinstance(action, Probe):
+            action = self.attempts.probed(greeting_mechanism(self.endpoint), time.monotonic())
+        if isinstance(action, Refuse):
+            raise LoaderError(AUTH_FAILED, action.message)
+        if action is None:
+            self.retried = False  # until libzmq says it retries
+            return
+        self.retried = True  # ours to retry: never a cut
+        try:
+            self.sock.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass
+        self._dropped, self.retry_at = True, action.at
+
+    def tick(self, now: float) -> None:
+        """Connect again if a dropped try's retry is due."""
+        if self.retry_at is not None and now >= self.retry_at:
+            self.retry_at = None
+            self.sock.connect(self.endpoint)
 
     def cut_at(self) -> Optional[float]:
         """When this connection counts as cut for good: libzmq schedules its reconnect (and says

@@ -49,6 +49,7 @@ class MsgType(IntEnum):
     TASK = 21
     DONE = 22
     STOP = 23
+    UNMAP = 24
 
 
 @dataclass(frozen=True)
@@ -350,6 +351,14 @@ class Done(Message):
 @dataclass(frozen=True)
 class Stop(Message):
     TYPE: ClassVar[MsgType] = MsgType.STOP
+
+
+@dataclass(frozen=True)
+class Unmap(Message):
+    """Segment ``shm`` was unlinked: a worker that mapped it drops the mapping (it pins the memory)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.UNMAP
+    shm: str
 
 
 MESSAGES: dict = {cls.TYPE: cls for cls in Message.__subclasses__()}

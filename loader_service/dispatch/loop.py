@@ -90,7 +90,8 @@ class Dispatcher:
         self.mailbox = Mailbox()  # functions other threads hand to this one
         self.sessions = Sessions()
         cap, hint = slot_cap(config.max_shm_bytes)
-        self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint)
+        self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint,
+                                  unlinked=self.pool.unmap)
         self._unreachable: Dict[bytes, None] = {}  # idents a send found gone: dropped after the event at hand
         self.scheduler = Scheduler()
         self.tasks = Tasks(TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s), config.on_error)

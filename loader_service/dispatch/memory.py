@@ -55,12 +55,14 @@ class Refused:
 
 class BatchMemory:
     def __init__(self, max_bytes: int, reclaim_idle_s: float, live: Callable[[], Iterable[Stream]],
-                 connected: Callable[[bytes], bool], hint: str = "raise --max-shm-mb"):
+                 connected: Callable[[bytes], bool], hint: str = "raise --max-shm-mb",
+                 unlinked: Callable[[str], None] = lambda name: None):
         self.max_bytes = max_bytes
         self.reclaim_idle_s = reclaim_idle_s
         self.hint = hint  # what raises max_bytes, for refusals
         self._live = live  # the streams being served now (with their slots or lent)
         self._connected = connected  # whether an ident is still connected (its reserve is worth keeping)
+        self._unlinked = unlinked  # told each segment's name once it is unlinked (workers unmap it)
         self._segments: Set[Segment] = set()  # in use by a live or retiring stream
         self._reserve: Dict[bytes, Segment] = {}  # ident -> its reserve, oldest first
         # the bytes of each, kept with every change (never summed: a decision costs the same
@@ -122,10 +124,10 @@ class BatchMemory:
         reserve = self._take_reserve(ident)
         reuse = reserve is not None and reserve.size == nbytes
         if reserve is not None and not reuse:
-            reserve.close()  # another shape of job: its memory goes back before the check
+            self._drop(reserve)  # another shape of job: its memory goes back before the check
         if not reuse or headroom:
             while self._reserve and self.in_use() + nbytes + headroom > self.max_bytes:
-                self._take_reserve().close()  # oldest first
+                self._drop(self._take_reserve())  # oldest first
             in_use = self.in_use()
             if in_use + nbytes + headroom > self.max_bytes:
                 if reuse:
@@ -151,7 +153,7 @@ class BatchMemory:
                 if not self._reserve:
                     raise NoShmSpace(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
                                      f"{exc.strerror}") from None
-                self._take_reserve().close()
+                self._drop(self._take_reserve())
 
     def release(self, segment: Segment, ident: Optional[bytes]) -> None:
         """Nothing reads ``segment`` any more: keep it as ``ident``'s reserve (if it has none and
@@ -160,13 +162,17 @@ class BatchMemory:
         if ident is not None and ident not in self._reserve:
             self._keep_reserve(ident, segment)
         else:
-            segment.close()
+            self._drop(segment)
+
+    def _drop(self, segment: Segment) -> None:
+        segment.close()
+        self._unlinked(segment.name)
 
     def forget(self, ident: bytes) -> None:
         """``ident`` is gone: its reserve goes back."""
         seg = self._take_reserve(ident)
         if seg is not None:
-            seg.close()
+            self._drop(seg)
 
     # ------------------------------------------------------------------ streams
     def open(self, o: Opening, now: float) -> Union[Stream, Refused, None]:

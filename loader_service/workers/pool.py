@@ -13,8 +13,8 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import zmq
 
@@ -68,6 +68,7 @@ class WorkerRecord:
     # sample began (time.monotonic, one clock for all processes)]. Tells a waiting client which
     # file a slow task is stuck on; two stores per sample in the worker.
     progress: Optional[Any] = None
+    mapped: Set[str] = field(default_factory=set)  # segments its tasks wrote into: it may hold them mapped
 
     def current_sample(self) -> Tuple[int, float]:
         """(position in the task, seconds on it) of the sample the worker is on; (-1, 0) if unknown."""
@@ -268,7 +269,20 @@ class WorkerPool:
     def assign(self, w: WorkerRecord, task: P.Task) -> None:
         assert w.state == "idle", w
         w.state, w.task, w.task_started = "busy", task.task, time.monotonic()
+        w.mapped.add(task.shm)
         self.sock.send_multipart([_ident(w.id), *P.encode(task)])
+
+    def unmap(self, name: str) -> None:
+        """Segment ``name`` was unlinked: tell each worker that may hold it mapped to drop it
+        (a busy one reads this after its task; none is on that segment by now)."""
+        for w in self.workers.values():
+            if name in w.mapped:
+                w.mapped.discard(name)
+                if w.state in ("idle", "busy", "leaving"):
+                    try:
+                        self.sock.send_multipart([_ident(w.id), *P.encode(P.Unmap(shm=name))], flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:  # gone: its mappings went with it
+                        pass
 
     def busy_seconds(self) -> float:
         """Total seconds workers have spent on tasks, including the tasks running now."""

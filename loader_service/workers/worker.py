@@ -1,4 +1,5 @@
-"""The decode worker process: take a Task, write its images into shared memory, report Done.
+"""The decode worker process: take a Task, write its images into shared memory, report Done;
+drop a segment's mapping when told it was unlinked (Unmap), so no deleted segment stays pinned.
 
 Workers hold no state that matters: the dispatcher knows every task it handed out, so a
 worker can be stopped, killed or added at any time without losing or doubling a sample.
@@ -18,7 +19,7 @@ import zmq
 
 from wire import protocol as P
 from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
-from loader_service.shm import SHM_DIR, Segment
+from loader_service.shm import Segment
 from loader_service.sources import Source, SourceSpec, open_source
 from loader_service.sources.base import import_kind_modules
 from loader_service.decode.pipelines import Cache, Item, run_one
@@ -63,9 +64,14 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
             events = dict(poller.poll())
             if death_conn.fileno() in events:
                 return
-            msg, _ = P.decode(sock.recv_multipart(), expect=(P.Task, P.Stop))
+            msg, _ = P.decode(sock.recv_multipart(), expect=(P.Task, P.Stop, P.Unmap))
             if isinstance(msg, P.Stop):
                 return
+            if isinstance(msg, P.Unmap):
+                seg = segments.pop(msg.shm, None)
+                if seg is not None:
+                    seg.close()
+                continue
             done = run_task(msg, worker_id, sources, segments, decode, progress, pipelines)
             sock.send_multipart(P.encode(done))
     finally:
@@ -131,11 +137,8 @@ def _describe(source: Source, idx: int) -> str:
 
 
 def _segment(cache: "OrderedDict[str, Segment]", name: str) -> Segment:
-    # The dispatcher unlinks a segment when its stream's slots go back; a mapping kept here would
-    # still pin that memory (past max_shm_mb). Drop cached segments whose name is gone: a few
-    # stats per task, nothing next to a decode.
-    for old in [n for n in cache if n != name and not os.path.exists(os.path.join(SHM_DIR, n))]:
-        cache.pop(old).close()
+    # A mapping kept here would pin an unlinked segment's memory (past max_shm_mb): the
+    # dispatcher sends Unmap when it unlinks one, and the cache holds a few at most.
     seg = cache.get(name)
     if seg is not None:
         cache.move_to_end(name)

@@ -16,6 +16,7 @@ import pytest
 from client import LoaderTimeout, RemoteLoader
 from client.lookahead import Lookahead
 from loader_service.shm import sweep_stale
+from tests.support.proxy import Listener, pump
 from tests.support.service import ServiceProcess, free_port
 
 from tests.conftest import DEMO_SIZE
@@ -165,7 +166,7 @@ def test_loader_timeout_fires_within_a_second_of_its_deadline(demo_source, caplo
         svc.stop()
 
 
-class _GatedRelay:
+class _GatedRelay(Listener):
     """A loopback TCP relay to ``upstream`` that holds its ``gated``-th connection (1-based)
     until ``gate`` is set: that connection stays in its ZMTP handshake. Counts the bytes each
     connection carried towards the loader."""
@@ -174,64 +175,24 @@ class _GatedRelay:
         self.gate = threading.Event()
         self.down_bytes: dict = {}
         self._upstream, self._gated = upstream_port, gated
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._socks: list = []
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        n = 0
-        while True:
-            try:
-                down, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            n += 1
-            self._socks.append(down)
-            t = threading.Thread(target=self._serve, args=(n, down), daemon=True)
-            self._threads.append(t)
-            t.start()
+    def serve(self, down: socket.socket, n: int) -> None:
+        self.keep(down)
+        self.spawn(self._serve, n, down)
 
     def _serve(self, n: int, down: socket.socket) -> None:
         if n == self._gated and not self.gate.wait(60):
             return
         up = socket.create_connection(("127.0.0.1", self._upstream))
-        self._socks.append(up)
+        self.keep(up)
         self.down_bytes[n] = 0
-        t = threading.Thread(target=self._pipe, args=(down, up, None), daemon=True)
-        self._threads.append(t)
-        t.start()
-        self._pipe(up, down, n)
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, count) -> None:
-        try:
-            while True:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                dst.sendall(data)
-                if count is not None:
-                    self.down_bytes[count] += len(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self.spawn(pump, down, up)
+        pump(up, down, lambda size: self.down_bytes.__setitem__(n, self.down_bytes[n] + size))
 
     def close(self) -> None:
         self.gate.set()
-        for s in [self._listener] + self._socks:  # shutdown wakes a thread blocked in accept or recv
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-        for t in self._threads:
-            t.join(10)
-        assert not any(t.is_alive() for t in self._threads), "relay threads left running"
+        super().close()
 
 
 def test_a_lookahead_still_in_its_handshake_is_waited_for_and_adopted(make_service, caplog, monkeypatch):

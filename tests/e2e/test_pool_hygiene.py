@@ -14,10 +14,11 @@ import httpx
 import psutil
 
 from client import RemoteLoader
+from loader_service import shm
 from tests.support.service import ROOT, ServiceProcess, free_port
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, wait_for
+from tests.support.helpers import collect, indices_of, status, wait_for
 
 
 def _workers(proc: psutil.Process) -> list:
@@ -140,3 +141,24 @@ def test_sigterm_with_no_worker_able_to_start_exits_within_the_drain_bound(demo_
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def _deleted_segments(pids) -> list:
+    """The unlinked loader segments that the processes ``pids`` still map."""
+    out = []
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            out += [line.split()[-2] for line in f if "/loader_service-" in line and line.rstrip().endswith("(deleted)")]
+    return out
+
+
+def test_workers_unmap_a_segment_as_soon_as_it_is_unlinked_not_at_their_next_task(make_service):
+    svc = make_service(workers=3)
+    wait_for(lambda: all(w["pid"] for w in status(svc)["workers"]["list"]), what="the workers to start")
+    pids = [w["pid"] for w in status(svc)["workers"]["list"]]
+    for batch_size in (8, 16):  # a second shape of job: the first one's reserve is unlinked while it runs
+        with RemoteLoader(svc.endpoint, batch_size=batch_size, image_size=32, seed=1, epoch_lookahead=False) as ld:
+            assert sorted(indices_of(collect(ld))) == list(range(DEMO_SIZE))
+    # the job ended: its connection's reserve is unlinked, and no worker has a task to come
+    wait_for(lambda: not [n for n in shm.list_segments(os.getpid()) if "-slots-" in n], what="the slots unlinked")
+    wait_for(lambda: _deleted_segments(pids) == [], what="workers to unmap the job's deleted segments")

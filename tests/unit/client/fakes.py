@@ -34,6 +34,7 @@ class FakeReplica:
         self.index, self.endpoint = index, f"tcp://replica-{index}:5555"
         self.dead = self.accepted = self.was_connected = False
         self.down_since: Optional[float] = None
+        self.retry_at: Optional[float] = None
         self.stream, self.epoch = -1, 0
         self.progress, self.progress_at = None, 0.0
         self.inbox: deque = deque()  # (message, payload) from the service
@@ -140,10 +141,10 @@ class FakeConnections:
             raise LoaderError(msg.code, msg.message)
         return msg, payload
 
-    def check_cut(self, now: float) -> None:
+    def check_connections(self, now: float) -> None:
         pass
 
-    def cut_times(self) -> List[float]:
+    def due_times(self) -> List[float]:
         return []
 
     def raise_timeout(self) -> None:
