@@ -146,6 +146,7 @@ class ServiceStatus(_Frozen):
     decode_path: str = ""  # how JPEGs are decoded: "native-roi (libjpeg-turbo X.Y.Z)" or the simplejpeg fallback
     shm_limit_bytes: int = 0  # the cap on shm_bytes (--max-shm-mb)
     skipped_recent: List[SkippedSample] = []  # the last SKIPS_SHOWN samples skipped (on_error=skip), oldest first
+    shard_cache: Dict[str, Dict[str, float]] = {}  # dataset in object storage -> its shard cache's counters
 
 
 # ---------------------------------------------------------------------------- building the snapshot

@@ -231,3 +231,32 @@ class Blackhole:
             c.close()
         self.sock.close()
 
+
+
+# ---------------------------------------------------------------------------- shards to serve
+def write_shards(folder: str, n_shards: int, per_shard: int, pad: int = 0) -> dict:
+    """``shard-000000.tar``... in ``folder``: sample ``s{k}-{i:04d}`` is a small JPEG, unique to it
+    (``pad`` bytes of a JPEG comment make shards bigger), labelled ``i % 3`` by a ``.cls``
+    member. Returns key -> (image bytes, label)."""
+    import io
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    out = {}
+    for k in range(n_shards):
+        with tarfile.open(os.path.join(folder, f"shard-{k:06d}.tar"), "w", format=tarfile.USTAR_FORMAT) as tf:
+            for i in range(per_shard):
+                key, label = f"s{k}-{i:04d}", i % 3
+                px = np.full((8, 8, 3), (k * 37 + i) % 256, np.uint8)
+                px[0, 0] = (k % 256, i % 256, i // 256)
+                buf = io.BytesIO()
+                Image.fromarray(px).save(buf, "JPEG", quality=95, comment=b"x" * pad)
+                for name, data in ((key + ".jpg", buf.getvalue()), (key + ".cls", str(label).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+                out[key] = (buf.getvalue(), label)
+    return out
