@@ -70,6 +70,8 @@ class ShardCache:
         finally:
             os.close(stats_fd)
         self._stats = np.frombuffer(self._mm, dtype=np.int64, count=len(STATS))
+        with self._locked():
+            self._stats[STATS.index("cached_bytes")] = self._used()[0]  # and stale downloads swept
 
     def close(self) -> None:
         if self._lock_fd >= 0:
@@ -187,11 +189,14 @@ class ShardCache:
         return True
 
     def _used(self) -> Tuple[int, List[Tuple[float, str, int]]]:
-        """Bytes of every file in the folder, and the complete shards as (mtime, name, size)."""
+        """Bytes of every file in the folder, and the complete shards as (mtime, name, size);
+        downloads a killed process left are deleted on the way."""
         total, shards = 0, []
         with os.scandir(self.folder) as it:
             for e in it:
                 if e.name.startswith(".") or not e.is_file(follow_symlinks=False):
+                    continue
+                if e.name.endswith(PART) and self._stale(e.path):
                     continue
                 st = e.stat(follow_symlinks=False)
                 total += st.st_size

@@ -137,4 +137,4 @@ class RemoteWebDatasetSource(WebDatasetSource):
         super().close()
         if self._cache is not None:
             self._cache.close()
-            self._cache = None
+            self._cache = self._store = None  # the store's pooled connections go with it
