@@ -189,7 +189,7 @@ class ShardCache:
         return True
 
     def _used(self) -> Tuple[int, List[Tuple[float, str, int]]]:
-        """Bytes of every file in the folder, and the complete shards as (mtime, name, size);
+        """Bytes of shards and downloads in the folder, and the complete shards as (mtime, name, size);
         downloads a killed process left are deleted on the way."""
         total, shards = 0, []
         with os.scandir(self.folder) as it:
@@ -198,9 +198,11 @@ class ShardCache:
                     continue
                 if e.name.endswith(PART) and self._stale(e.path):
                     continue
+                if e.name.endswith(ETAG):
+                    continue  # a few bytes per shard: the cap is on shard bytes
                 st = e.stat(follow_symlinks=False)
                 total += st.st_size
-                if not e.name.endswith((PART, ETAG)):
+                if not e.name.endswith(PART):
                     shards.append((st.st_mtime, e.name, st.st_size))
         return total, shards
 
