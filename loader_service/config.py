@@ -109,6 +109,21 @@ class ServiceConfig:
         "start (the service refuses to start if it does not import); repeat the flag for several (in "
         "LOADER_PIPELINE: separated by commas); built in: train, eval", metavar="NAME=MODULE:CALLABLE")] = ()
 
+    s3_endpoint_url: Annotated[str, opt(
+        "an S3-compatible store's URL for s3:// datasets (MinIO, Ceph, R2...; empty: AWS_ENDPOINT_URL, else AWS); "
+        "credentials come from the standard environment (AWS_ACCESS_KEY_ID..., pod or instance identity), never "
+        "from here", metavar="URL")] = ""
+    cache_dir: Annotated[str, opt(
+        "the folder of the shard cache (shards/) and the indexes of datasets in object storage, shared by every "
+        "decode process; put it on a volume to keep it across restarts (empty: ~/.cache/loader-service)",
+        metavar="DIR")] = ""
+    cache_max_gb: Annotated[float, opt(
+        "cap on the shard cache (GB); least recently used shards not in use are evicted to stay under it; "
+        "it must hold decode processes x 2 x the largest shard")] = 20.0
+    remote_timeout_s: Annotated[float, opt(
+        "one request to an object store, body included (a whole shard); 5xx answers, dropped connections and "
+        "timeouts are retried 3 times with backoff, then the read fails naming the object")] = 300.0
+
     @field_validator("data", mode="before")
     @classmethod
     def _split_paths(cls, v):
@@ -163,6 +178,7 @@ class ServiceConfig:
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
         DecodeOptions(self.max_image_pixels)  # raises if the limit is out of range
+        self.remote_settings  # raises if the cache cap or the timeout is out of range
         for entry in self.pipeline:
             name, sep, target = entry.partition("=")
             if not sep or not name.strip() or ":" not in target:
@@ -179,6 +195,14 @@ class ServiceConfig:
     @property
     def decode_options(self) -> DecodeOptions:
         return DecodeOptions(self.max_image_pixels, self.jpeg_fast_dct, self.jpeg_fast_upsample)
+
+    @property
+    def remote_settings(self):
+        """How datasets in object storage are reached and cached (sources/remote)."""
+        from loader_service.sources.remote.store import RemoteSettings
+
+        return RemoteSettings(endpoint_url=self.s3_endpoint_url, cache_dir=self.cache_dir,
+                              cache_max_bytes=int(self.cache_max_gb * 1e9), timeout_s=self.remote_timeout_s)
 
     @property
     def max_shm_bytes(self) -> int:

@@ -34,7 +34,7 @@ def open_datasets(config: ServiceConfig) -> Dict[str, Source]:
             log.info("demo dataset not served: datasets are given (--data / LOADER_DATA), and the demo is "
                      "served only when none is")
         for path in config.data:
-            src = open_path(path, max_sample_bytes=config.max_sample_bytes)  # packed, webdataset, hdf5 or imagefolder (sources/detect.py)
+            src = open_path(path, max_sample_bytes=config.max_sample_bytes, remote=config.remote_settings)  # packed, webdataset, hdf5 or imagefolder (sources/detect.py)
             if src.name in sources:
                 src.close()
                 raise ValueError(f"two datasets are named {src.name!r}; rename one folder")

@@ -53,12 +53,38 @@ class StatusCollector(Collector):
             for change in ("added", "removed"):
                 ds.add_metric([name, change], c.get(change, 0))
         yield ds
+        yield from shard_cache_metrics(s.get("shard_cache", {}))
         a = s.get("autoscaler", {})
         if a.get("enabled"):
             d = CounterMetricFamily("loader_autoscaler_decisions", "Autoscaler decisions.", labels=["action"])
             for action, n in a["counts"].items():
                 d.add_metric([action], n)
             yield d
+
+
+def shard_cache_metrics(caches: dict):
+    """Per dataset in object storage: its shard cache's bytes, hits, misses, downloads and waits."""
+    if not caches:
+        return
+    for name, key, doc, family in (
+        ("loader_shard_cache_bytes", "cached_bytes", "Bytes in the shard cache (complete and downloading).",
+         GaugeMetricFamily),
+        ("loader_shard_cache_max_bytes", "max_bytes", "The shard cache's cap (--cache-max-gb).", GaugeMetricFamily),
+        ("loader_shard_cache_hits", "hits", "Shard opens served from the cache.", CounterMetricFamily),
+        ("loader_shard_cache_misses", "misses", "Shard downloads started.", CounterMetricFamily),
+        ("loader_shard_cache_evictions", "evictions", "Shards evicted to stay under the cap.", CounterMetricFamily),
+        ("loader_shard_cache_failures", "failures", "Shard downloads that failed.", CounterMetricFamily),
+        ("loader_shard_cache_downloaded_bytes", "downloaded_bytes", "Bytes downloaded into the cache.",
+         CounterMetricFamily),
+        ("loader_shard_cache_download_seconds", "download_s", "Seconds spent downloading shards.",
+         CounterMetricFamily),
+        ("loader_shard_cache_wait_seconds", "wait_s",
+         "Seconds reads waited for another process's download or for room.", CounterMetricFamily),
+    ):
+        m = family(name, doc, labels=["dataset"])
+        for dataset, c in caches.items():
+            m.add_metric([dataset], c[key])
+        yield m
 
 
 def make_registry(snapshot: Callable[[], dict]) -> CollectorRegistry:

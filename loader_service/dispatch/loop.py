@@ -628,6 +628,7 @@ class Dispatcher:
             instance=self.instance, uptime_s=round(time.time() - self.started, 1), healthy=not problem,
             problem=problem, data_port=self.data_port, data_port_curve=self.guard.curve,
             datasets={n: status.dataset(s, self.disk_changes.get(n)) for n, s in self.sources.items()},
+            shard_cache={n: s.cache_status() for n, s in self.sources.items() if hasattr(s, "cache_status")},
             workers=status.workers(pool, t.hung_tasks, now),
             clients=status.clients(list(self.sessions), self.memory, now),
             throughput={"samples_per_s": round(self._rate.per_s(now, t.samples), 1)},

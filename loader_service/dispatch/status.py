@@ -170,6 +170,7 @@ class ServiceStatus(_Frozen):
     # data-port connections: "open" (per the monitor), "sessions" (said Hello; ``clients`` lists
     # them one per client), "pending" (open, no session), "waiting" (new streams waiting for slots)
     connections: Dict[str, int] = {}
+    shard_cache: Dict[str, Dict[str, float]] = {}  # dataset in object storage -> its shard cache's counters
 
 
 # ---------------------------------------------------------------------------- building the snapshot

@@ -49,14 +49,22 @@ def detect_kind(path: str) -> str:
                      "a .tar shard (or a folder or {000..009} pattern of them) or an .h5/.hdf5 file")
 
 
-def open_path(path: str, max_sample_bytes: Optional[int] = None, **options) -> Source:
-    """Open the dataset at ``path`` as whichever source :func:`detect_kind` picks.
+def open_path(path: str, max_sample_bytes: Optional[int] = None, remote=None, **options) -> Source:
+    """Open the dataset at ``path`` as whichever source :func:`detect_kind` picks; a URL
+    (``s3://``, ``gs://``, ``http(s)://``) as WebDataset shards in object storage, reached and
+    cached as ``remote`` (a :class:`~loader_service.sources.remote.store.RemoteSettings`) says.
 
     ``options`` go to that source (``name`` for any; ``label_map`` for webdataset;
     ``rdcc_nbytes``, ``rdcc_nslots``, ``rdcc_w0``, ``images``, ``labels`` for hdf5).
     ``max_sample_bytes`` caps a loose file's read (imagefolder); the other kinds read sizes
     from their own index, bounded by the shard or file they were scanned from.
     """
+    from loader_service.sources.remote.store import RemoteSettings, is_url
+
+    if is_url(path):
+        from loader_service.sources.remote.webdataset import RemoteWebDatasetSource
+
+        return RemoteWebDatasetSource.open_url(path, remote or RemoteSettings(), name=options.get("name", ""))
     kind = detect_kind(path)
     if kind == "packed":
         from loader_service.sources.packed import PackedSource

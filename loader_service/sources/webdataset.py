@@ -405,12 +405,15 @@ def _fingerprint(root: str, shards: List[str], label_map: Optional[str]) -> str:
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
-def _build_index(root: str, shards: List[str], label_map: Optional[str], fp: str, targets: List[str]) -> str:
-    """Scan every shard, resolve labels and save the index in the first writable target."""
+def _build_index(root: str, shards: List[str], label_map: Optional[str], fp: str, targets: List[str],
+                 scan=None) -> str:
+    """Scan every shard (``scan(path)``: :func:`_scan_shard`, or one that fetches the shard first),
+    resolve labels and save the index in the first writable target."""
+    scan = scan or _scan_shard
     keys: List[str] = []
     shard_ids, offsets, sizes, labels = array("i"), array("q"), array("q"), array("q")
     for s, path in enumerate(shards):
-        k, o, z, lab = _scan_shard(path)
+        k, o, z, lab = scan(path)
         keys.extend(k)
         offsets.extend(o)
         sizes.extend(z)

@@ -1,0 +1,270 @@
+"""Object-store URLs, their listing and downloads, over obstore; every failure a
+:class:`RemoteError` that names the object and the cause.
+
+Credentials come from the environment the way obstore reads it (``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_WEB_IDENTITY_TOKEN_FILE`` for pod
+identity, the instance metadata service; ``GOOGLE_APPLICATION_CREDENTIALS`` for gs://). Nothing
+here keeps, logs or returns them: :class:`RemoteSettings` and the source's spec hold none, and
+each decode process builds its own store from its own environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import os
+import re
+import urllib.parse
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, Callable, List, Optional, Tuple
+
+SCHEMES = ("s3://", "gs://", "http://", "https://")
+MAX_LISTING_BYTES = 4 << 20  # an HTML folder listing larger than this is refused
+_HREF = re.compile(r'href="([^"?#]+)"', re.IGNORECASE)
+_MD5 = re.compile(r"[0-9a-f]{32}")
+CHUNK = 1 << 20
+
+
+class RemoteError(OSError):
+    """An object store refused, failed or timed out; the message names the object and why."""
+
+
+def is_url(path: str) -> bool:
+    return path.lower().startswith(SCHEMES)
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How remote datasets are reached and cached (no credentials: those stay in the environment)."""
+
+    endpoint_url: str = ""  # an S3-compatible store's URL ("": AWS_ENDPOINT_URL, else AWS)
+    cache_dir: str = ""  # "" : <LOADER_CACHE_DIR>/shards
+    cache_max_bytes: int = 20 << 30
+    timeout_s: float = 300.0  # one request, body included (a whole shard download)
+    connect_timeout_s: float = 10.0
+    max_retries: int = 3  # 5xx (503 SlowDown), dropped connections, timeouts: with backoff
+    wait_s: float = 600.0  # the longest a read waits for a download (its own or another process's) or for room
+
+    def __post_init__(self) -> None:
+        if self.cache_max_bytes <= 0 or self.timeout_s <= 0 or self.connect_timeout_s <= 0 or self.wait_s <= 0:
+            raise ValueError("cache_max_bytes, timeout_s, connect_timeout_s and wait_s must be positive")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+
+    def options(self) -> Tuple[Tuple[str, Any], ...]:
+        return tuple((f.name, getattr(self, f.name)) for f in fields(self))
+
+    @classmethod
+    def from_options(cls, options: dict) -> "RemoteSettings":
+        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+
+    def shard_dir(self) -> str:
+        if self.cache_dir:
+            return os.path.join(self.cache_dir, "shards")
+        from loader_service.sources.demo import cache_dir
+
+        return os.path.join(cache_dir(), "shards")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object as the listing saw it: its name relative to the dataset's base, size, ETag."""
+
+    name: str
+    size: int
+    etag: str = ""
+
+    def md5(self) -> str:
+        """The ETag when it is a plain MD5 of the content (S3 single-part, most HTTP servers), else ""."""
+        tag = self.etag.strip('"').lower()
+        return tag if _MD5.fullmatch(tag) else ""
+
+
+def _import_obstore():
+    try:
+        import obstore
+        from obstore import store
+    except ImportError:
+        raise RuntimeError('datasets in object storage need obstore: pip install "remote-loader[remote]"') from None
+    return obstore, store
+
+
+@dataclass(frozen=True)
+class Location:
+    """A dataset URL split into the store's base and what to read under it."""
+
+    url: str
+    scheme: str  # s3 | gs | http | https
+    base: str  # s3://bucket, gs://bucket, https://host/dir/ (what the store is made from)
+    prefix: str  # under base: the folder listed ("" or ending in "/"), or the pattern's folder
+    names: Tuple[str, ...] = ()  # a pattern's or a single file's names (relative to prefix); () : list
+
+    @classmethod
+    def parse(cls, url: str) -> "Location":
+        from loader_service.sources.webdataset import expand_braces, is_pattern
+
+        parts = urllib.parse.urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("s3", "gs", "http", "https") or not parts.netloc:
+            raise ValueError(f"{url}: not a dataset URL (s3://bucket/prefix/, gs://bucket/prefix/, https://host/path/)")
+        path = parts.path.lstrip("/")
+        folder, _, last = path.rpartition("/")
+        folder = folder + "/" if folder else ""
+        if is_pattern(last):
+            names = tuple(expand_braces(last))
+        elif last.endswith(".tar"):
+            names = (last,)
+        elif last:  # a prefix without its trailing slash names a folder
+            folder, names = path + "/", ()
+        else:
+            names = ()
+        for n in names:
+            if not n.endswith(".tar"):
+                raise ValueError(f"{url}: {n} is not a .tar shard (compressed shards cannot be read by offset)")
+        if scheme in ("s3", "gs"):
+            return cls(url, scheme, f"{scheme}://{parts.netloc}", folder, names)
+        return cls(url, scheme, f"{scheme}://{parts.netloc}/{folder}", "", names)
+
+    def where(self, name: str = "") -> str:
+        """The URL of ``name`` (for messages)."""
+        return self.base.rstrip("/") + "/" + self.prefix + name if self.scheme in ("s3", "gs") else self.base + name
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+
+class Store:
+    """One process's connection to a dataset's store (build it where it is used: a decode process
+    builds its own)."""
+
+    def __init__(self, location: Location, settings: RemoteSettings):
+        obstore, stores = _import_obstore()
+        self.obstore, self.location, self.settings = obstore, location, settings
+        client = {"timeout": timedelta(seconds=settings.timeout_s),
+                  "connect_timeout": timedelta(seconds=settings.connect_timeout_s)}
+        retry = {"max_retries": settings.max_retries, "retry_timeout": timedelta(seconds=settings.timeout_s),
+                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15),
+                             "base": 2}}
+        bucket = location.base.split("://", 1)[1]
+        if location.scheme == "s3":
+            endpoint = settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
+            extra = {"endpoint": endpoint} if endpoint else {}
+            if endpoint.startswith("http://"):
+                client["allow_http"] = True
+            self.store = stores.S3Store(bucket, client_options=client, retry_config=retry, **extra)
+        elif location.scheme == "gs":
+            self.store = stores.GCSStore(bucket, client_options=client, retry_config=retry)
+        else:
+            client["allow_http"] = location.scheme == "http"
+            self.store = stores.HTTPStore.from_url(location.base, client_options=client, retry_config=retry)
+
+    def _fail(self, exc: BaseException, what: str, name: str = "") -> RemoteError:
+        e = self.obstore.exceptions
+        where = self.location.where(name)
+        if isinstance(exc, e.NotFoundError):
+            cause = "not found"
+        elif isinstance(exc, (e.PermissionDeniedError, e.UnauthenticatedError)):
+            cause = "access denied (check the credentials and the bucket policy)"
+        else:
+            cause = "failed"
+        detail = " ".join(str(exc).split())[:600]
+        return RemoteError(f"{where}: {what} {cause}: {type(exc).__name__}: {detail}")
+
+    # ------------------------------------------------------------------ listing
+    def list_shards(self) -> Tuple[List[ObjectInfo], Optional[ObjectInfo]]:
+        """The dataset's ``.tar`` shards (sorted by name) and its ``classes.json``, if any."""
+        loc = self.location
+        if loc.names:
+            infos = [self.head(n) for n in loc.names]
+            label_map = None
+        elif loc.scheme in ("s3", "gs"):
+            try:
+                listing = self.obstore.list_with_delimiter(self.store, loc.prefix or None)
+            except Exception as exc:
+                raise self._fail(exc, "listing") from None
+            objs = {o["path"][len(loc.prefix):]: ObjectInfo(o["path"][len(loc.prefix):], int(o["size"]),
+                                                             o.get("e_tag") or "")
+                    for o in listing["objects"] if o["path"].startswith(loc.prefix)}
+            infos = [objs[n] for n in sorted(objs) if n.endswith(".tar") and not n.startswith(".")]
+            label_map = objs.get("classes.json")
+        else:
+            names = self._html_listing()
+            infos = [self.head(n) for n in names if n.endswith(".tar")]
+            label_map = self.head("classes.json") if "classes.json" in names else None
+        if not infos:
+            raise RemoteError(f"{loc.url}: no .tar shards there")
+        for info in infos:
+            if info.name.endswith((".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")):
+                raise RemoteError(f"{loc.where(info.name)}: compressed shards cannot be read by offset")
+        return infos, label_map
+
+    def head(self, name: str) -> ObjectInfo:
+        try:
+            meta = self.obstore.head(self.store, self.location.key(name))
+        except Exception as exc:
+            raise self._fail(exc, "HEAD", name) from None
+        return ObjectInfo(name, int(meta["size"]), meta.get("e_tag") or "")
+
+    def _html_listing(self) -> List[str]:
+        """The ``.tar`` and ``classes.json`` names linked from a folder's HTML listing (nginx
+        autoindex, Apache, ``python -m http.server``), bounded in size; only plain names count."""
+        try:
+            res = self.obstore.get(self.store, "")
+            data = bytearray()
+            for chunk in res:
+                data += chunk
+                if len(data) > MAX_LISTING_BYTES:
+                    raise RemoteError(f"{self.location.url}: the folder listing is over {MAX_LISTING_BYTES} bytes")
+        except RemoteError:
+            raise
+        except Exception as exc:
+            raise self._fail(exc, "folder listing") from None
+        names = set()
+        for href in _HREF.findall(data.decode("utf-8", "replace")):
+            name = urllib.parse.unquote(html.unescape(href))
+            if "/" not in name and name not in ("", ".", "..") and (name.endswith(".tar") or name == "classes.json"):
+                names.add(name)
+        return sorted(names)
+
+    # ------------------------------------------------------------------ reading
+    def download(self, info: ObjectInfo, fd: int, progress: Callable[[int], None] = lambda n: None) -> None:
+        """Write the object into ``fd`` from its start, checked: the size the listing saw, the
+        same ETag, and the content's MD5 where the ETag is one. Raises :class:`RemoteError`."""
+        where = self.location.where(info.name)
+        md5 = hashlib.md5() if info.md5() else None
+        n = 0
+        try:
+            res = self.obstore.get(self.store, self.location.key(info.name))
+            meta = res.meta
+            if int(meta["size"]) != info.size or (info.etag and (meta.get("e_tag") or "") != info.etag):
+                raise RemoteError(f"{where}: changed since the dataset was listed (size {info.size} -> "
+                                  f"{meta['size']}, ETag {info.etag} -> {meta.get('e_tag')}); restart the service "
+                                  "to take the new version as a new dataset")
+            for chunk in res.stream(min_chunk_size=CHUNK):
+                view = memoryview(chunk)
+                if n + len(view) > info.size:
+                    raise RemoteError(f"{where}: the store sent more than the {info.size} bytes listed")
+                if md5 is not None:
+                    md5.update(view)
+                while view:
+                    view = view[os.write(fd, view):]
+                n += len(chunk)
+                progress(len(chunk))
+        except RemoteError:
+            raise
+        except Exception as exc:
+            raise self._fail(exc, f"download (after {n} of {info.size} bytes)", info.name) from None
+        if n != info.size:
+            raise RemoteError(f"{where}: truncated download: {n} of {info.size} bytes")
+        if md5 is not None and md5.hexdigest() != info.md5():
+            raise RemoteError(f"{where}: checksum mismatch: MD5 {md5.hexdigest()}, ETag {info.etag}")
+
+    def read_small(self, info: ObjectInfo, limit: int) -> bytes:
+        """A small object whole (a label map), refused over ``limit`` bytes."""
+        if info.size > limit:
+            raise RemoteError(f"{self.location.where(info.name)}: {info.size} bytes, over the {limit} allowed")
+        try:
+            return bytes(self.obstore.get(self.store, self.location.key(info.name)).bytes())
+        except Exception as exc:
+            raise self._fail(exc, "GET", info.name) from None

@@ -1,0 +1,140 @@
+"""WebDataset shards in object storage, read through the shard cache.
+
+At start the service lists the shards once (names, sizes, ETags); that listing is the index's
+fingerprint, so a restart on an unchanged bucket reuses the saved index and reads no shard, and a
+changed object (new ETag or size) makes a new index, i.e. a new dataset identity. A scan fetches
+each shard into the cache (bounded by the cap, evicting as it goes) and reads its tar headers.
+Decode processes open shards through the same cache: a read of a shard not cached downloads it
+once for all of them; a shard stays pinned while a process keeps it open (at most
+:data:`OPEN_SHARDS` per process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+from loader_service.sources.base import SourceSpec, register
+from loader_service.sources.remote.cache import ShardCache, read_stats
+from loader_service.sources.remote.store import Location, ObjectInfo, RemoteSettings, Store
+from loader_service.sources.webdataset import INDEX_VERSION, WebDatasetSource, _build_index, _scan_shard
+
+OPEN_SHARDS = 2  # per process: what a cap must leave room for (x decode processes)
+MAX_LABEL_MAP_BYTES = 16 << 20
+
+
+def _index_root(settings: RemoteSettings) -> str:
+    if settings.cache_dir:
+        return settings.cache_dir
+    from loader_service.sources.demo import cache_dir
+
+    return cache_dir()
+
+
+@register("webdataset-remote")
+class RemoteWebDatasetSource(WebDatasetSource):
+    """A :class:`WebDatasetSource` whose shards live in object storage (see the module docstring)."""
+
+    def __init__(self, root: str, index_dir: str, name: str, origin: str, url: str, settings: RemoteSettings,
+                 objects: Sequence[ObjectInfo]):
+        super().__init__(root, index_dir, name, origin)
+        self.url, self.settings, self.objects = url, settings, tuple(objects)
+        self.location = Location.parse(url)
+        self._store: Optional[Store] = None
+        self._cache: Optional[ShardCache] = None
+        self._fds: "OrderedDict[int, int]" = OrderedDict()
+
+    @property
+    def cache(self) -> ShardCache:
+        if self._cache is None:  # made in the process that reads (a decode process makes its own)
+            self._store = Store(self.location, self.settings)
+            self._cache = ShardCache(self.root, self.settings.cache_max_bytes, self._store.download,
+                                     self.settings.wait_s)
+        return self._cache
+
+    @classmethod
+    def open_url(cls, url: str, settings: RemoteSettings, name: str = "") -> "RemoteWebDatasetSource":
+        """List the shards and open the index made for that listing (scanning them if none is saved)."""
+        loc = Location.parse(url)
+        store = Store(loc, settings)
+        infos, label_info = store.list_shards()
+        root = settings.shard_dir()
+        tag = hashlib.sha256(f"{loc.base}\0{loc.prefix}".encode()).hexdigest()[:16]
+        listing = {"v": INDEX_VERSION, "url": loc.where(), "files": [[i.name, i.size, i.etag] for i in infos],
+                   "map": [label_info.size, label_info.etag] if label_info else None}
+        fp = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:24]
+        index_dir = os.path.join(_index_root(settings), "wds-index", f"remote-{tag}-{fp}")
+        name = name or os.path.basename(loc.where().rstrip("/").split("://", 1)[1])
+        args = (url, settings, infos)
+        if os.path.isfile(os.path.join(index_dir, "meta.json")):
+            try:
+                src = cls(root, index_dir, name, "loaded", *args)
+                if src.meta.get("fingerprint") == fp:
+                    return src
+                src.close()
+            except (OSError, ValueError, KeyError):
+                pass  # damaged: scanned again below, and saved over it
+        label_map = None
+        if label_info is not None:
+            os.makedirs(os.path.dirname(index_dir), exist_ok=True)
+            label_map = index_dir + ".classes.json"
+            with open(label_map, "wb") as f:
+                f.write(store.read_small(label_info, MAX_LABEL_MAP_BYTES))
+        locals_ = [f"{tag}-{i.name}" for i in infos]
+        by_path = {os.path.join(root, n): (i, n) for i, n in zip(infos, locals_)}
+        cache = ShardCache(root, settings.cache_max_bytes, store.download, settings.wait_s)
+
+        def scan(path: str):
+            info, local = by_path[path]
+            fd = cache.open(info, local)  # pinned while scanned
+            try:
+                return _scan_shard(path)
+            finally:
+                os.close(fd)
+
+        try:
+            _build_index(root, list(by_path), label_map, fp, [index_dir], scan=scan)
+        finally:
+            cache.close()
+        return cls(root, index_dir, name, "scanned", *args)
+
+    @classmethod
+    def from_spec(cls, spec: SourceSpec) -> "RemoteWebDatasetSource":
+        objects = [ObjectInfo(*o) for o in spec.option("objects")]
+        return cls(spec.path, spec.index, spec.name, "loaded", spec.option("url"),
+                   RemoteSettings.from_options(dict(spec.options)), objects)
+
+    def spec(self) -> SourceSpec:
+        objects = tuple((o.name, o.size, o.etag) for o in self.objects)
+        return SourceSpec(self.name, "webdataset-remote", self.root, self.index_dir,
+                          options=(("url", self.url), ("objects", objects)) + self.settings.options())
+
+    def _fd(self, s: int) -> int:
+        fd = self._fds.get(s)
+        if fd is not None:
+            self._fds.move_to_end(s)
+            return fd
+        while len(self._fds) >= OPEN_SHARDS:  # unpinned before the next is fetched, so it may be evicted for it
+            os.close(self._fds.popitem(last=False)[1])
+        fd = self._fds[s] = self.cache.open(self.objects[s], os.path.basename(self.shards[s]))
+        return fd
+
+    def describe(self, i: int) -> str:
+        return f"{self.location.where(self.objects[int(self._shard[i])].name)}:{self.keys[i]}"
+
+    def cache_status(self) -> dict:
+        """The shard cache's counters and its cap (for /v1/status and /metrics)."""
+        st = read_stats(self.root)
+        download_s, wait_s = st.pop("download_ns") / 1e9, st.pop("wait_ns") / 1e9
+        return dict(st, max_bytes=self.settings.cache_max_bytes, download_s=round(download_s, 3),
+                    wait_s=round(wait_s, 3),
+                    download_bytes_per_s=round(st["downloaded_bytes"] / download_s) if download_s else 0)
+
+    def close(self) -> None:
+        super().close()
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = self._store = None  # the store's pooled connections go with it

@@ -1,0 +1,262 @@
+"""Real object stores on loopback for the tests and the benchmark: moto's standalone S3 server
+in a child process, a threaded HTTP server with Range support and injectable faults, and a
+blackhole (a listener that accepts and never answers). Each is a context manager that leaves
+nothing behind."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Dict, Optional
+
+from tests.support.service import free_port
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+TEST_KEY = {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
+            "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class MotoServer:
+    """``python -m moto.server`` on 127.0.0.1:<free port>; :attr:`endpoint` is its URL.
+    :meth:`client` is a boto3 client for setting up buckets (tests only)."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "MotoServer":
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self.proc.returncode} before answering")
+            try:
+                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=2).close()
+                return self
+            except (OSError, urllib.error.URLError):
+                if time.monotonic() > deadline:
+                    self.__exit__(None, None, None)
+                    raise TimeoutError(f"moto server on {self.endpoint} did not answer in {START_TIMEOUT_S}s")
+                time.sleep(0.1)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT_S)
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=TEST_KEY["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=TEST_KEY["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+
+    def upload_folder(self, bucket: str, folder: str, prefix: str = "") -> None:
+        """Create ``bucket`` and put every file of ``folder`` (top level) under ``prefix``."""
+        c = self.client()
+        c.create_bucket(Bucket=bucket)
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                c.upload_file(path, bucket, prefix + name)
+
+
+# ---------------------------------------------------------------------------- HTTP with Range
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+
+
+class Faults:
+    """What the HTTP server does wrong, set by a test while it runs (a lock guards it)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.status: Dict[str, int] = {}  # name -> status to answer (403, 404, ...)
+        self.throttle = 0  # answer this many next GETs of data with 503 SlowDown
+        self.short: Dict[str, int] = {}  # name -> bytes to send of a body that claims its full length
+        self.gets: Dict[str, int] = {}  # name -> GETs served (whole or ranged)
+
+    def take_throttle(self) -> bool:
+        with self.lock:
+            if self.throttle > 0:
+                self.throttle -= 1
+                return True
+            return False
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: "RangeHTTPServer._Server"
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _file(self) -> Optional[str]:
+        rel = self.path.split("?", 1)[0].lstrip("/")
+        if ".." in rel.split("/"):
+            return None
+        return os.path.join(self.server.root, rel)
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def _answer(self, code: int, text: str = "") -> None:
+        data = text.encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        if code == 503:
+            self.send_header("Retry-After", "0")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _serve(self, body: bool) -> None:
+        faults, path = self.server.faults, self._file()
+        name = os.path.basename(path or "")
+        forced = faults.status.get(name)
+        if forced:
+            return self._answer(forced, f"forced {forced}")
+        if path is None or not os.path.exists(path):
+            return self._answer(404, "not found")
+        if os.path.isdir(path):
+            if not self.path.endswith("/"):
+                return self._answer(404, "not found")
+            names = sorted(os.listdir(path))
+            listing = "".join(f'<a href="{n}">{n}</a>\n' for n in names)
+            return self._answer(200, f"<html><body>\n{listing}</body></html>")
+        if body and faults.take_throttle():
+            return self._answer(503, "SlowDown")
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        etag = '"%s"' % hashlib.md5(data).hexdigest()
+        start, end, code = 0, size, 200
+        m = _RANGE.match(self.headers.get("Range", ""))
+        if m:
+            start = int(m.group(1))
+            end = min(size, int(m.group(2)) + 1) if m.group(2) else size
+            code = 206
+        self.send_response(code)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("ETag", etag)
+        self.send_header("Accept-Ranges", "bytes")
+        if code == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        self.end_headers()
+        if not body:
+            return
+        with faults.lock:
+            faults.gets[name] = faults.gets.get(name, 0) + 1
+            short = faults.short.get(name)
+        chunk = data[start:end]
+        if short is not None:
+            self.wfile.write(chunk[:short])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(chunk)
+
+
+class RangeHTTPServer:
+    """Serves the files under ``root`` on 127.0.0.1:<free port> (GET, HEAD, ``Range: bytes=a-b``,
+    an MD5 ETag, a plain ``<a href>`` listing for folders), with :attr:`faults` to inject."""
+
+    class _Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+        block_on_close = False
+
+    def __init__(self, root: str):
+        self.faults = Faults()
+        self.server = self._Server(("127.0.0.1", 0), _Handler)
+        self.server.root, self.server.faults = root, self.faults
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                       name="range-http", daemon=True)
+
+    def __enter__(self) -> "RangeHTTPServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(STOP_TIMEOUT_S)
+
+
+class Blackhole:
+    """A listener on 127.0.0.1 that accepts connections and never answers: a blackholed endpoint."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list = []
+        self._stop = threading.Event()
+        self.sock.settimeout(0.05)
+        self.thread = threading.Thread(target=self._accept, name="blackhole", daemon=True)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.conns.append(conn)
+
+    def __enter__(self) -> "Blackhole":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.thread.join(STOP_TIMEOUT_S)
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+
+# ---------------------------------------------------------------------------- shards to serve
+def write_shards(folder: str, n_shards: int, per_shard: int, pad: int = 0) -> dict:
+    """``shard-000000.tar``... in ``folder``: sample ``s{k}-{i:04d}`` is a small JPEG, unique to it
+    (``pad`` bytes of a JPEG comment make shards bigger), labelled ``i % 3`` by a ``.cls``
+    member. Returns key -> (image bytes, label)."""
+    import io
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    out = {}
+    for k in range(n_shards):
+        with tarfile.open(os.path.join(folder, f"shard-{k:06d}.tar"), "w", format=tarfile.USTAR_FORMAT) as tf:
+            for i in range(per_shard):
+                key, label = f"s{k}-{i:04d}", i % 3
+                px = np.full((8, 8, 3), (k * 37 + i) % 256, np.uint8)
+                px[0, 0] = (k % 256, i % 256, i // 256)
+                buf = io.BytesIO()
+                Image.fromarray(px).save(buf, "JPEG", quality=95, comment=b"x" * pad)
+                for name, data in ((key + ".jpg", buf.getvalue()), (key + ".cls", str(label).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+                out[key] = (buf.getvalue(), label)
+    return out
