@@ -59,7 +59,9 @@ class Scheduler(Generic[T]):
         """``s`` ended: it leaves the line for good (its heap entry is skipped when met)."""
         self._served.pop(s, None)
         self._queued.pop(s, None)
-        if len(self._line) > 64 and len(self._line) > 4 * len(self._queued):  # mostly stale: rebuild
+        if not self._queued:
+            self._line.clear()  # all stale: let go of the streams they name
+        elif len(self._line) > 64 and len(self._line) > 4 * len(self._queued):  # mostly stale: rebuild
             self._line = [e for e in self._line if self._queued.get(e[3]) == (e[0], e[1])]
             heapq.heapify(self._line)
 
