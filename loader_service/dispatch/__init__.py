@@ -6,7 +6,8 @@ Modules: ``loop`` (sockets, poll, effects) with ``mailbox`` (calls from other th
 reserves, lending, waiting); ``streams`` (the Opening and Stream records); ``stream_state`` (one
 stream's progress); ``sending`` (the BatchLayout, a batch's message and frames); ``tasks`` (tasks
 on workers) with ``deadlines``; ``scheduler``; ``sessions``; ``status`` (the snapshot, and the
-one Totals type); ``curve`` (CURVE keys on the data port).
+one Totals type); ``curve`` (CURVE keys on the data port); ``heap`` (freed heap given back after
+a flood).
 
 Glossary (one meaning each, in code and messages):
 

@@ -17,12 +17,13 @@ What passes is an :class:`~loader_service.dispatch.streams.Opening` with its
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Union
 
 from wire import protocol as P
 from wire.jobspec import JobSpec
-from wire.plan import make_plan
+from wire.plan import PlanSpec, RankPlan, make_plan
 from loader_service.decode.pipelines import PipelineError, Registry, job_pipeline, named_pipeline
 from loader_service.dispatch.jobs import rank_rules, taken_over
 from loader_service.dispatch.sending import BatchLayout
@@ -65,6 +66,9 @@ class Admission:
     def __init__(self, sources: Dict[str, Source], pipelines: Registry, limits: StreamLimits):
         self.sources, self.pipelines, self.limits = sources, pipelines, limits
         self.default_dataset = next(iter(sources))
+        # streams of one plan share it (its arrays cost 9 bytes per sample: a flood of 10,000 alike
+        # Hellos made 10,000 copies); a plan no stream holds any more goes with its last stream
+        self._plans: "weakref.WeakValueDictionary[PlanSpec, RankPlan]" = weakref.WeakValueDictionary()
 
     def source(self, name: Optional[str]) -> Union[Source, Refuse]:
         """The dataset called ``name`` (None or "": the first one)."""
@@ -87,6 +91,15 @@ class Admission:
                 return P.Error(code=P.ErrorCode.BAD_JOB, message=str(exc))
         return P.DatasetInfo(dataset=source.name, length=len(source), num_classes=source.num_classes, outputs=outputs,
                              fingerprint=source.fingerprint())
+
+    def plan(self, spec: PlanSpec) -> RankPlan:
+        """The plan of ``spec``, shared with the streams that have it already (read-only arrays)."""
+        plan = self._plans.get(spec)
+        if plan is None:
+            plan = make_plan(spec)
+            plan.indices.flags.writeable = plan.padding.flags.writeable = False
+            self._plans[spec] = plan
+        return plan
 
     @staticmethod
     def stale(session: Session, hello: P.Hello) -> Optional[Refuse]:
@@ -115,7 +128,7 @@ class Admission:
         if broken:
             return Refuse(P.ErrorCode.INTERNAL, broken)
         try:
-            plan = make_plan(hello.spec.plan(len(source), hello.epoch, hello.rank, hello.origin))
+            plan = self.plan(hello.spec.plan(len(source), hello.epoch, hello.rank, hello.origin))
         except ValueError as exc:
             return Refuse(P.ErrorCode.BAD_JOB, str(exc))
         nb = plan.num_batches
@@ -128,7 +141,7 @@ class Admission:
             order, granted, final = list(hello.batches), len(hello.batches), False
             nslots = max(1, min(hello.prefetch, nb))
         else:
-            order = list(hello.batches) if hello.batches else list(range(hello.start_batch, nb))
+            order = list(hello.batches) if hello.batches else range(hello.start_batch, nb)
             granted, final = hello.prefetch, True
             nslots = max(1, min(hello.prefetch, len(order)))
         try:

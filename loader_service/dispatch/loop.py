@@ -50,7 +50,7 @@ from wire import protocol as P
 from loader_service.config import ServiceConfig
 from loader_service.decode.jpeg import decode_path
 from loader_service.decode.pipelines import Registry
-from loader_service.dispatch import sending, status
+from loader_service.dispatch import heap, sending, status
 from loader_service.dispatch.admission import Admission, Refuse, past_the_end
 from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
 from loader_service.dispatch.deadlines import TaskDeadlines
@@ -90,10 +90,12 @@ class Dispatcher:
         self.mailbox = Mailbox()  # functions other threads hand to this one
         self.sessions = Sessions()
         cap, hint = slot_cap(config.max_shm_bytes)
+        self.scheduler: Scheduler[Stream] = Scheduler()
         self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint,
-                                  unlinked=self.pool.unmap)
+                                  unlinked=self.pool.unmap, slots_back=self._may_take_task)
         self._unreachable: Dict[bytes, None] = {}  # idents a send found gone: dropped after the event at hand
-        self.scheduler = Scheduler()
+        self._trim_rule = heap.TrimRule()
+        self._trim_due = False  # many sessions left: give the heap back after this round of events
         self.tasks = Tasks(TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s), config.on_error)
         self.totals = Totals()
         self.recent_skips: Deque[SkippedSample] = deque(maxlen=SKIPS_SHOWN)  # for the status page
@@ -198,6 +200,8 @@ class Dispatcher:
                 self._lend_if_due()
                 self._schedule()
                 self._drop_unreachable()
+                if self._trim_due:
+                    self._trim_heap()
         except BaseException as exc:
             self.failure = f"the dispatcher loop crashed: {type(exc).__name__}: {exc}"
             log.critical("%s\n%s", self.failure, traceback.format_exc())
@@ -275,10 +279,12 @@ class Dispatcher:
         ev = parse_monitor_message([f.bytes for f in frames])
         if ev["event"] == zmq.EVENT_ACCEPTED:
             self.sessions.accepted(ev["value"])
+            self._trim_rule.connections(self.sessions.connections)
         elif ev["event"] == zmq.EVENT_DISCONNECTED:
             ident = self.sessions.disconnected(ev["value"])
             if ident is not None:
                 self._drop_client(ident, "disconnected")
+            self._trim_due |= self._trim_rule.connections(self.sessions.connections)
         elif self.guard.on_event(ev):
             self.totals.refused_handshakes += 1
 
@@ -444,12 +450,13 @@ class Dispatcher:
         s.h2d_s += msg.h2d_s
         if msg.promote:
             s.lookahead = False
+            self._may_take_task(s)  # its place in the scheduler's line changes
         if isinstance(msg, P.Credit):
             if s.hello.on_demand:
                 return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Credit on an on_demand stream; send Request"))
             s.state.grant(msg.n)
             self.memory.wake(s, now)
-            return
+            return self._may_take_task(s)
         if not s.hello.on_demand:
             return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Request on a stream that is not on_demand"))
         bad = [b for b in msg.batches if b >= s.plan.num_batches]
@@ -461,23 +468,43 @@ class Dispatcher:
             return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
         self._apply(s, effects)
         self.memory.wake(s, now)
+        self._may_take_task(s)
 
     def _drop_client(self, ident: bytes, why: str) -> None:
         session = self.sessions.pop(ident)
         if session is None:
             return
+        if session.stream is not None:
+            self.scheduler.forget(session.stream)
         opened = self.memory.leave(ident, session.stream, time.monotonic())
         log.info("client %s %s", session.name, why)
         self._opened(opened)
 
+    def _trim_heap(self) -> None:
+        """Give the heap that departed sessions freed back to the system (see :mod:`.heap`)."""
+        self._trim_due = False
+        before = heap.rss_bytes()
+        if heap.trim():
+            self.totals.heap_trims += 1
+            log.info("%d connections now: gave %.0f MiB of freed heap back to the system",
+                     self.sessions.connections, (before - heap.rss_bytes()) / 2**20)
+
     # ------------------------------------------------------------------ streams
     def _apply(self, s: Stream, effects: List[Effect]) -> None:
-        """Carry out what a stream's state asked for."""
+        """Carry out what a stream's state asked for (after an event that may also have given it
+        a task to hand out: it is a candidate for the next idle worker then)."""
         for e in effects:
             if isinstance(e, SendBatch):
                 self._send_batch(s, e)
             else:
                 self._end_stream(s, e)
+        self._may_take_task(s)
+
+    def _may_take_task(self, s: Stream) -> None:
+        """An event may have let ``s`` take a task (credit, a free slot, slots back, a task to
+        redo, its start): the scheduler asks it when its turn comes."""
+        if not s.state.done:
+            self.scheduler.ready(s, s.lookahead)
 
     def _end_stream(self, s: Stream, e: Effect) -> None:
         """Tell the client how its stream ended (``Finish`` or ``Fail``), then retire it."""
@@ -494,6 +521,7 @@ class Dispatcher:
         session = self.sessions.get(s.ident)
         if session is not None and session.stream is s:
             self.sessions.serve(session, None)
+        self.scheduler.forget(s)
         self._opened(self.memory.retire(s, time.monotonic()))
 
     def _release_idle_streams(self) -> None:
@@ -548,6 +576,7 @@ class Dispatcher:
         # runs as a post, so the loop schedules right after: a stream that waited for this slot
         # can take an idle worker at once
         s.state.send_complete(slot)
+        self._may_take_task(s)
 
     def _fail_all(self, why: str) -> None:
         for stream in self.sessions.streams():
@@ -558,10 +587,8 @@ class Dispatcher:
         idle = self.pool.idle()
         if not idle or self._stop_by is not None:
             return
-        streams = self.sessions.streams()
-        self.scheduler.pick(streams, len(idle), lambda s: s.segment is not None and s.state.dispatchable(),
-                            lambda s: s.lookahead,
-                            lambda s: self._dispatch(s, idle.pop()))
+        self.scheduler.pick(len(idle), lambda s: s.segment is not None and s.state.dispatchable(),
+                            lambda s: s.lookahead, lambda s: self._dispatch(s, idle.pop()))
 
     def _dispatch(self, s: Stream, worker) -> None:
         t = s.state.next_task(self.tasks.next_id())

@@ -56,8 +56,10 @@ class Refused:
 class BatchMemory:
     def __init__(self, max_bytes: int, reclaim_idle_s: float, live: Callable[[], Iterable[Stream]],
                  connected: Callable[[bytes], bool], hint: str = "raise --max-shm-mb",
-                 unlinked: Callable[[str], None] = lambda name: None):
+                 unlinked: Callable[[str], None] = lambda name: None,
+                 slots_back: Callable[[Stream], None] = lambda s: None):
         self.max_bytes = max_bytes
+        self._slots_back = slots_back  # told when a stream that lent its slots has them again
         self.reclaim_idle_s = reclaim_idle_s
         self.hint = hint  # what raises max_bytes, for refusals
         self._live = live  # the streams being served now (with their slots or lent)
@@ -208,6 +210,7 @@ class BatchMemory:
             return
         if s in self.starved:
             self.starved.remove(s)
+        self._slots_back(s)
 
     def retire(self, s: Stream, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
         """``s`` is no longer served: its state retires, and its slots go back once no task or

@@ -104,6 +104,7 @@ class Totals:
     refused_sessions: int = 0  # Hellos past --max-sessions or --max-waiting
     late_messages: int = 0  # messages read after their connection was gone (a Hello among them opens nothing)
     revoked: int = 0  # streams ended because their client's CURVE key was removed
+    heap_trims: int = 0  # free heap given back to the system after many sessions left (dispatch/heap.py)
     read_s: float = Field(0.0, exclude=True)  # workers' reading, summed over tasks
     decode_s: float = Field(0.0, exclude=True)  # workers' decoding and augmenting
     wait_s: float = Field(0.0, exclude=True)  # clients' stall (their messages' wait_s, summed)

@@ -68,7 +68,7 @@ class Opening:
     pipe: JobPipeline
     layout: BatchLayout
     limits: StreamLimits
-    order: List[int]  # the batches to send, in order
+    order: Union[range, List[int]]  # the batches to send, in order (a range: a run of the plan)
     granted: int  # of those, how many may be computed now (credit)
     final: bool  # no batch will be added to ``order``
     nslots: int

@@ -11,6 +11,7 @@ by hand, with monitor events fed in that exact order: the disconnect must not dr
 
 from __future__ import annotations
 
+import gc
 import uuid
 
 import pytest
@@ -177,3 +178,31 @@ def test_a_hello_past_the_session_cap_is_refused_naming_the_cap(demo_source):
         assert d.status()["connections"] == {"open": 3, "sessions": 2, "pending": 1, "waiting": 0}
     finally:
         close(d)
+
+
+def test_after_many_sessions_come_and_go_the_dispatcher_holds_nothing_of_them(dispatcher):
+    """Issue 32: a flood's sessions gone, every table and index is empty again (they left by
+    disconnect, by Bye, and by disconnect of a connection that never said Hello)."""
+    d = dispatcher
+    idents = [uuid.uuid4().bytes for _ in range(300)]
+    hello = P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), prefetch=1, client="flood")
+    for k, ident in enumerate(idents):
+        deliver(d, ident, hello, fd=100 + k)
+    d.event(zmq.EVENT_ACCEPTED, fd=99)  # one that never says Hello
+    d._read_all(d.monitor, d._on_monitor)
+    assert len(d.sessions) == 300 and len(d.scheduler) == 300 and d.memory.in_use() > 0
+    for k, ident in enumerate(idents):
+        if k % 2:
+            deliver(d, ident, P.Bye(), fd=100 + k)
+        d.event(zmq.EVENT_DISCONNECTED, fd=100 + k)
+    d.event(zmq.EVENT_DISCONNECTED, fd=99)
+    d._read_all(d.monitor, d._on_monitor, limit=10_000)
+    gc.collect()
+    s = d.sessions
+    assert (len(s), s.connections, s.pending, s.streams(), s.fd_owners()) == (0, 0, 0, [], {})
+    assert (s._jobs, s._job_of) == ({}, {})
+    assert (len(d.scheduler), d.scheduler.candidates, len(d.scheduler._line)) == (0, 0, 0)
+    m = d.memory
+    assert (m.in_use(), m.waiting, m.starved, m.retiring) == (0, {}, [], [])
+    assert len(d.admission._plans) == 0  # the plan the flood shared went with its last stream
+    assert d._unreachable == {} and d._trim_due  # 301 connections closed: the heap is given back next

@@ -4,6 +4,7 @@ refused naming the fields; a newer client takes a (job, rank) over), and Describ
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from typing import List
 
@@ -57,7 +58,7 @@ def test_a_plain_hello_opens_the_epoch_from_its_cursor(admission):
     o = v.outcome
     assert isinstance(o, Opening) and v.takeovers == [] and v.spec is None  # no job: no rules, no rank kept
     assert o.session is session and o.source.name == "demo" and o.plan.num_batches == 6  # 22 samples / 4
-    assert (o.order, o.granted, o.final, o.nslots) == ([2, 3, 4, 5], 3, True, 3)
+    assert (list(o.order), o.granted, o.final, o.nslots) == ([2, 3, 4, 5], 3, True, 3)
     assert o.limits == StreamLimits(on_error="skip")
     assert o.layout.slot_bytes == 4 * 32 * 32 * 3 and o.nbytes == 3 * o.layout.slot_bytes
     assert o.what == "prefetch 3 x 0.0 MiB"
@@ -65,9 +66,9 @@ def test_a_plain_hello_opens_the_epoch_from_its_cursor(admission):
 
 def test_slots_never_outnumber_the_batches_to_send(admission):
     o = admission.admit(connected(b"a"), hello(start_batch=5, prefetch=8), []).outcome
-    assert (o.order, o.nslots) == ([5], 1)
+    assert (list(o.order), o.nslots) == ([5], 1)
     empty = admission.admit(connected(b"a"), hello(start_batch=6), []).outcome  # at the end: a stream of nothing
-    assert (empty.order, empty.nslots, empty.final) == ([], 1, True)
+    assert (list(empty.order), empty.nslots, empty.final) == ([], 1, True)
 
 
 def test_an_on_demand_hello_opens_with_the_batches_it_asks_for(admission):
@@ -202,3 +203,15 @@ def test_describe_answers_with_the_dataset_and_a_pipelines_outputs(admission):
         P.ErrorCode.UNKNOWN_DATASET, -1, "unknown dataset 'x'; this service serves ['demo', 'other']")
     bad = admission.describe(P.Describe(pipeline="nope"))
     assert bad.code == P.ErrorCode.BAD_JOB and "nope" in bad.message
+
+
+def test_streams_of_one_plan_share_it_and_a_plan_goes_with_its_last_stream(admission):
+    a = admission.admit(connected(b"a"), hello(), []).outcome
+    b = admission.admit(connected(b"b"), hello(), []).outcome
+    other = admission.admit(connected(b"c"), hello(epoch=1), []).outcome
+    assert a.plan is b.plan and other.plan is not a.plan  # a flood of alike Hellos holds one plan
+    assert not a.plan.indices.flags.writeable
+    spec = a.plan.spec
+    del a, b
+    gc.collect()
+    assert admission._plans.get(spec) is None

@@ -1,0 +1,74 @@
+"""Giving freed heap back to the system after many connections have gone (issue 32).
+
+A flood of connections leaves the service's heap large after every session is gone: libzmq's
+per-connection buffers and the dispatcher's per-session records are freed into glibc's arenas
+(one per I/O thread as well as the main one), which keep the memory, fragmented, instead of
+returning it (2 GB of RSS with 0 sessions, 92 MB at start). ``malloc_trim(0)`` walks every
+arena and returns its free pages. It costs milliseconds per hundred MB of heap, so it runs only
+after many connections have closed (:class:`TrimRule` decides, :func:`trim` does it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+from typing import Callable, Optional
+
+log = logging.getLogger("loader_service.dispatch.heap")
+
+MIN_GONE = 256  # connections closed since the last trim: fewer are not worth its pause
+
+
+class TrimRule:
+    """When to trim: told the count of open connections at every change, says yes once at least
+    ``min_gone`` connections have closed since the last trim, and at least as many as are still
+    open (so a flood that drains is trimmed as it halves, log2 times in all, and one client's
+    coming and going once in ``min_gone`` departures). Pure."""
+
+    def __init__(self, min_gone: int = MIN_GONE) -> None:
+        self.min_gone = min_gone
+        self.open = 0
+        self.gone = 0  # connections closed since the last trim
+
+    def connections(self, n: int) -> bool:
+        """``n`` connections are open now: True when the heap should be trimmed now."""
+        self.gone += max(0, self.open - n)
+        self.open = n
+        if self.gone >= self.min_gone and self.gone >= n:
+            self.gone = 0
+            return True
+        return False
+
+
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's ``malloc_trim``, or None (musl, macOS: nothing to call)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_TRIM = _malloc_trim()
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def trim() -> bool:
+    """Return the free pages of every malloc arena to the system; False where there is no
+    ``malloc_trim``."""
+    if _TRIM is None:
+        return False
+    _TRIM(0)
+    return True
