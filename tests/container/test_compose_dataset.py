@@ -77,7 +77,10 @@ def test_compose_run_trainer_streams_the_users_dataset_and_returns(user_stack):
 def test_service_serves_only_the_users_dataset_named_after_its_folder(user_stack):
     with urllib.request.urlopen(user_stack["url"] + "/v1/status", timeout=10) as r:
         status = json.loads(r.read())
-    assert status["datasets"] == {NAME: {"length": N, "num_classes": len(CLASSES)}}, status["datasets"]
+    assert list(status["datasets"]) == [NAME], status["datasets"]
+    ds = status["datasets"][NAME]
+    assert (ds["length"], ds["num_classes"], ds["changed_on_disk"], ds["on_change"]) == (N, len(CLASSES), None,
+                                                                                         "restart"), ds
     logs = user_stack["compose"].logs("loader")
     assert "demo dataset not served: datasets are given" in logs, logs[-2000:]
     assert "generating the demo dataset" not in logs
