@@ -89,6 +89,9 @@ class EpochRun:
         c, flow, conns = self.config, self.flow, self.conns
         t0 = time.perf_counter()
         self._heard = max(self._heard, self._clock())  # the trainer's own time is no service's silence
+        if self.fleet is not None:  # also when the next batch is already there: the fleet follows its name
+            self.fleet.follow(conns, self._clock(), flow, self.epoch)
+            self._ask()
         probed, told = self._heard, False
         while not self._push_due():
             now = self._clock()

@@ -62,11 +62,13 @@ class Fleet:
             if self.membership.active():
                 self._started = True
                 return self.membership.active()
-            if self._clock() >= deadline:
+            left = deadline - self._clock()
+            if left <= MAX_S / 20:  # no time left for another lookup
                 names = ", ".join(self.membership.names)
                 raise LoaderTimeout(f"{names} resolved to no address within {timeout:g}s (is the service "
                                     "deployed, and is its name right? a Kubernetes headless Service lists ready pods only)")
-            time.sleep(min(MAX_S, max(0.0, deadline - self._clock())))
+            if answers is not None:
+                time.sleep(min(MAX_S, left / 2))  # the next try; half the time left, so a last one fits
 
     def wake_at(self, now: float) -> float:
         """When the epoch's wait should wake up for the fleet's sake."""

@@ -219,6 +219,13 @@ class RemoteLoader:
             if self._dataset_length is not None:
                 self._check_saved_identity()
 
+    def replicas(self) -> List[str]:
+        """The service replicas this loader streams from now (a followed name's addresses as
+        last resolved; those that drain included), in the order it joined them."""
+        if self._conns is None:
+            return self._fleet.membership.active()
+        return [r.endpoint for r in self._conns.replicas]
+
     def stats(self) -> dict:
         """Counters since creation: batches, samples, bytes, wait_s (stall), h2d_s, restarts."""
         return asdict(self._stats)
