@@ -11,13 +11,5 @@ if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&
     exit 0
 fi
 
-if [ "$(id -u)" -ne 0 ]; then
-    SUDO=sudo
-else
-    SUDO=
-fi
-export DEBIAN_FRONTEND=noninteractive
-echo "installing: chromium chromium-driver fonts-dejavu-core"
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver fonts-dejavu-core >/dev/null
+sh "$(dirname "$0")/apt-install.sh" chromium chromium-driver fonts-dejavu-core
 echo "installed: $(chromium --version 2>/dev/null || echo chromium), $(chromedriver --version | cut -d' ' -f1-2)"

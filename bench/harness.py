@@ -8,6 +8,7 @@ too: the service process comes from :mod:`tests.support.service`, the helper the
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -171,6 +172,13 @@ def median_of(runs: Sequence[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------- tables
+def save_json(path: Optional[str], data) -> None:
+    """Write ``data`` to ``path`` as indented JSON (``--json PATH``); nothing without a path."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+
+
 def table_row(cells: Iterable) -> str:
     """One row of a markdown table: ``| a | b |``."""
     return "| " + " | ".join(str(c) for c in cells) + " |"

@@ -25,19 +25,19 @@ Two modes:
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import sys
 import time
 from typing import List, Optional
 
-from bench.harness import command, median_of, table_head, table_row
+from bench.harness import command, save_json, median_of, table_head, table_row
 from client import RemoteLoader
 from tests.support.service import free_port
 
 
-def _serve(port: int, workers: int, delay_s: float, demo_size: int, data: Optional[str], ready, stop) -> None:
+def _serve(port: int, workers: int, delay_s: float, demo_size: int, data: Optional[str], ready, stop,
+           host: str = "127.0.0.1") -> None:
     import logging
 
     from loader_service.config import ServiceConfig
@@ -50,7 +50,7 @@ def _serve(port: int, workers: int, delay_s: float, demo_size: int, data: Option
     src = open_path(data) if data else ensure_demo(demo_size, quiet=True)
     sources = {src.name: FaultSource(src, read_delay_s=delay_s)} if delay_s else None
     dataset = {"data": (data,)} if data else {"demo": True, "demo_size": demo_size}
-    svc = Service(ServiceConfig(**dataset, workers=workers, host="127.0.0.1",
+    svc = Service(ServiceConfig(**dataset, workers=workers, host=host,
                                 data_port=port, http_port=0, status_log_s=0), sources=sources).start()
     svc.wait_ready(120)
     ready.set()
@@ -130,9 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if r["mode"] == "latency":
             verdict = "PASS" if r["ratio_to_sum"] >= 0.9 else "MISS"
             print(f"\n{verdict} two unequal replicas >= 0.9x the sum of their solo rates: {r['ratio_to_sum']:.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    save_json(args.json, rows)
     return 0
 
 

@@ -37,6 +37,11 @@ class LoaderConfig:
     heartbeat_s: float = 2.0  # ZMTP heartbeat towards the service; a silent one counts as down after 3x
     epoch_lookahead: bool = True  # start epoch e+1 on the service once all of epoch e is asked for
     curve_keys: Optional[str] = None  # a keys dir (client.key_secret + server.key) for CURVE; None: env LOADER_CURVE_KEYS
+    # an endpoint tcp://NAME:port stands for every address NAME resolves to, looked up again this often
+    # and after a connection loss (client/membership.py); 0: the name goes to libzmq as is, once
+    dns_refresh_s: float = 10.0
+    dns_server: Optional[str] = None  # "ip[:port]": ask this DNS server (dnspython); None: env LOADER_DNS_SERVER, else the system's resolver
+    expect_replicas: int = 0  # size the window (batches in flight, host memory) for this many replicas; 0: as many as at the start
 
     @classmethod
     def of(cls, endpoint: str, **settings: Any) -> "LoaderConfig":
@@ -73,6 +78,7 @@ class LoaderConfig:
             ("rank", 0 <= self.rank < self.spec.world_size), ("prefetch", 1 <= self.prefetch <= 256),
             ("timeout", self.timeout > 0), ("echo", self.echo >= 1),
             ("replica_timeout", self.replica_timeout > 0), ("heartbeat_s", self.heartbeat_s > 0),
+            ("dns_refresh_s", self.dns_refresh_s >= 0), ("expect_replicas", 0 <= self.expect_replicas <= 64),
             ("device_prefetch", 1 <= self.device_prefetch <= 8),
             ("dtype", self.dtype in ("float32", "float16", "bfloat16")),
             ("mean/std", len(self.mean) == 3 and len(self.std) == 3 and all(s > 0 for s in self.std)),
@@ -83,6 +89,10 @@ class LoaderConfig:
         if not isinstance(self.normalize, bool):
             names = (self.normalize,) if isinstance(self.normalize, str) else tuple(self.normalize)
             object.__setattr__(self, "normalize", names)
+        if self.dns_server is not None:
+            from client.names import parse_server
+
+            parse_server(self.dns_server)
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.curve_keys is None:
             from client.curve import default_keys_dir

@@ -27,8 +27,9 @@ from client.stats import LoaderStats
 
 
 class Connections:
-    """A connection to each of ``endpoints`` (:class:`~client.replica.Replica`, indexed by
-    position), all on behalf of the one loader ``client_id``."""
+    """A connection to each of ``endpoints`` (:class:`~client.replica.Replica`, each with an
+    ``index`` never reused in this set), all on behalf of the one loader ``client_id``. Replicas
+    join and leave the set during a run (:mod:`client.fleet`)."""
 
     def __init__(self, ctx: zmq.Context, endpoints: List[str], config: LoaderConfig, *, curve: Optional[ClientKeys],
                  frame_cap: int, window: int, client_id: str, stream_ids: "itertools.count", stats: LoaderStats):
@@ -44,13 +45,31 @@ class Connections:
         # A service sends a connection at most `window` batches of its stream, plus as many of a
         # stream being replaced and a few control messages: more can only come from a rogue peer,
         # and libzmq then stops reading (backpressure, nothing dropped).
-        queued = 2 * window + 16
-        self.replicas = [Replica(ctx, e, config.heartbeat_s, i, curve, frame_cap, queued)
-                         for i, e in enumerate(endpoints)]
+        self._queued = 2 * window + 16
+        self._ids = itertools.count()
         self._poller = zmq.Poller()
-        for r in self.replicas:
-            self._poller.register(r.sock, zmq.POLLIN)
-            self._poller.register(r.monitor, zmq.POLLIN)
+        self.replicas: List[Replica] = []
+        for e in endpoints:
+            self.join(e)
+
+    def join(self, endpoint: str) -> Replica:
+        """Connect to one more replica."""
+        r = Replica(self._ctx, endpoint, self.config.heartbeat_s, next(self._ids), self._curve, self.frame_cap,
+                    self._queued)
+        self._poller.register(r.sock, zmq.POLLIN)
+        self._poller.register(r.monitor, zmq.POLLIN)
+        self.replicas.append(r)
+        return r
+
+    def leave(self, r: Replica) -> None:
+        """Close the connection to ``r`` (Bye frees its stream on the service) and forget it."""
+        self._poller.unregister(r.sock)
+        self._poller.unregister(r.monitor)
+        self.replicas.remove(r)
+        r.close()
+
+    def find(self, endpoint: str) -> Optional[Replica]:
+        return next((r for r in self.replicas if r.endpoint == endpoint), None)
 
     def twin(self) -> "Connections":
         """A second connection to each replica, on the same terms (the lookahead's spare set)."""
@@ -81,16 +100,16 @@ class Connections:
         epoch's plan begins there in the global order (a resume), so batch 0 is the first after it;
         ``entry``: the job's position where this run of the epoch begins."""
         self.origin, self.entry = origin, entry
-        flow = EpochFlow(start, total, self.window, self.window, len(self.replicas))
-        initial = flow.assign((r.index for r in self.replicas), time.monotonic())
+        flow = EpochFlow(start, total, self.window, self.window, [r.index for r in self.replicas])
+        initial = flow.assign((r.index for r in self.replicas if not r.draining), time.monotonic())
         for r in self.replicas:
             r.dead = False
             self.hello(r, epoch, initial.get(r.index, []), lookahead=lookahead)
         return flow
 
     def healthy(self) -> bool:
-        """Every replica is connected and none was given up on."""
-        return not any(r.dead or r.down_since is not None for r in self.replicas)
+        """Every replica is connected, none was given up on and none drains."""
+        return not any(r.dead or r.draining or r.down_since is not None for r in self.replicas)
 
     # ------------------------------------------------------------------ receiving
     def poll(self, timeout_ms: float) -> List[Tuple[Replica, bool, bool]]:

@@ -23,6 +23,7 @@ from client.batch import Batch
 from client.config import LoaderConfig
 from client.connections import Connections
 from client.errors import LoaderError
+from client.fleet import Fleet
 from client.flow import EpochFlow, InOrder
 from client.lookahead import Lookahead
 from client.replica import Replica
@@ -41,9 +42,10 @@ class EpochRun:
     it however the epoch ends)."""
 
     def __init__(self, conns: Connections, flow: EpochFlow, sink, config: LoaderConfig, stats: LoaderStats,
-                 epoch: int, lookahead: Optional[Lookahead] = None, clock: Callable[[], float] = time.monotonic):
+                 epoch: int, lookahead: Optional[Lookahead] = None, clock: Callable[[], float] = time.monotonic,
+                 fleet: Optional[Fleet] = None):
         self.conns, self.flow, self.sink, self.config, self.stats = conns, flow, sink, config, stats
-        self.epoch, self.lookahead, self._clock = epoch, lookahead, clock
+        self.epoch, self.lookahead, self._clock, self.fleet = epoch, lookahead, clock, fleet
         self.window = InOrder(flow.next_yield, config.device_prefetch)
         self._pushed: Deque[Batch] = deque()  # pushed to the sink (copy issued), not yet yielded
         self._heard = clock()  # the last message from a service
@@ -87,15 +89,22 @@ class EpochRun:
         c, flow, conns = self.config, self.flow, self.conns
         t0 = time.perf_counter()
         self._heard = max(self._heard, self._clock())  # the trainer's own time is no service's silence
+        if self.fleet is not None:  # also when the next batch is already there: the fleet follows its name
+            self.fleet.follow(conns, self._clock(), flow, self.epoch)
+            self._ask()
         probed, told = self._heard, False
         while not self._push_due():
             now = self._clock()
             wake = min([self._heard + c.timeout, probed + self._probe_s, *conns.due_times()])
             if len(conns.replicas) > 1:  # wake up in time to notice a replica that stays down
                 wake = min(wake, now + c.replica_timeout / 2)
+            if self.fleet is not None:
+                wake = min(wake, self.fleet.wake_at(now))
             events = conns.poll(max(1, int((wake - now) * 1000) + 1))
             now = self._clock()
             conns.check_connections(now)
+            if self.fleet is not None:
+                self.fleet.follow(conns, now, flow, self.epoch)
             if not events:
                 if now >= self._heard + c.timeout:
                     conns.raise_timeout()
@@ -111,9 +120,11 @@ class EpochRun:
                 self._ask()
                 continue
             for r, changed, readable in events:
+                if r not in conns.replicas:
+                    continue  # it left the set just now
                 if changed:
-                    self._on_monitor(r)
-                if readable and self._pump(r):
+                    self._on_monitor(r, now)
+                if readable and r in conns.replicas and self._pump(r):
                     self._heard = probed = now
             self._ask()
             if self.lookahead is not None and flow.fully_asked:
@@ -164,6 +175,10 @@ class EpochRun:
                     # (its memory goes back with the rest when the run closes)
                     raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
                 self.window.put(msg.index, (msg, payload))
+                if self.fleet is not None:
+                    self.fleet.delivered(self.conns, r, self._clock(), self.flow)
+                    if r not in self.conns.replicas:
+                        break  # it drained and left
             elif isinstance(msg, P.Error) and msg.code == P.ErrorCode.UNKNOWN_CLIENT:
                 self._restart(r)  # the service forgot us: ask again for what we miss
         return heard
@@ -171,8 +186,8 @@ class EpochRun:
     # ------------------------------------------------------------------ asking, and the replicas' fate
     def _ask(self) -> None:
         """Request what the flow control allows of the replicas that can take requests."""
-        reps = self.conns.replicas
-        live = [r.index for r in reps if not r.dead and r.accepted and r.down_since is None]
+        reps = {r.index: r for r in self.conns.replicas}
+        live = [i for i, r in reps.items() if not r.dead and not r.draining and r.accepted and r.down_since is None]
         for i, batches in self.flow.assign(live, self._clock()).items():
             reps[i].request(batches, self.stats.batches)
 
@@ -181,7 +196,7 @@ class EpochRun:
         the stream (it restarted, or was frozen long enough to drop us) answers unknown_client,
         and the stream starts again from what it owed; one that knows it says nothing."""
         for r in self.conns.replicas:
-            if not r.dead and r.stream >= 0 and self.flow.outstanding[r.index]:
+            if not r.dead and r.stream >= 0 and self.flow.outstanding.get(r.index):
                 r.request([], self.stats.batches, probe=True)
 
     def _restart(self, r: Replica) -> None:
@@ -189,10 +204,16 @@ class EpochRun:
         if r.stream < 0 or r.dead:
             return
         self.stats.restarts += 1
-        self.conns.hello(r, r.epoch, sorted(self.flow.outstanding[r.index]))
+        self.conns.hello(r, r.epoch, sorted(self.flow.outstanding.get(r.index, ())))
 
-    def _on_monitor(self, r: Replica) -> None:
-        if r.on_monitor():  # back, maybe to a restarted service: start again with what it owes
+    def _on_monitor(self, r: Replica, now: float) -> None:
+        was_up = r.down_since is None
+        back = r.on_monitor()
+        if self.fleet is not None and was_up and r.down_since is not None:
+            self.fleet.lost(self.conns, r, now, self.flow)  # look the names up again: it may be back elsewhere
+            if r not in self.conns.replicas:
+                return
+        if back:  # back, maybe to a restarted service: start again with what it owes
             if r.dead:
                 log.info("service replica %s is back; it takes batches again", r.endpoint)
                 r.dead = False
@@ -217,6 +238,6 @@ class EpochRun:
 
     def _owner(self) -> str:
         for r in self.conns.replicas:
-            if self.flow.next_yield in self.flow.outstanding[r.index]:
+            if self.flow.next_yield in self.flow.outstanding.get(r.index, ()):
                 return r.endpoint
         return "no replica yet: " + ", ".join(r.endpoint for r in self.conns.replicas)

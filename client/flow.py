@@ -18,30 +18,49 @@ on-demand sharding):
   counts as that slow). Nothing is dealt up front, so a slow replica gets a small share and
   its batches come back before the window is exhausted by the fast one's;
 * **failover**: a replica given up on (:meth:`lose`) hands its outstanding batches back; they
-  are asked of the others first, lowest first.
+  are asked of the others first, lowest first;
+* **membership**: replicas are named by ids that are never reused; one that joins mid-epoch
+  (:meth:`join`) gets batches from the next assignment on, one that leaves (:meth:`leave`)
+  hands its outstanding batches back and is forgotten.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Any, Dict, Iterable, List, Optional, Set
+from typing import Any, Dict, Iterable, List, Optional, Set, Union
 
 
 class EpochFlow:
-    """Batches ``start .. total-1`` of one epoch over replicas ``0 .. replicas-1``."""
+    """Batches ``start .. total-1`` of one epoch over replicas ``0 .. replicas-1`` (or the ids
+    ``replicas`` lists)."""
 
-    def __init__(self, start: int, total: int, window: int, credit: int, replicas: int):
-        if window < 1 or credit < 1 or replicas < 1:
+    def __init__(self, start: int, total: int, window: int, credit: int, replicas: Union[int, Iterable[int]]):
+        ids = list(range(replicas)) if isinstance(replicas, int) else list(replicas)
+        if window < 1 or credit < 1 or not ids:
             raise ValueError("window, credit and replicas must be >= 1")
         self.start, self.total = start, total
         self.window, self.credit = window, credit
         self.next_yield = start  # the next batch the trainer gets
         self.next_new = start  # the lowest batch never asked of anyone
         self._redo: List[int] = []  # heap: batches handed back by a lost replica
-        self.outstanding: List[Set[int]] = [set() for _ in range(replicas)]
+        self.outstanding: Dict[int, Set[int]] = {}  # replica -> batches asked of it, not received
         self.received: Set[int] = set()  # received and not yet yielded
-        self.per_batch: List[Optional[float]] = [None] * replicas  # measured seconds per batch
-        self._busy_since: List[float] = [0.0] * replicas  # last delivery, or when work was first asked
+        self.per_batch: Dict[int, Optional[float]] = {}  # replica -> measured seconds per batch
+        self._busy_since: Dict[int, float] = {}  # replica -> last delivery, or when work was first asked
+        for r in ids:
+            self.join(r)
+
+    def join(self, replica: int) -> None:
+        """``replica`` (a new id) takes batches from the next :meth:`assign` on."""
+        if replica in self.outstanding:
+            raise ValueError(f"replica {replica} is already in this flow")
+        self.outstanding[replica], self.per_batch[replica], self._busy_since[replica] = set(), None, 0.0
+
+    def leave(self, replica: int) -> List[int]:
+        """``replica`` is gone for good: its outstanding batches go to the others first."""
+        orphans = self.lose(replica)
+        del self.outstanding[replica], self.per_batch[replica], self._busy_since[replica]
+        return orphans
 
     @property
     def done(self) -> bool:
@@ -55,7 +74,7 @@ class EpochFlow:
 
     def in_flight(self) -> int:
         """Batches requested or received and not yet yielded (bounded by ``window``)."""
-        return sum(len(o) for o in self.outstanding) + len(self.received)
+        return sum(len(o) for o in self.outstanding.values()) + len(self.received)
 
     def _eta(self, r: int, now: float, default: float) -> float:
         per = self.per_batch[r] if self.per_batch[r] is not None else default
@@ -67,7 +86,7 @@ class EpochFlow:
         """Batches to request now: replica -> batches, in the order to ask for them. ``now``:
         a clock reading (any unit, the same as :meth:`on_batch`'s)."""
         live = list(live)
-        known = [p for p in self.per_batch if p is not None]
+        known = [p for p in self.per_batch.values() if p is not None]
         default = sum(known) / len(known) if known else 1.0
         out: Dict[int, List[int]] = {}
         while live:
@@ -93,7 +112,7 @@ class EpochFlow:
 
     def on_batch(self, replica: int, batch: int, now: float = 0.0) -> bool:
         """``replica`` delivered ``batch``; False if it was not asked of it (or came already)."""
-        if batch not in self.outstanding[replica]:
+        if batch not in self.outstanding.get(replica, ()):
             return False
         self.outstanding[replica].discard(batch)
         self.received.add(batch)

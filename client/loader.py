@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import asdict
@@ -39,6 +40,7 @@ from client.connections import Connections, describe_change
 from client.curve import client_keys
 from client.epoch import EpochRun
 from client.errors import LoaderError
+from client.fleet import Fleet
 from client.lookahead import Lookahead
 from client.sinks import make_sink
 from client.stats import LoaderStats
@@ -57,7 +59,10 @@ class RemoteLoader:
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  image_size: int = 224, train: bool = True, prefetch: int = 4, device: str = "cpu", **options):
         """``endpoint``: one ``tcp://host:port``, or a list of service replicas to spread this
-        rank's batches over (see :func:`client.resolve_endpoints` for a DNS name)."""
+        rank's batches over. A host given by name (``tcp://loader-headless:5555``, a Kubernetes
+        headless Service) stands for every address it resolves to, followed during the run:
+        replicas join and leave as the name's records change (``dns_refresh_s``; see
+        :mod:`client.membership`)."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         if not options.get("job"):
             options["job"] = default_job()
@@ -69,13 +74,14 @@ class RemoteLoader:
                                       train=train, prefetch=prefetch, device=str(device), **options)
         for e in endpoints[1:]:
             LoaderConfig(endpoint=e, spec=self.config.spec)  # validates the address
-        # batches this rank may have asked for or hold (received, in the device sink) at once;
-        # any one replica may be asked for all of them if it is the one that delivers soonest
-        self._window = self.config.prefetch * len(endpoints)
+        self._fleet = Fleet(endpoints, self.config)
         self._curve = client_keys(self.config.curve_keys)  # None: plain ZMTP
         # a named pipeline's outputs (and so the sink and the frame cap) come with the dataset's description
         self._frame_cap = self.config.max_frame_bytes
-        self._sink = None if self.config.spec.pipeline else make_sink(self.config, self._window)
+        self._window = 0  # set with the replicas to start with (a followed name's are known once it resolves)
+        self._sink = None
+        if not self._fleet.membership.following:
+            self._size_window(len(endpoints))
         self._ctx: Optional[zmq.Context] = None
         self._conns: Optional[Connections] = None  # the current set: one connection per replica
         self._stream_ids = itertools.count(1)  # the streams of both sets of connections
@@ -213,6 +219,13 @@ class RemoteLoader:
             if self._dataset_length is not None:
                 self._check_saved_identity()
 
+    def replicas(self) -> List[str]:
+        """The service replicas this loader streams from now (a followed name's addresses as
+        last resolved; those that drain included), in the order it joined them."""
+        if self._conns is None:
+            return self._fleet.membership.active()
+        return [r.endpoint for r in self._conns.replicas]
+
     def stats(self) -> dict:
         """Counters since creation: batches, samples, bytes, wait_s (stall), h2d_s, restarts."""
         return asdict(self._stats)
@@ -287,6 +300,7 @@ class RemoteLoader:
         origin = min(origin, self._dataset_length)
         total = self._batches(origin)
         conns = self._connect()
+        self._fleet.follow(conns, time.monotonic())  # who joined or left since the last epoch
         adopted = self._lookahead.adopt(conns, epoch, start, total, self._sink, origin)
         if adopted is not None:
             self._conns, flow = adopted
@@ -295,7 +309,7 @@ class RemoteLoader:
         else:
             flow = conns.start_epoch(epoch, start, total, origin=origin, entry=self._position())
         run = EpochRun(self._conns, flow, self._sink, self.config, self._stats, epoch,
-                       self._lookahead if self.config.epoch_lookahead else None)
+                       self._lookahead if self.config.epoch_lookahead else None, fleet=self._fleet)
         try:
             for batch in run:
                 self._next_batch = flow.next_yield
@@ -349,18 +363,30 @@ class RemoteLoader:
             self._conns.close()
             self._conns = self._open_connections()
 
+    def _size_window(self, replicas: int) -> None:
+        """Batches this rank may have asked for or hold (received, in the device sink) at once:
+        ``prefetch`` per replica; any one replica may be asked for all of them if it is the one
+        that delivers soonest, and replicas that join later share them."""
+        self._window = self.config.prefetch * max(replicas, self.config.expect_replicas, 1)
+        if not self.config.spec.pipeline:
+            self._sink = make_sink(self.config, self._window)
+
     def _connect(self) -> Connections:
         if self._conns is None:
             if self._closed:
                 raise RuntimeError("this RemoteLoader is closed")
+            first = self._fleet.first(self.config.timeout)
+            if not self._window:
+                self._size_window(len(first))
             self._ctx = zmq.Context(1)
             self._conns = self._open_connections()
         return self._conns
 
     def _open_connections(self) -> Connections:
-        """One connection per endpoint (the lookahead's spare set is a twin of this one)."""
+        """One connection per replica (the lookahead's spare set is a twin of this one)."""
         assert self._ctx is not None
-        return Connections(self._ctx, self.endpoints, self.config, curve=self._curve, frame_cap=self._frame_cap,
+        return Connections(self._ctx, self._fleet.membership.active(), self.config, curve=self._curve,
+                           frame_cap=self._frame_cap,
                            window=self._window, client_id=self._client_id, stream_ids=self._stream_ids,
                            stats=self._stats)
 
@@ -378,17 +404,16 @@ def default_job() -> str:
 
 
 def resolve_endpoints(endpoint: str) -> List[str]:
-    """``tcp://name:port`` -> one endpoint per address the name resolves to (a Kubernetes
-    headless Service, say), sorted so every rank lists the replicas in the same order."""
+    """``tcp://name:port`` -> one endpoint per address the name resolves to now, sorted so every
+    rank lists the replicas in the same order. (A RemoteLoader given the name itself follows it
+    during the run instead.)"""
     import socket
-    from urllib.parse import urlsplit
 
-    u = urlsplit(endpoint)
-    if u.scheme != "tcp" or not u.hostname or not u.port:
-        raise ValueError(f"expected tcp://host:port, got {endpoint!r}")
-    infos = socket.getaddrinfo(u.hostname, u.port, type=socket.SOCK_STREAM)
-    addrs = sorted({i[4][0] for i in infos})
-    return [f"tcp://[{a}]:{u.port}" if ":" in a else f"tcp://{a}:{u.port}" for a in addrs]
+    from client.names import endpoint_of, host_port
+
+    host, port = host_port(endpoint)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [endpoint_of(a, port) for a in sorted({i[4][0] for i in infos})]
 
 
 def _checked_state(state: object) -> dict:

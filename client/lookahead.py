@@ -55,6 +55,9 @@ class Lookahead:
         if ahead != epoch or start != 0 or origin != 0:  # it streams the whole epoch, from its start
             return self._close_spare()
         spare = self.spare
+        if sorted(r.endpoint for r in spare.replicas) != sorted(r.endpoint for r in current.replicas):
+            log.info("the replicas changed since epoch %d started ahead; starting it plainly", epoch)
+            return self._close_spare()
         deadline = time.monotonic() + self._timeout
         for r in spare.replicas:
             lost = False

@@ -39,7 +39,7 @@ class Replica:
         allocates it (ZMQ_MAXMSGSIZE); -1: no cap. ``max_queued``: messages libzmq queues for
         us before it stops reading the connection (0: no cap); with the frame cap it bounds
         what a peer can make this process hold."""
-        self.index = index  # position in the loader's endpoint list
+        self.index = index  # this replica's id in its set of connections (never reused there)
         self.endpoint = endpoint
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
@@ -73,6 +73,7 @@ class Replica:
         # protocol (a frame over MAXMSGSIZE): lost and not retried means the peer was refused
         self.retried = True
         self.dead = False  # given up on for the rest of this epoch
+        self.draining = False  # no longer resolved: takes no new batch, leaves once it owes nothing
         self.stream = -1
         self.epoch = 0  # of the current stream
         self.accepted = False  # the service accepted the current stream

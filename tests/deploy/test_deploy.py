@@ -68,7 +68,8 @@ def _named(docs: dict, kind: str, name: str) -> dict:
 
 # ---------------------------------------------------------------------------- kubernetes
 @pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl not installed: the built-in renderer is used alone")
-@pytest.mark.parametrize("path", [BASE, OVERLAY], ids=["base", "overlay"])
+@pytest.mark.parametrize("path", [BASE, OVERLAY, K8S / "overlays" / "stall-keda", K8S / "overlays" / "stall-hpa"],
+                         ids=["base", "overlay", "stall-keda", "stall-hpa"])
 def test_builtin_renderer_agrees_with_kubectl_kustomize(path):
     p = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -437,7 +438,8 @@ def test_requirements_split_keeps_torch_out_of_the_service():
     assert any(r.lower().startswith("fastapi") for r in service) and any(r.startswith("pyzmq") for r in service)
 
 
-@pytest.mark.parametrize("script", [".ci/container-prereqs.sh", "deploy/install-prerequisites.sh",
+@pytest.mark.parametrize("script", [".ci/container-prereqs.sh", ".ci/apt-install.sh", ".ci/dns-prereqs.sh",
+                                    ".ci/scaling-prereqs.sh", "deploy/install-prerequisites.sh",
                                     "deploy/docker/build-base.sh",
                                     "deploy/docker/fetch-wheels.sh", "deploy/docker/pip-install.sh"])
 def test_shell_scripts_parse(script):

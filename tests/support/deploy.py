@@ -40,7 +40,7 @@ _KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "namespace", "images",
 def render(path: Path) -> list:
     """Render a kustomization with the subset of kustomize this repo uses: resources (files and
     kustomization dirs), generators from literals without hash suffixes, strategic-merge
-    patches by file, then namespace, images and replicas. Anything else raises Unsupported,
+    patches by file (``$patch: delete`` removes the object), then namespace, images and replicas. Anything else raises Unsupported,
     so a new feature in a kustomization cannot be silently ignored here."""
     k = yaml.safe_load((path / "kustomization.yaml").read_text())
     unknown = set(k) - _KUSTOMIZATION_KEYS
@@ -77,7 +77,10 @@ def render(path: Path) -> list:
             if len(hits) != 1:
                 target = f"{pd['kind']}/{pd['metadata']['name']}"
                 raise ValueError(f"patch {patch['path']}: {len(hits)} targets for {target}")
-            docs[hits[0]] = _merge(docs[hits[0]], pd)
+            if pd.get("$patch") == "delete":
+                del docs[hits[0]]
+            else:
+                docs[hits[0]] = _merge(docs[hits[0]], pd)
     ns = k.get("namespace")
     for d in docs:
         if ns and d["kind"] not in CLUSTER_SCOPED:

@@ -32,11 +32,11 @@ class Listener:
     :meth:`keep` and threads started by :meth:`spawn` end with :meth:`close`, which frees the
     port."""
 
-    def __init__(self, port: int = 0):
+    def __init__(self, port: int = 0, host: str = "127.0.0.1"):
         self.connections = 0
-        self._listener = socket.create_server(("127.0.0.1", port))
+        self._listener = socket.create_server((host, port))
         self.port = self._listener.getsockname()[1]
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.endpoint = f"tcp://{host}:{self.port}"
         self._lock = threading.Lock()
         self._socks: List[socket.socket] = []
         self._threads: List[threading.Thread] = []
@@ -115,9 +115,10 @@ class Stranger(Listener):
     """A plain TCP listener that is no loader service: it answers each connection with
     ``reply`` (None: nothing) and holds it until :meth:`close`."""
 
-    def __init__(self, port: int = 0, reply: Optional[bytes] = b"HTTP/1.1 400 Bad Request\r\n\r\n"):
+    def __init__(self, port: int = 0, reply: Optional[bytes] = b"HTTP/1.1 400 Bad Request\r\n\r\n",
+                 host: str = "127.0.0.1"):
         self.reply = reply
-        super().__init__(port)
+        super().__init__(port, host)
 
     def serve(self, conn: socket.socket, n: int) -> None:
         self.keep(conn)

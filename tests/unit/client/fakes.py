@@ -30,9 +30,9 @@ class FakeReplica:
     service's messages wait in ``inbox``, connection events in ``events`` (True: back after a
     loss); what the loader sent is kept."""
 
-    def __init__(self, index: int):
-        self.index, self.endpoint = index, f"tcp://replica-{index}:5555"
-        self.dead = self.accepted = self.was_connected = False
+    def __init__(self, index: int, endpoint: str = ""):
+        self.index, self.endpoint = index, endpoint or f"tcp://replica-{index}:5555"
+        self.dead = self.accepted = self.was_connected = self.draining = False
         self.down_since: Optional[float] = None
         self.retry_at: Optional[float] = None
         self.stream, self.epoch = -1, 0
@@ -108,8 +108,25 @@ class FakeConnections:
         self.replicas = [FakeReplica(i) for i in range(replicas)]
         self.window, self.clock, self.serve = window, clock, serve
         self.stream_ids = itertools.count(1)
+        self._ids = itertools.count(replicas)
         self.twins: List["FakeConnections"] = []
         self.closed = False
+        self.joins: List[tuple] = []  # (endpoint, clock) of each replica that joined
+        self.left: List[FakeReplica] = []
+
+    def join(self, endpoint: str) -> FakeReplica:
+        r = FakeReplica(next(self._ids), endpoint)
+        self.replicas.append(r)
+        self.joins.append((endpoint, self.clock.now))
+        return r
+
+    def leave(self, r: FakeReplica) -> None:
+        self.replicas.remove(r)
+        self.left.append(r)
+        r.close()
+
+    def find(self, endpoint: str) -> Optional[FakeReplica]:
+        return next((r for r in self.replicas if r.endpoint == endpoint), None)
 
     def hello(self, r: FakeReplica, epoch: int, batches: List[int], lookahead: bool = False) -> None:
         r.stream, r.epoch, r.accepted, r.asked = next(self.stream_ids), epoch, False, list(batches)

@@ -99,7 +99,7 @@ def run(sim: Sim, max_events: int = 200_000) -> List[int]:
                 paused = [max(0, p - 1) for p in paused]
                 continue
             raise AssertionError(f"deadlock: next to yield {flow.next_yield}, outstanding "
-                                 f"{[sorted(o) for o in flow.outstanding]}, held {sorted(order.held)}, dead {dead}")
+                                 f"{[sorted(o) for o in flow.outstanding.values()]}, held {sorted(order.held)}, dead {dead}")
         paused = [max(0, p - 1) for p in paused]
         total_w = sum(w for w, _ in choices)
         pick = rng.uniform(0, total_w)
