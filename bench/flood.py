@@ -109,7 +109,7 @@ def measure(svc: ServiceProcess, phase: str, batches: int) -> list:
     lat.sort()
     med = statistics.median(lat) if lat else float("nan")
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else float("nan")
-    sessions = len(svc.status()["clients"]) if not fails or lat else -1
+    sessions = svc.status()["connections"]["sessions"] if not fails or lat else -1
     return [phase, f"{rate:.0f}", f"{med:.1f}", f"{p99:.1f}", len(fails), f"{rss_mb(svc):.0f}", sessions]
 
 
@@ -118,7 +118,7 @@ def wait_sessions(svc: ServiceProcess, deadline_s: float) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
         try:
-            if not svc.status()["clients"]:
+            if not svc.status()["connections"]["sessions"]:
                 break
         except Exception:
             pass
