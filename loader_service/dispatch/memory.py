@@ -97,9 +97,9 @@ class BatchMemory:
         # a lend freed more than the stream that lent needed: retry what waits (it may fit now)
         self._lent = False
         # The quiet streams (live, holding slots, settled: see :meth:`changed`), each in one of
-        # two heaps by (asked_at, seq): ``_due``,
-        # quiet for reclaim_idle_s already (its slots may be lent), or ``_later``; entries of
-        # streams no longer quiet, or indexed again since, are skipped when met.
+        # two heaps by (asked_at, seq): ``_due`` (quiet for reclaim_idle_s already: its slots
+        # may be lent) or ``_later``. Entries of streams no longer quiet, or indexed again
+        # since, are skipped when met, and dropped when they outnumber the live ones.
         self._quiet: Dict[Stream, _Quiet] = {}
         self._due: List[Tuple[float, int, Stream]] = []
         self._later: List[Tuple[float, int, Stream]] = []
@@ -107,10 +107,11 @@ class BatchMemory:
         self._later_bytes = 0
         self._seq = itertools.count()
         # the current epochs' slot sizes (live streams, not lookahead): size -> count; a heap of
-        # sizes (negated, stale ones skipped) gives the largest
+        # the sizes (negated, each once; sizes no longer counted are popped when on top)
         self._current: Dict[Stream, int] = {}
         self._current_sizes: Dict[int, int] = {}
         self._largest: List[int] = []
+        self._in_largest: Set[int] = set()
 
     # ------------------------------------------------------------------ segments and reserves
     def in_use(self) -> int:
@@ -132,6 +133,8 @@ class BatchMemory:
         assert self._due_bytes + self._later_bytes == sum(q.segment.size for q in quiet), "quiet bytes drifted"
         headroom = max((x.nbytes for x in live if not x.lookahead), default=0)
         assert self._lookahead_headroom() == headroom, "the largest current epoch's slots drifted"
+        assert len(self._due) + len(self._later) <= 64 + 4 * len(self._quiet), "stale quiet entries pile up"
+        assert len(self._largest) == len(self._in_largest), "a size is in the heap twice"
 
     def _add_segment(self, seg: Segment) -> None:
         self._segments.add(seg)
@@ -345,6 +348,7 @@ class BatchMemory:
         self._current.clear()
         self._current_sizes.clear()
         self._due, self._later, self._largest = [], [], []
+        self._in_largest.clear()
         self._due_bytes = self._later_bytes = 0
 
     # ------------------------------------------------------------------ the indexes
@@ -354,9 +358,9 @@ class BatchMemory:
         current = not s.state.done and not s.lookahead
         if current and s not in self._current:
             self._current[s] = s.nbytes
-            n = self._current_sizes.get(s.nbytes, 0)
-            self._current_sizes[s.nbytes] = n + 1
-            if not n:
+            self._current_sizes[s.nbytes] = self._current_sizes.get(s.nbytes, 0) + 1
+            if s.nbytes not in self._in_largest:
+                self._in_largest.add(s.nbytes)
                 heapq.heappush(self._largest, -s.nbytes)
         elif not current and s in self._current:
             size = self._current.pop(s)
@@ -372,6 +376,14 @@ class BatchMemory:
             q = self._quiet[s] = _Quiet(s.asked_at, next(self._seq), s.segment.size)
             self._later_bytes += q.size  # _advance moves it to _due when its quiet time is up
             heapq.heappush(self._later, (q.asked_at, q.seq, s))
+        self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """Rebuild the heaps without their stale entries once those are most of them."""
+        if len(self._due) + len(self._later) > 64 + 4 * len(self._quiet):
+            for heap in (self._due, self._later):
+                heap[:] = [e for e in heap if self._quiet.get(e[2]) is not None and self._quiet[e[2]].seq == e[1]]
+                heapq.heapify(heap)
 
     def _unquiet(self, s: Stream) -> None:
         q = self._quiet.pop(s)  # its heap entry is stale from now on
@@ -437,6 +449,7 @@ class BatchMemory:
     def _lend(self, s: Stream, now: float) -> None:
         self._lent = True  # what it frees beyond the need at hand may fit a stream that waits
         self._unquiet(s)
+        self._drop_stale()
         self.release(s.segment, None)
         s.segment = None
         log.info("client %s stream %d has asked for nothing for %.0fs: its %.1f MiB of slots go to a job that "
@@ -453,7 +466,7 @@ class BatchMemory:
         """What a lookahead must leave free: room for a plain stream as large as the largest one
         live, so an early next epoch never crowds out a current one."""
         while self._largest and -self._largest[0] not in self._current_sizes:
-            heapq.heappop(self._largest)  # no current epoch of that size any more
+            self._in_largest.discard(-heapq.heappop(self._largest))  # no current epoch of that size any more
         return -self._largest[0] if self._largest else 0
 
 
