@@ -75,8 +75,9 @@ def healthz_latencies(url: str, stop: threading.Event, out: List[float], failure
         stop.wait(0.05)
 
 
-def client_run(endpoint: str, batches: int) -> float:
-    """A real client's images per second over ``batches`` batches of the demo set."""
+def client_run(endpoint: str, batches: int, first: List[float]) -> float:
+    """A real client's images per second over ``batches`` batches of the demo set; the seconds
+    to its first batch are appended to ``first``."""
     from client import RemoteLoader
 
     with RemoteLoader(endpoint, batch_size=32, image_size=64, epoch_lookahead=False, timeout=60) as ld:
@@ -84,6 +85,8 @@ def client_run(endpoint: str, batches: int) -> float:
         while n < batches:
             ld.set_epoch(epoch)
             for b in ld:
+                if not n:
+                    first.append(time.perf_counter() - t0)
                 n += 1
                 if n >= batches:
                     break
@@ -96,11 +99,11 @@ def rss_mb(svc: ServiceProcess) -> float:
 
 
 def measure(svc: ServiceProcess, phase: str, batches: int) -> list:
-    stop, lat, fails = threading.Event(), [], []
+    stop, lat, fails, first = threading.Event(), [], [], []
     t = threading.Thread(target=healthz_latencies, args=(svc.url, stop, lat, fails), daemon=True)
     t.start()
     try:
-        rate = client_run(svc.endpoint, batches)
+        rate = client_run(svc.endpoint, batches, first)
     except Exception as exc:  # the client's own failure is a result too
         rate, phase = 0.0, f"{phase} (client failed: {type(exc).__name__}: {str(exc)[:80]})"
     stop.set()
@@ -109,8 +112,11 @@ def measure(svc: ServiceProcess, phase: str, batches: int) -> list:
     lat.sort()
     med = statistics.median(lat) if lat else float("nan")
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else float("nan")
-    sessions = len(svc.status()["clients"]) if not fails or lat else -1
-    return [phase, f"{rate:.0f}", f"{med:.1f}", f"{p99:.1f}", len(fails), f"{rss_mb(svc):.0f}", sessions]
+    t0 = time.perf_counter()
+    sessions = svc.status()["connections"]["sessions"] if not fails or lat else -1
+    status_ms = (time.perf_counter() - t0) * 1000  # /v1/status with every session of the phase
+    return [phase, f"{rate:.0f}", f"{first[0]:.1f}" if first else "-", f"{med:.1f}", f"{p99:.1f}", len(fails),
+            f"{rss_mb(svc):.0f}", sessions, f"{status_ms:.0f}"]
 
 
 def wait_sessions(svc: ServiceProcess, deadline_s: float) -> float:
@@ -118,7 +124,7 @@ def wait_sessions(svc: ServiceProcess, deadline_s: float) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
         try:
-            if not svc.status()["clients"]:
+            if not svc.status()["connections"]["sessions"]:
                 break
         except Exception:
             pass
@@ -164,8 +170,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 p.kill()
         svc.stop()
     print(f"{machine()}; {command('bench.flood', argv)}\n")
-    print(table_head(["phase", "client img/s", "/healthz median ms", "p99 ms", "/healthz failed", "service RSS MB",
-                      "sessions listed"], "lrrrrrr"))
+    print(table_head(["phase", "client img/s", "first batch s", "/healthz median ms", "p99 ms", "/healthz failed",
+                      "service RSS MB", "sessions", "/v1/status ms"], "lrrrrrrrr"))
     for r in rows:
         print(table_row(r))
     return 0

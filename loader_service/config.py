@@ -76,7 +76,9 @@ class ServiceConfig:
     max_skipped: Annotated[int, opt("with --on-error skip: samples one stream may skip before it fails with the "
                                     "list (0: no cap)")] = 1000
     start_method: Annotated[str, opt("how worker processes start", choices=START_METHODS)] = "spawn"
-    io_threads: Annotated[int, opt("ZeroMQ I/O threads")] = 1
+    # 4: libzmq walks an I/O thread's whole timer list to cancel a heartbeat timeout, once per
+    # pong, so the data port's heartbeat work grows as connections^2 / io_threads (issue 32)
+    io_threads: Annotated[int, opt("ZeroMQ I/O threads of the data port")] = 4
     log_level: Annotated[str, opt("log level", choices=LOG_LEVELS)] = "info"
     autoscale: Annotated[str, opt("let the autoscaler set the worker count in this range (empty: off)",
                                   metavar="MIN:MAX")] = ""

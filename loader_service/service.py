@@ -171,13 +171,13 @@ class Service:
         st = d.call(d.status).result(timeout=30)
         t, now = st["totals"], time.monotonic()
         last, self._progress = self._progress, (now, t["samples"], t["bytes"])
-        streaming = sum(1 for c in st["clients"] if c["stream"] is not None)
+        streaming = st["clients_streaming"]
         if last is None or (t["samples"] == last[1] and not streaming):
             return  # nothing to say: keep an idle service's log quiet
         dt = max(now - last[0], 1e-9)
         workers = " ".join(f"{k} {v}" for k, v in sorted(st["workers"]["counts"].items())) or "none"
         log.info("serving %d clients (%d streaming): %.0f img/s, %.1f MiB/s over %.0fs; %d samples delivered, "
-                 "%d skipped; workers: %s; batch slots %.0f MiB", len(st["clients"]), streaming,
+                 "%d skipped; workers: %s; batch slots %.0f MiB", st["clients_total"], streaming,
                  (t["samples"] - last[1]) / dt, (t["bytes"] - last[2]) / dt / 2**20, dt, t["samples"],
                  t["skipped"], workers, st["shm_bytes"] / 2**20)
 

@@ -5,13 +5,21 @@ Python < 3.13 every process that attaches to a SharedMemory registers it with th
 tracker, which then warns about or unlinks segments it does not own. Here the creator owns
 the name and unlinks it (in ``finally`` blocks); attachers only map it. Names carry the
 creator's pid so :func:`sweep_stale` can remove what a SIGKILLed service left behind.
+
+A segment holds no file descriptor once mapped: Python's ``mmap`` (before 3.13's ``trackfd``)
+keeps a duplicate of the file's descriptor for its lifetime, one per segment, so 10,000 streams
+(a connection flood, issue 32) took 10,000 descriptors besides their connections, and the
+dispatcher ran out (``EMFILE``) within its limit. Segments are mapped with libc's ``mmap``
+instead, and unmapped only once no view of them is left (:meth:`Segment.close`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
+import sys
 import tempfile
 import uuid
 from typing import Optional
@@ -20,6 +28,46 @@ import numpy as np
 
 PREFIX = "loader_service-"
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """A shared mapping of a file that keeps no descriptor. Every view of it is made from
+    :attr:`view`, and each one keeps :attr:`_memory` referenced, so :meth:`close` knows
+    whether one is left before it unmaps."""
+
+    def __init__(self, fd: int, size: int, writable: bool = True):
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        addr = _libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {size} bytes: {os.strerror(err)}")
+        self._addr, self._size = addr, size
+        self._memory = (ctypes.c_char * size).from_address(addr)
+        view = memoryview(self._memory).cast("B")
+        self.view: Optional[memoryview] = view if writable else view.toreadonly()
+        self._views = sys.getrefcount(self._memory)  # the references made above: no view beyond ``view``
+        self.closed = False
+
+    def close(self) -> None:
+        """Unmap; raises BufferError while a view (a slice, a numpy array, a zmq frame) is left."""
+        if self.closed:
+            return
+        if self.view is not None:
+            self.view.release()  # BufferError while a numpy array or a zmq frame holds it
+            self.view = None
+        if sys.getrefcount(self._memory) > self._views - 1:  # a slice of ``view`` outlives it
+            raise BufferError("cannot unmap a segment while a view of it is in use")
+        self.closed = True
+        self._memory = None
+        _libc.munmap(self._addr, self._size)
 
 
 class NoSpace(OSError):
@@ -52,9 +100,9 @@ def _reserve(fd: int, size: int) -> None:
 class Segment:
     """One mapped segment. ``create`` makes a new one; ``attach`` maps an existing one."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, size: int, mm: _Mapping, owner: bool):
         self.name, self.size, self._mm, self.owner = name, size, mm, owner
-        self.buf: Optional[memoryview] = memoryview(mm)
+        self.buf: Optional[memoryview] = mm.view
 
     @classmethod
     def create(cls, size: int, tag: str = "seg") -> "Segment":
@@ -66,7 +114,7 @@ class Segment:
         fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             _reserve(fd, size)
-            mm = mmap.mmap(fd, size)
+            mm = _Mapping(fd, size)
         except BaseException:
             os.unlink(_path(name))
             raise
@@ -81,7 +129,7 @@ class Segment:
         fd = os.open(_path(name), os.O_RDONLY if readonly else os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
+            mm = _Mapping(fd, size, writable=not readonly)
         finally:
             os.close(fd)
         return cls(name, size, mm, owner=False)
@@ -97,11 +145,8 @@ class Segment:
         Raises BufferError while a numpy view or a zmq frame still uses the memory; callers
         release those first (the dispatcher waits for zmq's send trackers).
         """
-        if self.buf is not None:
-            self.buf.release()
-            self.buf = None
-        if not self._mm.closed:
-            self._mm.close()
+        self.buf = None
+        self._mm.close()
         if self.owner:
             self.owner = False
             try:

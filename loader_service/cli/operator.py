@@ -92,7 +92,8 @@ def format_status(st: dict) -> str:
         last = a["decisions"][-1] if a["decisions"] else None
         lines.append(f"autoscaler {a['min']}:{a['max']}" + (f"  last: {last['action']} {last['from']}->{last['to']}"
                                                              f" ({last['reason']})" if last else ""))
-    lines.append(f"clients: {len(st['clients'])}")
+    more = st["clients_total"] - st["clients_listed"]
+    lines.append(f"clients: {st['clients_total']}" + (f" (the {st['clients_listed']} busiest listed)" if more else ""))
     for c in st["clients"]:
         s = c["stream"]
         where = (f"rank {s['rank']}/{s['world_size']} epoch {s['epoch']} batch {s['next_batch']}/{s['num_batches']}"

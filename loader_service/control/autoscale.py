@@ -72,7 +72,7 @@ class Autoscaler:
     def _measure(st: "ServiceStatus") -> dict:
         return {"t": time.monotonic(), "samples": st.totals.samples, "wait": st.stage_s.client_wait,
                 "busy": st.workers.busy_s_total, "workers": st.workers.live,
-                "clients": sum(1 for c in st.clients if c.stream is not None)}
+                "clients": st.clients_streaming}
 
     def step(self, st: "ServiceStatus") -> Optional[dict]:
         """Decide from a status snapshot. Returns the decision (None on the first call); the

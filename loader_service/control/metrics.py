@@ -41,7 +41,7 @@ class StatusCollector(Collector):
         for k, v in s["stage_s"].items():
             stage.add_metric([k], v)
         yield stage
-        yield GaugeMetricFamily("loader_clients", "Connected clients.", value=len(s["clients"]))
+        yield GaugeMetricFamily("loader_clients", "Connected clients.", value=s["clients_total"])
         yield GaugeMetricFamily("loader_throughput_samples_per_second", "Recent delivery rate.",
                                 value=s["throughput"]["samples_per_s"])
         yield GaugeMetricFamily("loader_shm_bytes", "Bytes of batch slots in shared memory.", value=s["shm_bytes"])

@@ -85,7 +85,12 @@ class Dispatcher:
                                                                     max_skipped=config.max_skipped))
         self.instance = uuid.uuid4().hex[:12]
         self.ctx, self.front, self.guard, self.monitor, self.data_port = _data_port(config)
-        self.pool = WorkerPool(self.ctx, [s.spec() for s in sources.values()], config.start_method,
+        # The workers' socket has a context (an I/O thread) of its own: on the data port's, every
+        # task and result queued behind the work of every client connection; at 10,000 connections
+        # that thread spends most of its time in libzmq's heartbeat timers (issue 32, see
+        # docs/benchmarks.md section 12), and one-image tasks ran at ~90/s with the workers idle.
+        self.pool_ctx = zmq.Context(1)
+        self.pool = WorkerPool(self.pool_ctx, [s.spec() for s in sources.values()], config.start_method,
                                config.decode_options, config.worker_start_s)
         self.mailbox = Mailbox()  # functions other threads hand to this one
         self.sessions = Sessions()
@@ -445,7 +450,7 @@ class Dispatcher:
             self._send(ident, status.progress(self.pool, self.tasks, s.id, s, s.state.not_started,
                                               s in self.memory.starved, now))
         if (isinstance(msg, P.Credit) and msg.n) or (isinstance(msg, P.Request) and msg.batches):
-            s.asked_at = now
+            s.asked_at, s.asked = now, True
         s.wait_s += msg.wait_s
         s.h2d_s += msg.h2d_s
         if msg.promote:
@@ -502,9 +507,11 @@ class Dispatcher:
 
     def _may_take_task(self, s: Stream) -> None:
         """An event may have let ``s`` take a task (credit, a free slot, slots back, a task to
-        redo, its start): the scheduler asks it when its turn comes."""
+        redo, its start): the scheduler asks it when its turn comes. Called after every event
+        on a stream, so the batch memory's indexes (quiet streams, current epochs) follow too."""
+        self.memory.changed(s)
         if not s.state.done:
-            self.scheduler.ready(s, s.lookahead)
+            self.scheduler.ready(s, s.tier)
 
     def _end_stream(self, s: Stream, e: Effect) -> None:
         """Tell the client how its stream ended (``Finish`` or ``Fail``), then retire it."""
@@ -588,7 +595,7 @@ class Dispatcher:
         if not idle or self._stop_by is not None:
             return
         self.scheduler.pick(len(idle), lambda s: s.segment is not None and s.state.dispatchable(),
-                            lambda s: s.lookahead, lambda s: self._dispatch(s, idle.pop()))
+                            lambda s: s.tier, lambda s: self._dispatch(s, idle.pop()))
 
     def _dispatch(self, s: Stream, worker) -> None:
         t = s.state.next_task(self.tasks.next_id())
@@ -651,13 +658,15 @@ class Dispatcher:
         t, pool = self.totals, self.pool
         problem = self.failure or pool.broken
         sizes = [s.hello.spec.batch_size for s in self.sessions.streams()] or [1]
+        listed = status.clients(self.sessions.values(), self.memory, now)
         return ServiceStatus(
             instance=self.instance, uptime_s=round(time.time() - self.started, 1), healthy=not problem,
             problem=problem, data_port=self.data_port, data_port_curve=self.guard.curve,
             datasets={n: status.dataset(s, self.disk_changes.get(n)) for n, s in self.sources.items()},
             shard_cache={n: s.cache_status() for n, s in self.sources.items() if hasattr(s, "cache_status")},
             workers=status.workers(pool, t.hung_tasks, now),
-            clients=status.clients(list(self.sessions), self.memory, now),
+            clients=listed.shown, clients_total=listed.total, clients_listed=len(listed.shown),
+            clients_streaming=listed.streaming,
             throughput={"samples_per_s": round(self._rate.per_s(now, t.samples), 1)},
             totals=dataclasses.replace(t), stage_s=t.stage_seconds(),
             shm_bytes=self.memory.in_use(),
@@ -729,6 +738,7 @@ class Dispatcher:
             self.front.close()  # LINGER (CLOSE_LINGER_MS) lets the goodbyes above leave
             self.guard.close()  # the ZAP handler's socket would hold term() up
             self.ctx.term()  # returns once zmq has released every zero-copy frame
+            self.pool_ctx.term()
             self.memory.close()
             self.mailbox.close()
 

@@ -21,13 +21,22 @@ dispatcher sends it from there). Live segments and reserves together never excee
 
 :class:`BatchMemory` keeps all of it. It reads the streams being served from the ``live``
 callable it is given and the time from the ``now`` each call passes; it never reads a clock.
+
+No decision walks every stream (issue 32: 10,000 sessions): the quiet streams are an index,
+kept by :meth:`BatchMemory.changed`, which the dispatcher calls after every event that may have
+changed a stream (its state, its slots, its last ask, its lookahead flag); the index orders them
+by their last ask, the ones whose quiet time is up apart, with their bytes counted; the sizes
+of the current epochs' slots (what a lookahead must leave free) are counted the same way.
+:meth:`BatchMemory.check_counts` asserts that every kept figure equals the walk it replaces.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from loader_service import shm
 from loader_service.dispatch.streams import Opening, Stream
@@ -43,6 +52,16 @@ class NoCapacity(Exception):
 class NoShmSpace(NoCapacity):
     """Under ``max_bytes``, but the shared-memory filesystem itself is full (every reserve
     already given back): waiting for streams that end would not make it fit."""
+
+
+@dataclass
+class _Quiet:
+    """A quiet stream's entry in :class:`BatchMemory`'s index."""
+
+    asked_at: float  # the last ask it was indexed with (a new one indexes it again)
+    seq: int  # tells its live heap entry from stale ones
+    size: int  # its segment's bytes
+    due: bool = False  # quiet for reclaim_idle_s: in ``_due`` (else ``_later``)
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,24 @@ class BatchMemory:
         self.waiting: Dict[bytes, Opening] = {}  # ident -> its new stream, until slots free up for it
         self.starved: List[Stream] = []  # streams that asked for work after lending their slots, none free yet
         self._lend_due: Optional[float] = None  # when a quiet stream's slots become lendable to those
+        # a lend freed more than the stream that lent needed: retry what waits (it may fit now)
+        self._lent = False
+        # The quiet streams (live, holding slots, settled: see :meth:`changed`), each in one of
+        # two heaps by (asked_at, seq): ``_due`` (quiet for reclaim_idle_s already: its slots
+        # may be lent) or ``_later``. Entries of streams no longer quiet, or indexed again
+        # since, are skipped when met, and dropped when they outnumber the live ones.
+        self._quiet: Dict[Stream, _Quiet] = {}
+        self._due: List[Tuple[float, int, Stream]] = []
+        self._later: List[Tuple[float, int, Stream]] = []
+        self._due_bytes = 0
+        self._later_bytes = 0
+        self._seq = itertools.count()
+        # the current epochs' slot sizes (live streams, not lookahead): size -> count; a heap of
+        # the sizes (negated, each once; sizes no longer counted are popped when on top)
+        self._current: Dict[Stream, int] = {}
+        self._current_sizes: Dict[int, int] = {}
+        self._largest: List[int] = []
+        self._in_largest: Set[int] = set()
 
     # ------------------------------------------------------------------ segments and reserves
     def in_use(self) -> int:
@@ -89,6 +126,15 @@ class BatchMemory:
         """Assert the kept byte counts equal the sums they stand for (for the tests)."""
         assert self._segment_bytes == sum(s.size for s in self._segments), "segment bytes drifted"
         assert self._reserve_bytes == sum(s.size for s in self._reserve.values()), "reserve bytes drifted"
+        live = list(self._live())
+        quiet = {q for q in live if q.segment is not None and q.state.settled}
+        assert set(self._quiet) == quiet, "the quiet index differs from the walk"
+        assert all(self._quiet[q].asked_at == q.asked_at for q in quiet), "a quiet stream is indexed by an old ask"
+        assert self._due_bytes + self._later_bytes == sum(q.segment.size for q in quiet), "quiet bytes drifted"
+        headroom = max((x.nbytes for x in live if not x.lookahead), default=0)
+        assert self._lookahead_headroom() == headroom, "the largest current epoch's slots drifted"
+        assert len(self._due) + len(self._later) <= 64 + 4 * len(self._quiet), "stale quiet entries pile up"
+        assert len(self._largest) == len(self._in_largest), "a size is in the heap twice"
 
     def _add_segment(self, seg: Segment) -> None:
         self._segments.add(seg)
@@ -201,7 +247,7 @@ class BatchMemory:
         if s.segment is not None or s.state.done or s.state.settled:
             return
         try:
-            s.segment = self._acquire_lending(s.ident, s.nbytes, s.what, now, exclude=s)
+            s.segment = self._acquire_lending(s.ident, s.nbytes, s.what, now)
         except NoCapacity:
             if s not in self.starved:
                 self.starved.append(s)
@@ -210,6 +256,7 @@ class BatchMemory:
             return
         if s in self.starved:
             self.starved.remove(s)
+        self.changed(s)
         self._slots_back(s)
 
     def retire(self, s: Stream, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
@@ -218,6 +265,7 @@ class BatchMemory:
         if s in self.retiring:
             return []
         s.state.retire()
+        self.changed(s)
         self.retiring.append(s)
         return self.release_idle(now)
 
@@ -267,8 +315,9 @@ class BatchMemory:
         (Streams lendable already were tried when that wait began or memory last came back.)"""
         self._lend_due = None
         if self.waiting or self.starved:
-            times = (q.asked_at + self.reclaim_idle_s for q in self._quiet())
-            self._lend_due = min((t for t in times if t > now), default=None)
+            self._advance(now)
+            s = self._top(self._later)
+            self._lend_due = None if s is None else self._quiet[s].asked_at + self.reclaim_idle_s
         return self._lend_due
 
     def lend_if_due(self, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
@@ -276,8 +325,9 @@ class BatchMemory:
         lent (its quiet time is up, or it went quiet after its time was up)."""
         if not self.waiting and not self.starved:
             return []
-        if (self._lend_due is not None and now >= self._lend_due) or self._lendable(now):
-            self._lend_due = None
+        self._advance(now)
+        if (self._lend_due is not None and now >= self._lend_due) or self._top(self._due) is not None or self._lent:
+            self._lend_due, self._lent = None, False
             return self.retry(now)
         return []
 
@@ -294,6 +344,76 @@ class BatchMemory:
         self._segments.clear()
         self._reserve.clear()
         self._segment_bytes = self._reserve_bytes = 0
+        self._quiet.clear()
+        self._current.clear()
+        self._current_sizes.clear()
+        self._due, self._later, self._largest = [], [], []
+        self._in_largest.clear()
+        self._due_bytes = self._later_bytes = 0
+
+    # ------------------------------------------------------------------ the indexes
+    def changed(self, s: Stream) -> None:
+        """An event may have changed ``s`` (its state, slots, last ask or lookahead flag): its
+        place in the indexes follows. Cheap; call it after every such event."""
+        current = not s.state.done and not s.lookahead
+        if current and s not in self._current:
+            self._current[s] = s.nbytes
+            self._current_sizes[s.nbytes] = self._current_sizes.get(s.nbytes, 0) + 1
+            if s.nbytes not in self._in_largest:
+                self._in_largest.add(s.nbytes)
+                heapq.heappush(self._largest, -s.nbytes)
+        elif not current and s in self._current:
+            size = self._current.pop(s)
+            self._current_sizes[size] -= 1
+            if not self._current_sizes[size]:
+                del self._current_sizes[size]
+        quiet = s.segment is not None and s.state.settled
+        entry = self._quiet.get(s)
+        if entry is not None and (not quiet or entry.asked_at != s.asked_at):
+            self._unquiet(s)
+            entry = None
+        if quiet and entry is None:
+            q = self._quiet[s] = _Quiet(s.asked_at, next(self._seq), s.segment.size)
+            self._later_bytes += q.size  # _advance moves it to _due when its quiet time is up
+            heapq.heappush(self._later, (q.asked_at, q.seq, s))
+        self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """Rebuild the heaps without their stale entries once those are most of them."""
+        if len(self._due) + len(self._later) > 64 + 4 * len(self._quiet):
+            for heap in (self._due, self._later):
+                heap[:] = [e for e in heap if self._quiet.get(e[2]) is not None and self._quiet[e[2]].seq == e[1]]
+                heapq.heapify(heap)
+
+    def _unquiet(self, s: Stream) -> None:
+        q = self._quiet.pop(s)  # its heap entry is stale from now on
+        if q.due:
+            self._due_bytes -= q.size
+        else:
+            self._later_bytes -= q.size
+
+    def _advance(self, now: float) -> None:
+        """Quiet streams whose quiet time is up move to ``_due`` (in the order of their last ask)."""
+        while self._top(self._later) is not None:
+            asked_at, _, s = self._later[0]
+            if now - asked_at < self.reclaim_idle_s:
+                return
+            heapq.heappop(self._later)
+            q = self._quiet[s]
+            q.due = True
+            self._later_bytes -= q.size
+            self._due_bytes += q.size
+            heapq.heappush(self._due, (asked_at, q.seq, s))
+
+    def _top(self, heap: List[Tuple[float, int, Stream]]) -> Optional[Stream]:
+        """The stream of the first live entry of ``heap`` (stale entries are popped)."""
+        while heap:
+            _, seq, s = heap[0]
+            q = self._quiet.get(s)
+            if q is not None and q.seq == seq:
+                return s
+            heapq.heappop(heap)
+        return None
 
     # ------------------------------------------------------------------ status
     def slots_word(self, ident: bytes, s: Optional[Stream]) -> str:
@@ -309,30 +429,27 @@ class BatchMemory:
         return (s.segment.size if s is not None and s.segment is not None else 0) + self.held_by(ident)
 
     # ------------------------------------------------------------------ internals
-    def _acquire_lending(self, ident: bytes, nbytes: int, what: str, now: float,
-                         exclude: Optional[Stream] = None) -> Segment:
+    def _acquire_lending(self, ident: bytes, nbytes: int, what: str, now: float) -> Segment:
         """:meth:`acquire`, lending the slots of quiet streams (longest quiet first) if that
         makes room. Raises NoCapacity."""
         while True:
             try:
                 return self.acquire(ident, nbytes, what)
             except NoCapacity:
-                quiet = self._lendable(now, exclude)
-                lendable = sum(q.nbytes for q in quiet) + self.reserved()
-                if not quiet or self.in_use() - lendable + nbytes > self.max_bytes:
+                self._advance(now)
+                first = self._top(self._due)
+                if first is None or self.in_use() - self._due_bytes - self.reserved() + nbytes > self.max_bytes:
                     raise  # lending would not make room: lend nothing
-                self._lend(quiet[0], now)
-
-    def _quiet(self) -> Iterator[Stream]:
-        """Live streams that hold slots and use none of them, with nothing asked and not started."""
-        return (s for s in self._live() if s.segment is not None and s.state.settled)
-
-    def _lendable(self, now: float, exclude: Optional[Stream] = None) -> List[Stream]:
-        """Streams whose slots may be lent now, longest quiet first."""
-        return sorted((q for q in self._quiet() if q is not exclude and now - q.asked_at >= self.reclaim_idle_s),
-                      key=lambda q: q.asked_at)
+                if first.segment is None or not first.state.settled:  # an event nobody reported: never lend
+                    log.error("client %s stream %d was indexed as quiet while in use", first.ident.hex()[:12], first.id)
+                    self.changed(first)
+                    continue
+                self._lend(first, now)
 
     def _lend(self, s: Stream, now: float) -> None:
+        self._lent = True  # what it frees beyond the need at hand may fit a stream that waits
+        self._unquiet(s)
+        self._drop_stale()
         self.release(s.segment, None)
         s.segment = None
         log.info("client %s stream %d has asked for nothing for %.0fs: its %.1f MiB of slots go to a job that "
@@ -342,13 +459,15 @@ class BatchMemory:
         """Whether ``nbytes`` fit once the streams ending now and the quiet ones (when their quiet
         time is up) give their slots back: then a new stream waits rather than being refused."""
         ending = sum(s.segment.size for s in self.retiring if s.segment is not None)
-        quiet = sum(q.segment.size for q in self._quiet())
+        quiet = self._due_bytes + self._later_bytes
         return self.in_use() - self.reserved() - ending - quiet + nbytes <= self.max_bytes
 
     def _lookahead_headroom(self) -> int:
         """What a lookahead must leave free: room for a plain stream as large as the largest one
         live, so an early next epoch never crowds out a current one."""
-        return max((s.nbytes for s in self._live() if not s.lookahead), default=0)
+        while self._largest and -self._largest[0] not in self._current_sizes:
+            self._in_largest.discard(-heapq.heappop(self._largest))  # no current epoch of that size any more
+        return -self._largest[0] if self._largest else 0
 
 
 def slot_cap(max_shm_bytes: int) -> Tuple[int, str]:

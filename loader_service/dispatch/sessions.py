@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 from wire.jobspec import JobSpec
 
@@ -66,6 +66,10 @@ class Sessions:
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._by_ident.values()))
+
+    def values(self) -> Iterable[Session]:
+        """The sessions, without a copy (not to be changed while it is read)."""
+        return self._by_ident.values()
 
     def __contains__(self, ident: bytes) -> bool:
         return ident in self._by_ident

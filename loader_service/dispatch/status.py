@@ -9,8 +9,9 @@ that has waited a while (the Progress message).
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.dataclasses import dataclass
@@ -158,7 +159,7 @@ class ServiceStatus(_Frozen):
     data_port_curve: bool = False  # CURVE (--curve-keys) on the data port
     datasets: Dict[str, DatasetStatus]
     workers: WorkersStatus
-    clients: List[ClientStatus]
+    clients: List[ClientStatus]  # the busiest CLIENTS_SHOWN clients (see clients_total)
     throughput: Dict[str, float]
     totals: Totals  # a copy: the counts only (its seconds are stage_s)
     stage_s: StageSeconds
@@ -172,6 +173,11 @@ class ServiceStatus(_Frozen):
     # them one per client), "pending" (open, no session), "waiting" (new streams waiting for slots)
     connections: Dict[str, int] = {}
     shard_cache: Dict[str, Dict[str, float]] = {}  # dataset in object storage -> its shard cache's counters
+    # every client, of which ``clients`` lists ``clients_listed`` (at most CLIENTS_SHOWN, the
+    # busiest), and how many serve a stream: counts over all, whatever is listed
+    clients_total: int = 0
+    clients_listed: int = 0
+    clients_streaming: int = 0
 
 
 # ---------------------------------------------------------------------------- building the snapshot
@@ -209,30 +215,40 @@ def workers(pool: "WorkerPool", hung: int, now: float) -> WorkersStatus:
                          live=pool.live_count(), busy_s_total=round(pool.busy_seconds(), 3), list=listed)
 
 
-def clients(sessions: List["Session"], memory: "BatchMemory", now: float) -> List[ClientStatus]:
+CLIENTS_SHOWN = 100  # the most clients ``clients`` lists: the busiest (issue 32: 10,000 sessions)
+
+
+class ClientList(NamedTuple):
+    """``clients`` of the status: at most ``CLIENTS_SHOWN`` entries, and the counts over all."""
+
+    shown: List[ClientStatus]
+    total: int  # clients (one per loader; see :func:`clients`)
+    streaming: int  # of those, clients whose shown connection serves a stream
+
+
+def clients(sessions: Iterable["Session"], memory: "BatchMemory", now: float,
+            limit: int = CLIENTS_SHOWN) -> ClientList:
     """One entry per client: a loader's connections (its epoch lookahead is a second one) are
-    one client, shown by the one serving its current epoch, with the batch memory of all."""
+    one client, shown by the one serving its current epoch, with the batch memory of all. At
+    most ``limit`` are listed, the busiest first (serving a current epoch, then by samples
+    delivered, then the longest connected): one cheap pass over the sessions, and the costly
+    part, an entry, for the listed ones only, so a flood of sessions keeps the status fast."""
     held: Dict[str, int] = {}
+    shown: Dict[str, "Session"] = {}
     for c in sessions:
         key = c.client or c.name
         held[key] = held.get(key, 0) + memory.slot_bytes(c.ident, c.stream)
-    return [_client(c, now, memory.slots_word(c.ident, c.stream), held[c.client or c.name])
-            for c in _one_per_client(sessions)]
+        if key not in shown or _rank(c) < _rank(shown[key]):
+            shown[key] = c
+    streaming = sum(1 for c in shown.values() if c.stream is not None)
+    busiest = heapq.nsmallest(limit, shown.values(), key=lambda c: (_rank(c), -c.samples, c.connected))
+    return ClientList([_client(c, now, memory.slots_word(c.ident, c.stream), held[c.client or c.name])
+                       for c in busiest], len(shown), streaming)
 
 
-def _one_per_client(sessions: List["Session"]) -> List["Session"]:
-    """A loader's connections as one client: the one serving its current epoch if any."""
-    def rank(c: "Session") -> int:
-        return 0 if c.stream is not None and not c.stream.lookahead else 1 if c.stream is not None else 2
-
-    shown: Dict[str, "Session"] = {}
-    out = []
-    for c in sessions:
-        if not c.client:
-            out.append(c)
-        elif c.client not in shown or rank(c) < rank(shown[c.client]):
-            shown[c.client] = c
-    return out + list(shown.values())
+def _rank(c: "Session") -> int:
+    """Which of a loader's connections shows it: its current epoch's, then a lookahead's, then any."""
+    return 0 if c.stream is not None and not c.stream.lookahead else 1 if c.stream is not None else 2
 
 
 def _client(c: "Session", now: float, slots: str, slot_bytes: int) -> ClientStatus:

@@ -10,6 +10,7 @@ from typing import List, Optional, Union
 from wire import protocol as P
 from wire.plan import RankPlan
 from loader_service.decode.pipelines import JobPipeline
+from loader_service.dispatch import scheduler
 from loader_service.dispatch.sending import BatchLayout
 from loader_service.dispatch.sessions import Session
 from loader_service.dispatch.stream_state import StreamLimits, StreamState
@@ -35,12 +36,18 @@ class Stream:
     segment: Optional[Segment]  # None: lent out while the stream was quiet (see BatchMemory)
     lookahead: bool  # low priority until the client promotes it
     asked_at: float  # the client's last ask for work: how long the stream has been quiet
+    asked: bool = False  # the client asked for more since the stream began: it reads what it is sent
     wait_s: float = 0.0  # the client's stall figures during this stream (sum of its deltas)
     h2d_s: float = 0.0
 
     @property
     def id(self) -> int:
         return self.hello.stream
+
+    @property
+    def tier(self) -> int:
+        """Its tier in the scheduler's line (:func:`~loader_service.dispatch.scheduler.tier`)."""
+        return scheduler.tier(self.lookahead, self.state.next_send, self.asked)
 
     @property
     def slot_bytes(self) -> int:

@@ -106,7 +106,8 @@ function render(st) {
 
   // clients
   const prevClients = new Map((prev ? prev.clients : []).map((c) => [c.client, c]));
-  $("#client-count").textContent = st.clients.length;
+  $("#client-count").textContent = st.clients_total > st.clients.length
+    ? `${st.clients_total} (the ${st.clients.length} busiest listed)` : st.clients.length;
   fillTable("clients", st.clients.map((c) => {
     const p = prevClients.get(c.client), s = c.stream;
     const imgs = rate(c.samples, p ? p.samples : undefined, dt);

@@ -53,7 +53,8 @@ class Service:
             instance="test", uptime_s=1.0, healthy=True, problem="", data_port=1, datasets={},
             workers=WorkersStatus(target=self.workers, counts={}, deaths=0, hung=0, broken="", live=self.workers,
                                   busy_s_total=self.busy, list=[]),
-            clients=clients, throughput={}, totals=Totals(samples=self.samples),
+            clients=clients, clients_total=len(clients), clients_listed=len(clients), clients_streaming=self.clients,
+            throughput={}, totals=Totals(samples=self.samples),
             stage_s=StageSeconds(read=0.0, decode_augment=0.0, client_wait=self.wait, client_h2d=0.0),
             shm_bytes=0, task_deadline_s=1.0, autoscaler={})
 

@@ -2,9 +2,11 @@
 
 The dispatcher tells the scheduler when a stream may have a task to give (``ready``: it opened,
 got credit, a slot came free...), when it ended (``forget``), and calls
-``pick(len(idle), dispatchable, lookahead, take)``; ``take`` hands one task of that stream to one
+``pick(len(idle), dispatchable, tier, take)``; ``take`` hands one task of that stream to one
 idle worker, and the dispatcher asserts that the stream had a task to give. Here a stream is a
 plain object with a count of tasks it can still hand out; ``take`` uses one up and records the name.
+A stream's tier (``tier``): a current epoch whose client reads (or that was sent nothing yet),
+then a lookahead, then a current epoch that was sent batches and whose client asked for nothing.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from loader_service.dispatch.scheduler import Scheduler
+from loader_service.dispatch.scheduler import LOOKAHEAD, READING, UNREAD, Scheduler, tier
 
 
 class FakeStream:
-    def __init__(self, name: str, work: int, lookahead: bool = False):
-        self.name, self.work, self.lookahead = name, work, lookahead
+    def __init__(self, name: str, work: int, lookahead: bool = False, sent: int = 0, asked: bool = False):
+        self.name, self.work, self.lookahead, self.sent, self.asked = name, work, lookahead, sent, asked
+
+    @property
+    def tier(self) -> int:
+        return tier(self.lookahead, self.sent, self.asked)
 
     def __repr__(self) -> str:
-        return f"{self.name}(work={self.work}, lookahead={self.lookahead})"
+        return f"{self.name}(work={self.work}, tier={self.tier})"
 
 
 def pick(sched: Scheduler, streams: list[FakeStream], idle: int) -> list[str]:
@@ -38,8 +44,8 @@ def pick(sched: Scheduler, streams: list[FakeStream], idle: int) -> list[str]:
         given.append(s.name)
 
     for s in streams:
-        sched.ready(s, s.lookahead)
-    n = sched.pick(idle, lambda s: s.work > 0, lambda s: s.lookahead, take)
+        sched.ready(s, s.tier)
+    n = sched.pick(idle, lambda s: s.work > 0, lambda s: s.tier, take)
     assert n == len(given), "pick() must return how many tasks it handed out"
     return given
 
@@ -209,6 +215,41 @@ def test_a_forgotten_stream_is_never_given_a_task_and_the_line_does_not_keep_it(
     assert len(sched) == 1 and sched.candidates == 0
 
 
+# ------------------------------------------------------------------ clients that read nothing
+
+@pytest.mark.parametrize("lookahead,sent,asked,expected", [
+    (False, 0, False, READING),  # nothing sent yet: a newcomer is not suspected
+    (False, 3, True, READING),  # its client asked for more: it reads
+    (False, 1, False, UNREAD),  # sent a batch, asked for nothing since
+    (True, 0, False, LOOKAHEAD),
+    (True, 4, False, LOOKAHEAD),  # a lookahead's batches wait for its epoch: not a sign of anything
+])
+def test_the_tier_of_a_stream(lookahead, sent, asked, expected):
+    assert tier(lookahead, sent, asked) == expected
+
+
+def test_streams_whose_clients_read_nothing_go_after_readers_and_lookaheads():
+    r = FakeStream("R", 2, sent=3, asked=True)
+    la = FakeStream("LA", 1, lookahead=True)
+    flood = [FakeStream(f"F{i}", 5, sent=1) for i in range(3)]
+    assert pick(Scheduler(), [*flood, la, r], 6) == ["R", "R", "LA", "F0", "F1", "F2"]
+
+
+def test_a_newcomer_that_was_sent_nothing_goes_before_streams_that_read_nothing():
+    sched: Scheduler = Scheduler()
+    flood = [FakeStream(f"F{i}", 5, sent=1) for i in range(100)]
+    pick(sched, flood, 0)  # in the line first
+    assert pick(sched, [FakeStream("N", 3)], 1) == ["N"]
+
+
+def test_a_stream_that_starts_reading_goes_back_to_the_first_tier():
+    sched: Scheduler = Scheduler()
+    a, f = FakeStream("A", 5, sent=1), FakeStream("F", 5, sent=1)
+    assert pick(sched, [a, f], 1) == ["A"]  # both unread: least recently served
+    a.asked = True
+    assert pick(sched, [a, f], 2) == ["A", "A"]
+
+
 # ------------------------------------------------------------------ streams joining and leaving
 
 @settings(max_examples=150, stateful_step_count=40, deadline=None,
@@ -250,7 +291,7 @@ class SchedulerModel(RuleBasedStateMachine):
         self.clock += 1
         self.joined[s.name] = self.clock
         self._has_work(s, work)
-        self.sched.ready(s, lookahead)
+        self.sched.ready(s, s.tier)
 
     @precondition(lambda self: self.streams)
     @rule(data=st.data())
@@ -260,12 +301,20 @@ class SchedulerModel(RuleBasedStateMachine):
         self.since.pop(s.name, None)
         self.sched.forget(s)
 
+    def _tier_changed(self, s: FakeStream, before: int) -> None:
+        if s.tier != before and s.name in self.since:
+            self.since[s.name] = Counter()  # it waits in another tier from now on
+        self.sched.ready(s, s.tier)
+
     @precondition(lambda self: self.streams)
     @rule(data=st.data(), more=st.integers(0, 4))
     def credit(self, data, more):
+        """The client asks for ``more`` (0: a probe); asking at all says it reads what it is sent."""
         s = data.draw(st.sampled_from(self.streams))
+        before = s.tier
         self._has_work(s, s.work + more)
-        self.sched.ready(s, s.lookahead)
+        s.asked = s.asked or more > 0
+        self._tier_changed(s, before)
 
     @precondition(lambda self: self.streams)
     @rule(data=st.data())
@@ -276,10 +325,9 @@ class SchedulerModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def lookahead_becomes_current(self, data):
         s = data.draw(st.sampled_from([s for s in self.streams if s.lookahead]))
+        before = s.tier
         s.lookahead = False
-        if s.name in self.since:
-            self.since[s.name] = Counter()
-        self.sched.ready(s, False)
+        self._tier_changed(s, before)
 
     @rule(idle=st.integers(0, 8))
     def idle_workers(self, idle):
@@ -290,26 +338,30 @@ class SchedulerModel(RuleBasedStateMachine):
         def take(s: FakeStream) -> None:
             assert s in self.streams, f"{s.name} left and was given a worker"
             assert s.work > 0, f"{s.name} was given a worker with nothing to do"
-            if s.lookahead:
-                waiting = [x.name for x in self.streams if not x.lookahead and x.work > 0]
-                assert not waiting, f"lookahead {s.name} served while current {waiting} had work"
+            first = [x.name for x in self.streams if x.tier < s.tier and x.work > 0]
+            assert not first, f"{s.name} (tier {s.tier}) served while {first} of a lower tier had work"
             for y, others in self.since.items():
                 if y == s.name:
                     continue
                 others[s.name] += 1
-                if by_name[y].lookahead and not s.lookahead:
-                    continue  # a current epoch goes before a lookahead one, always
+                if by_name[y].tier != s.tier:
+                    continue  # another tier: the check above
                 assert self.joined[s.name] < self.wait_began[y], \
                     f"{s.name} joined after {y} began to wait and was served first: {given}"
                 assert others[s.name] < 2 or by_name[y].work == 0, \
                     f"{s.name} got {others[s.name]} tasks while {y} waited with work: {given}"
+            tier_before = s.tier
             self._has_work(s, s.work - 1)
+            s.sent += 1  # its batch goes out: a stream whose client asked for nothing drops a tier
             if s.work:
                 self.since[s.name] = Counter()
                 self.wait_began[s.name] = self.clock
+            if s.tier != tier_before:
+                for others in self.since.values():
+                    others.pop(s.name, None)  # it competes in another tier from now on
             given.append(s.name)
 
-        n = self.sched.pick(idle, lambda s: s.work > 0, lambda s: s.lookahead, take)
+        n = self.sched.pick(idle, lambda s: s.work > 0, lambda s: s.tier, take)
         assert n == len(given)
         assert n == min(max(idle, 0), before), "a worker stayed idle while a stream had work"
 
