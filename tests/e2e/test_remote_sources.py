@@ -148,6 +148,33 @@ def test_exactly_once_over_an_epoch_cold_and_warm_with_a_cap_below_the_dataset(m
         svc.stop()
 
 
+@pytest.mark.slow
+def test_with_prefetch_each_shard_is_downloaded_once_and_the_epoch_is_exactly_once(make_service, tmp_path, shards):
+    """Cap above the dataset, cold cache: reads and the prefetch thread share the downloads (one per
+    shard, whoever claimed it first), and the epoch is the local one, byte for byte."""
+    local = make_service(data=(shards["data"],), demo=False, workers=2)
+    with RemoteLoader(local.endpoint, **KW) as ld:
+        want = collect(ld)
+    local.stop()
+    with RangeHTTPServer(shards["root"]) as http:
+        cap = 2 * SHARDS * shards["size"]
+        svc = make_service(data=(http.url + "/data/",), demo=False, workers=2, cache_dir=str(tmp_path / "cache"),
+                           cache_max_gb=cap / 1e9, shard_prefetch=4)
+        # the index is made at start by a scan that fills the cache: empty it to start cold
+        for name in _cache_files(tmp_path):
+            os.unlink(tmp_path / "cache" / "shards" / name)
+        gets = dict(http.faults.gets)
+        with RemoteLoader(svc.endpoint, **KW) as ld:
+            got = collect(ld)
+        assert [b["images"] for b in got] == [b["images"] for b in want] and indices_of(got) == indices_of(want)
+        cache = status(svc)["shard_cache"]["data"]
+        assert cache["misses"] + cache["prefetches"] == SHARDS and cache["evictions"] == 0
+        assert cache["cached_bytes"] <= cap and cache["failures"] == 0
+        assert {n: http.faults.gets[n] - gets.get(n, 0) for n in http.faults.gets} == \
+            {f"shard-{k:06d}.tar": 1 for k in range(SHARDS)}
+        svc.stop()
+
+
 def test_status_metrics_and_config_show_the_cache_never_the_credentials(make_service, tmp_path, shards, s3,
                                                                       capsys):
     import urllib.request
@@ -160,7 +187,7 @@ def test_status_metrics_and_config_show_the_cache_never_the_credentials(make_ser
         collect(ld, limit=2)
     body = json.dumps(status(svc))
     metrics = urllib.request.urlopen(svc.http_url + "/metrics", timeout=10).read().decode()
-    assert "loader_shard_cache_bytes" in metrics and 'loader_shard_cache_misses_total{dataset="train"}' in metrics
+    assert "loader_shard_cache_bytes" in metrics and "loader_shard_cache_prefetches_total" in metrics and 'loader_shard_cache_misses_total{dataset="train"}' in metrics
     assert main(["config", "--data", "s3://bkt/train/", "--s3-endpoint-url", s3.endpoint]) == 0
     shown = capsys.readouterr().out
     assert "s3_endpoint_url" in shown

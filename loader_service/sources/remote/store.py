@@ -45,12 +45,14 @@ class RemoteSettings:
     connect_timeout_s: float = 10.0
     max_retries: int = 3  # 5xx (503 SlowDown), dropped connections, timeouts: with backoff
     wait_s: float = 600.0  # the longest a read waits for a download (its own or another process's) or for room
+    prefetch_batches: int = 8  # per stream: the shards of this many batches ahead are downloaded early (0: off)
 
     def __post_init__(self) -> None:
         if self.cache_max_bytes <= 0 or self.timeout_s <= 0 or self.connect_timeout_s <= 0 or self.wait_s <= 0:
             raise ValueError("cache_max_bytes, timeout_s, connect_timeout_s and wait_s must be positive")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.max_retries < 0 or self.prefetch_batches < 0:
+            raise ValueError(f"max_retries and prefetch_batches must be >= 0, got {self.max_retries}, "
+                             f"{self.prefetch_batches}")
 
     def options(self) -> Tuple[Tuple[str, Any], ...]:
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
