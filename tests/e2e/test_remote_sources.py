@@ -205,6 +205,27 @@ def test_missing_bucket_and_missing_prefix_name_the_url(tmp_path, shards, s3):
         open_path("s3://bkt/nothing/", remote=settings)
 
 
+def test_unknown_and_expired_credentials_are_refused_naming_the_url(tmp_path, shards, s3, monkeypatch):
+    """moto checking signatures: a key its IAM does not know (a revoked key), and temporary
+    credentials whose session token is no longer the one issued (expired), are refused by the
+    store; the service's error names the URL and says access denied. The role's real
+    credentials read the bucket (the control)."""
+    temporary = s3.temporary_credentials("bkt")
+    s3.require_auth()
+    settings = _settings(tmp_path, shards, endpoint_url=s3.endpoint, max_retries=0)
+    with pytest.raises(RemoteError, match=r"s3://bkt/train/: listing access denied .*InvalidAccessKeyId"):
+        open_path("s3://bkt/train/", remote=settings)  # TEST_KEY: unknown to moto's IAM
+    for k, v in temporary.items():
+        monkeypatch.setenv(k, v)
+    src = open_path("s3://bkt/train/", remote=settings)
+    assert _by_key(src) == shards["want"]
+    src.close()
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "expired" + temporary["AWS_SESSION_TOKEN"])  # no longer the one issued
+    shutil.rmtree(tmp_path / "cache")
+    with pytest.raises(RemoteError, match=r"s3://bkt/train/: listing access denied .*(token|Token)"):
+        open_path("s3://bkt/train/", remote=settings)
+
+
 def test_access_denied_names_the_object(tmp_path, shards):
     with RangeHTTPServer(shards["root"]) as http:
         http.faults.status["shard-000002.tar"] = 403
@@ -226,6 +247,36 @@ def test_an_object_deleted_mid_epoch_fails_its_samples_naming_it(tmp_path, shard
         assert src.read(last[1]) == shards["want"][src.keys[last[1]]][0]
         assert not [f for f in _cache_files(tmp_path) if "shard-000000" in f]
         src.close()
+
+
+@pytest.mark.slow
+def test_an_object_deleted_mid_epoch_under_skip_is_skipped_sample_by_sample_and_named(make_service, tmp_path, shards):
+    """Through the service with --on-error skip: the shard read last (no shuffle: batch k is shard k)
+    is deleted from the store after the first batch arrives; its batch comes without its samples,
+    each skip names the object and the cause, the other shards' batches are whole and byte-exact."""
+    data = tmp_path / "served" / "data"
+    shutil.copytree(shards["data"], data)
+    kw = dict(KW, batch_size=PER_SHARD, shuffle=False, prefetch=2, epoch_lookahead=False)
+    with RangeHTTPServer(str(tmp_path / "served")) as http:
+        svc = make_service(data=(http.url + "/data/",), demo=False, workers=2, cache_dir=str(tmp_path / "cache"),
+                           cache_max_gb=(3 * shards["size"] + 100) / 1e9, on_error="skip", shard_prefetch=0)
+        for name in _cache_files(tmp_path):  # the start's scan cached the last shards: start cold
+            os.unlink(tmp_path / "cache" / "shards" / name)
+        with RemoteLoader(svc.endpoint, **kw) as ld:
+            batches = iter(ld)
+            first = next(batches)
+            os.unlink(data / f"shard-{SHARDS - 1:06d}.tar")  # batch 0 is in; the last batch is not started yet
+            rest = collect(batches)  # the same iterator: the rest of the epoch
+        gone = list(range((SHARDS - 1) * PER_SHARD, N))
+        skipped = {i: why for b in rest for i, why in b["skipped"]}
+        assert sorted(skipped) == gone
+        for why in skipped.values():
+            assert f"{http.url}/data/shard-{SHARDS - 1:06d}.tar: download" in why and "not found" in why, why
+        assert list(first.indices) + indices_of(rest) == list(range((SHARDS - 1) * PER_SHARD))
+        assert [b["shape"][0] for b in rest] == [PER_SHARD] * (SHARDS - 2) + [0]
+        st = status(svc)
+        assert st["totals"]["skipped"] == PER_SHARD and st["shard_cache"]["data"]["failures"] >= 1
+        svc.stop()
 
 
 def test_throttling_is_retried_with_backoff(tmp_path, shards):

@@ -66,6 +66,33 @@ class MotoServer:
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=TEST_KEY["AWS_ACCESS_KEY_ID"],
                             aws_secret_access_key=TEST_KEY["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
 
+    def require_auth(self) -> None:
+        """From now on every request must be signed by a key moto's IAM knows, and be allowed by
+        its policies (moto's ``/moto-api/reset-auth``: no unauthenticated requests left)."""
+        req = urllib.request.Request(self.endpoint + "/moto-api/reset-auth", data=b"0", method="POST",
+                                     headers={"Content-Type": "text/plain"})  # a form body would not reach it
+        urllib.request.urlopen(req, timeout=10).close()
+
+    def temporary_credentials(self, bucket: str) -> dict:
+        """A role allowed to read ``bucket`` and STS credentials of it (key, secret, session token),
+        as an environment (made before :meth:`require_auth`)."""
+        import json
+
+        import boto3
+
+        kw = dict(endpoint_url=self.endpoint, aws_access_key_id=TEST_KEY["AWS_ACCESS_KEY_ID"],
+                  aws_secret_access_key=TEST_KEY["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+        iam, sts = boto3.client("iam", **kw), boto3.client("sts", **kw)
+        trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                         "Principal": {"AWS": "*"}}]}
+        role = iam.create_role(RoleName="reader", AssumeRolePolicyDocument=json.dumps(trust))["Role"]
+        read = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*",
+                                                        "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]}]}
+        iam.put_role_policy(RoleName="reader", PolicyName="read", PolicyDocument=json.dumps(read))
+        creds = sts.assume_role(RoleArn=role["Arn"], RoleSessionName="trainer")["Credentials"]
+        return {"AWS_ACCESS_KEY_ID": creds["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": creds["SecretAccessKey"],
+                "AWS_SESSION_TOKEN": creds["SessionToken"]}
+
     def upload_folder(self, bucket: str, folder: str, prefix: str = "") -> None:
         """Create ``bucket`` and put every file of ``folder`` (top level) under ``prefix``."""
         c = self.client()

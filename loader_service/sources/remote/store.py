@@ -23,6 +23,9 @@ SCHEMES = ("s3://", "gs://", "http://", "https://")
 MAX_LISTING_BYTES = 4 << 20  # an HTML folder listing larger than this is refused
 _HREF = re.compile(r'href="([^"?#]+)"', re.IGNORECASE)
 _MD5 = re.compile(r"[0-9a-f]{32}")
+# obstore raises a GenericError for an S3 listing refused with 403: the status and code are in its text
+_DENIED = re.compile(r"\b(401 Unauthorized|403 Forbidden)\b|<Code>(AccessDenied|InvalidAccessKeyId|ExpiredToken|"
+                     r"InvalidToken|SignatureDoesNotMatch)</Code>")
 CHUNK = 1 << 20
 
 
@@ -164,13 +167,13 @@ class Store:
     def _fail(self, exc: BaseException, what: str, name: str = "") -> RemoteError:
         e = self.obstore.exceptions
         where = self.location.where(name)
+        detail = " ".join(str(exc).split())[:600]
         if isinstance(exc, e.NotFoundError):
             cause = "not found"
-        elif isinstance(exc, (e.PermissionDeniedError, e.UnauthenticatedError)):
+        elif isinstance(exc, (e.PermissionDeniedError, e.UnauthenticatedError)) or _DENIED.search(detail):
             cause = "access denied (check the credentials and the bucket policy)"
         else:
             cause = "failed"
-        detail = " ".join(str(exc).split())[:600]
         return RemoteError(f"{where}: {what} {cause}: {type(exc).__name__}: {detail}")
 
     # ------------------------------------------------------------------ listing
