@@ -1,10 +1,11 @@
 """Plan-aware prefetch: the dispatcher knows which batches a stream asks for next, so the shards
-they need are downloaded ahead, on one thread of the service process, into the cache's free room.
+they need are downloaded ahead, on threads of the service process, into the cache's free room.
 
 The dispatch loop only hands over a hint, ``(plan, batch)``, to a bounded queue (it never blocks
-nor computes); the thread turns the hints it has into the shards of the next ``ahead`` batches,
-in the order they will be read, and asks the cache for each (:meth:`ShardCache.prefetch`: never
-evicting, never waiting, so the cap and the shards in use are kept exactly as a read keeps them).
+nor computes); a thread turns the hints it has into the shards of the next ``ahead`` batches, in
+the order they will be read, and :data:`FETCHERS` threads ask the cache for each, each shard
+queued at most once (:meth:`ShardCache.prefetch`: never evicting, never waiting, so the cap and
+the shards in use are kept exactly as a read keeps them).
 A failed prefetch is logged once per shard; the read that needs the shard then downloads it
 itself and fails loudly, by ``--on-error``, if the store still fails.
 """
@@ -25,7 +26,8 @@ log = logging.getLogger("loader_service.sources.remote.prefetch")
 
 HINTS = 256  # pending hints; more are dropped (a later hint covers the same batches and more)
 STOP_S = 5.0  # how long close() waits for the thread (a download under way ends at its own timeout)
-IDLE_S = 1.0  # the thread's wait for a hint, so it sees a stop between hints
+IDLE_S = 1.0  # a thread's wait for work, so it sees a stop between hints
+FETCHERS = 4  # downloads at once
 
 
 def shards_ahead(plan, batch: int, ahead: int, shard_of: np.ndarray) -> List[int]:
@@ -39,27 +41,33 @@ def shards_ahead(plan, batch: int, ahead: int, shard_of: np.ndarray) -> List[int
 
 
 class ShardPrefetcher:
-    """One thread that downloads ahead the shards of hinted batches. ``open_cache`` makes the
-    thread's own cache handle (its own folder lock: a lock shared between threads excludes none
-    of them)."""
+    """A planning thread that turns hints into shards, and ``threads`` threads that download them
+    (a store serves several connections faster than one). ``open_cache`` makes a thread's own
+    cache handle (its own folder lock: a lock shared between threads excludes none of them)."""
 
     def __init__(self, open_cache: Callable[[], ShardCache], objects: Sequence[ObjectInfo], locals_: Sequence[str],
-                 shard_of: np.ndarray, ahead: int):
+                 shard_of: np.ndarray, ahead: int, threads: int = FETCHERS):
         self.open_cache, self.objects, self.locals = open_cache, objects, locals_
-        self.shard_of, self.ahead = shard_of, ahead
+        self.shard_of, self.ahead, self.threads = shard_of, ahead, threads
         self._hints: "queue.Queue[tuple]" = queue.Queue(HINTS)
+        self._work: "queue.Queue[int]" = queue.Queue()  # shards to fetch, in plan order; each at most once queued
+        self._queued: Set[int] = set()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._failed: Set[int] = set()
         self.counts = {"fetched": 0, "cached": 0, "busy": 0, "no room": 0, "failed": 0, "dropped": 0}
-        self._thread: Optional[threading.Thread] = None
+        self._threads: List[threading.Thread] = []
 
     def hint(self, plan, batch: int) -> None:
         """``plan``'s batch ``batch`` was just dispatched (from the dispatch loop: O(1), never blocks)."""
         if self._stop.is_set():
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._plan, name="shard-prefetch-plan", daemon=True)]
+            self._threads += [threading.Thread(target=self._fetch_loop, name=f"shard-prefetch-{k}", daemon=True)
+                              for k in range(self.threads)]
+            for t in self._threads:
+                t.start()
         try:
             self._hints.put_nowait((plan, batch))
         except queue.Full:
@@ -81,35 +89,53 @@ class ShardPrefetcher:
                     out.append(s)
         return out
 
-    def _run(self) -> None:
+    def _plan(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._hints.get(timeout=IDLE_S)
+            except queue.Empty:
+                continue
+            for s in self._pending(first):
+                with self._lock:
+                    if s in self._queued:
+                        continue
+                    self._queued.add(s)
+                self._work.put(s)
+
+    def _fetch_loop(self) -> None:
         cache = self.open_cache()
         try:
             while not self._stop.is_set():
                 try:
-                    first = self._hints.get(timeout=IDLE_S)
+                    s = self._work.get(timeout=IDLE_S)
                 except queue.Empty:
                     continue
-                for s in self._pending(first):
-                    if self._stop.is_set():
-                        break
+                try:
                     self._fetch(cache, s)
+                finally:
+                    with self._lock:
+                        self._queued.discard(s)
         finally:
             cache.close()
 
     def _fetch(self, cache: ShardCache, s: int) -> None:
         try:
-            self.counts[cache.prefetch(self.objects[s], self.locals[s])] += 1
+            got = cache.prefetch(self.objects[s], self.locals[s])
         except RemoteError as exc:
-            self.counts["failed"] += 1
-            if s not in self._failed:
+            got = "failed"
+            with self._lock:
+                first = s not in self._failed
                 self._failed.add(s)
+            if first:
                 log.warning("prefetch of a shard failed (its reads will try again): %s", exc)
         except Exception:  # never let the thread die silently: the reads still work without it
-            self.counts["failed"] += 1
+            got = "failed"
             log.exception("prefetch of shard %d failed", s)
+        with self._lock:
+            self.counts[got] += 1
 
     def close(self) -> None:
-        """Stop the thread (idempotent); a download under way is left to finish or time out."""
+        """Stop the threads (idempotent); a download under way is left to finish or time out."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(STOP_S)
+        for t in self._threads:
+            t.join(STOP_S)
