@@ -105,6 +105,7 @@ class MotoServer:
 
 # ---------------------------------------------------------------------------- HTTP with Range
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+PACE = 64 << 10  # a paced body is written in pieces of this size
 
 
 class Faults:
@@ -116,6 +117,7 @@ class Faults:
         self.throttle = 0  # answer this many next GETs of data with 503 SlowDown
         self.short: Dict[str, int] = {}  # name -> bytes to send of a body that claims its full length
         self.gets: Dict[str, int] = {}  # name -> GETs served (whole or ranged)
+        self.bytes_per_s = 0  # each response's body paced to this rate (0: as fast as it goes): a distant store
 
     def take_throttle(self) -> bool:
         with self.lock:
@@ -197,7 +199,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
             self.close_connection = True
             return
-        self.wfile.write(chunk)
+        self._write_paced(chunk, faults.bytes_per_s)
+
+    def _write_paced(self, data: bytes, rate: int) -> None:
+        if not rate:
+            self.wfile.write(data)
+            return
+        t0 = time.monotonic()
+        for off in range(0, len(data), PACE):
+            self.wfile.write(data[off:off + PACE])
+            ahead = t0 + (off + PACE) / rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
 
 
 class RangeHTTPServer:
