@@ -144,6 +144,8 @@ class ShardCache:
             if fd is not None:
                 os.close(fd)
                 return "cached"
+            if self._stats[STATS.index("cached_bytes")] + info.size > self.max_bytes:
+                return "no room"  # the counter is kept under this lock: no folder scan per hint while full
             state, part_fd, _ = self._claim(info, local, evict=False)
             if state == "claimed":
                 self._add("prefetches", 1)
@@ -169,9 +171,11 @@ class ShardCache:
                 etag = f.read()
         except OSError:
             etag = None
-        if os.fstat(fd).st_size != info.size or etag != info.etag:
+        size = os.fstat(fd).st_size
+        if size != info.size or etag != info.etag:
             os.close(fd)
             self._remove(local)  # a different version (or damaged): never read, fetched again
+            self._add("cached_bytes", -size)
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)  # never blocks here: evictors take LOCK_EX under the folder lock only
         os.utime(path)
