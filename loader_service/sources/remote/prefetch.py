@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable, List, Optional, Sequence, Set
 
 import numpy as np
@@ -25,7 +26,7 @@ from loader_service.sources.remote.store import ObjectInfo, RemoteError
 log = logging.getLogger("loader_service.sources.remote.prefetch")
 
 HINTS = 256  # pending hints; more are dropped (a later hint covers the same batches and more)
-STOP_S = 5.0  # how long close() waits for the thread (a download under way ends at its own timeout)
+STOP_S = 5.0  # how long close() waits for the threads (a download under way ends at its own timeout)
 IDLE_S = 1.0  # a thread's wait for work, so it sees a stop between hints
 FETCHERS = 4  # downloads at once
 
@@ -137,5 +138,6 @@ class ShardPrefetcher:
     def close(self) -> None:
         """Stop the threads (idempotent); a download under way is left to finish or time out."""
         self._stop.set()
+        deadline = time.monotonic() + STOP_S  # one deadline for all of them
         for t in self._threads:
-            t.join(STOP_S)
+            t.join(max(0.0, deadline - time.monotonic()))
