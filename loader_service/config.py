@@ -125,6 +125,9 @@ class ServiceConfig:
     remote_timeout_s: Annotated[float, opt(
         "one request to an object store, body included (a whole shard); 5xx answers, dropped connections and "
         "timeouts are retried 3 times with backoff, then the read fails naming the object")] = 300.0
+    shard_prefetch: Annotated[int, opt(
+        "datasets in object storage: download ahead the shards of each stream's next N batches into the cache's "
+        "free room (never evicting for it; 0: off)", metavar="N")] = 8
 
     @field_validator("data", mode="before")
     @classmethod
@@ -204,7 +207,8 @@ class ServiceConfig:
         from loader_service.sources.remote.store import RemoteSettings
 
         return RemoteSettings(endpoint_url=self.s3_endpoint_url, cache_dir=self.cache_dir,
-                              cache_max_bytes=int(self.cache_max_gb * 1e9), timeout_s=self.remote_timeout_s)
+                              cache_max_bytes=int(self.cache_max_gb * 1e9), timeout_s=self.remote_timeout_s,
+                              prefetch_batches=self.shard_prefetch)
 
     @property
     def max_shm_bytes(self) -> int:

@@ -601,6 +601,7 @@ class Dispatcher:
         t = s.state.next_task(self.tasks.next_id())
         assert t is not None, "the scheduler picked a stream with nothing to do"
         self.pool.assign(worker, self.tasks.start(s, t, worker.id, time.monotonic()))
+        s.source.prefetch(s.plan, t.batch)  # a queued hint: a remote source downloads the next shards on a thread
 
     def _on_worker(self, frames) -> None:
         try:

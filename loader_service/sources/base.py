@@ -65,6 +65,10 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def spec(self) -> SourceSpec: ...
 
+    def prefetch(self, plan, batch: int) -> None:
+        """A hint from the dispatcher: ``plan``'s batch ``batch`` was just handed to a worker, the
+        next ones follow. Must return at once; a source in object storage fetches ahead on it."""
+
     def close(self) -> None:
         """Release what the source holds. Idempotent."""
 

@@ -148,6 +148,33 @@ def test_exactly_once_over_an_epoch_cold_and_warm_with_a_cap_below_the_dataset(m
         svc.stop()
 
 
+@pytest.mark.slow
+def test_with_prefetch_each_shard_is_downloaded_once_and_the_epoch_is_exactly_once(make_service, tmp_path, shards):
+    """Cap above the dataset, cold cache: reads and the prefetch thread share the downloads (one per
+    shard, whoever claimed it first), and the epoch is the local one, byte for byte."""
+    local = make_service(data=(shards["data"],), demo=False, workers=2)
+    with RemoteLoader(local.endpoint, **KW) as ld:
+        want = collect(ld)
+    local.stop()
+    with RangeHTTPServer(shards["root"]) as http:
+        cap = 2 * SHARDS * shards["size"]
+        svc = make_service(data=(http.url + "/data/",), demo=False, workers=2, cache_dir=str(tmp_path / "cache"),
+                           cache_max_gb=cap / 1e9, shard_prefetch=4)
+        # the index is made at start by a scan that fills the cache: empty it to start cold
+        for name in _cache_files(tmp_path):
+            os.unlink(tmp_path / "cache" / "shards" / name)
+        gets = dict(http.faults.gets)
+        with RemoteLoader(svc.endpoint, **KW) as ld:
+            got = collect(ld)
+        assert [b["images"] for b in got] == [b["images"] for b in want] and indices_of(got) == indices_of(want)
+        cache = status(svc)["shard_cache"]["data"]
+        assert cache["misses"] + cache["prefetches"] == SHARDS and cache["evictions"] == 0
+        assert cache["cached_bytes"] <= cap and cache["failures"] == 0
+        assert {n: http.faults.gets[n] - gets.get(n, 0) for n in http.faults.gets} == \
+            {f"shard-{k:06d}.tar": 1 for k in range(SHARDS)}
+        svc.stop()
+
+
 def test_status_metrics_and_config_show_the_cache_never_the_credentials(make_service, tmp_path, shards, s3,
                                                                       capsys):
     import urllib.request
@@ -160,7 +187,7 @@ def test_status_metrics_and_config_show_the_cache_never_the_credentials(make_ser
         collect(ld, limit=2)
     body = json.dumps(status(svc))
     metrics = urllib.request.urlopen(svc.http_url + "/metrics", timeout=10).read().decode()
-    assert "loader_shard_cache_bytes" in metrics and 'loader_shard_cache_misses_total{dataset="train"}' in metrics
+    assert "loader_shard_cache_bytes" in metrics and "loader_shard_cache_prefetches_total" in metrics and 'loader_shard_cache_misses_total{dataset="train"}' in metrics
     assert main(["config", "--data", "s3://bkt/train/", "--s3-endpoint-url", s3.endpoint]) == 0
     shown = capsys.readouterr().out
     assert "s3_endpoint_url" in shown
@@ -176,6 +203,27 @@ def test_missing_bucket_and_missing_prefix_name_the_url(tmp_path, shards, s3):
         open_path("s3://nobucket/train/", remote=settings)
     with pytest.raises(RemoteError, match=r"s3://bkt/nothing/: no \.tar shards there"):
         open_path("s3://bkt/nothing/", remote=settings)
+
+
+def test_unknown_and_expired_credentials_are_refused_naming_the_url(tmp_path, shards, s3, monkeypatch):
+    """moto checking signatures: a key its IAM does not know (a revoked key), and temporary
+    credentials whose session token is no longer the one issued (expired), are refused by the
+    store; the service's error names the URL and says access denied. The role's real
+    credentials read the bucket (the control)."""
+    temporary = s3.temporary_credentials("bkt")
+    s3.require_auth()
+    settings = _settings(tmp_path, shards, endpoint_url=s3.endpoint, max_retries=0)
+    with pytest.raises(RemoteError, match=r"s3://bkt/train/: listing access denied .*InvalidAccessKeyId"):
+        open_path("s3://bkt/train/", remote=settings)  # TEST_KEY: unknown to moto's IAM
+    for k, v in temporary.items():
+        monkeypatch.setenv(k, v)
+    src = open_path("s3://bkt/train/", remote=settings)
+    assert _by_key(src) == shards["want"]
+    src.close()
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "expired" + temporary["AWS_SESSION_TOKEN"])  # no longer the one issued
+    shutil.rmtree(tmp_path / "cache")
+    with pytest.raises(RemoteError, match=r"s3://bkt/train/: listing access denied .*(token|Token)"):
+        open_path("s3://bkt/train/", remote=settings)
 
 
 def test_access_denied_names_the_object(tmp_path, shards):
@@ -199,6 +247,36 @@ def test_an_object_deleted_mid_epoch_fails_its_samples_naming_it(tmp_path, shard
         assert src.read(last[1]) == shards["want"][src.keys[last[1]]][0]
         assert not [f for f in _cache_files(tmp_path) if "shard-000000" in f]
         src.close()
+
+
+@pytest.mark.slow
+def test_an_object_deleted_mid_epoch_under_skip_is_skipped_sample_by_sample_and_named(make_service, tmp_path, shards):
+    """Through the service with --on-error skip: the shard read last (no shuffle: batch k is shard k)
+    is deleted from the store after the first batch arrives; its batch comes without its samples,
+    each skip names the object and the cause, the other shards' batches are whole and byte-exact."""
+    data = tmp_path / "served" / "data"
+    shutil.copytree(shards["data"], data)
+    kw = dict(KW, batch_size=PER_SHARD, shuffle=False, prefetch=2, epoch_lookahead=False)
+    with RangeHTTPServer(str(tmp_path / "served")) as http:
+        svc = make_service(data=(http.url + "/data/",), demo=False, workers=2, cache_dir=str(tmp_path / "cache"),
+                           cache_max_gb=(3 * shards["size"] + 100) / 1e9, on_error="skip", shard_prefetch=0)
+        for name in _cache_files(tmp_path):  # the start's scan cached the last shards: start cold
+            os.unlink(tmp_path / "cache" / "shards" / name)
+        with RemoteLoader(svc.endpoint, **kw) as ld:
+            batches = iter(ld)
+            first = next(batches)
+            os.unlink(data / f"shard-{SHARDS - 1:06d}.tar")  # batch 0 is in; the last batch is not started yet
+            rest = collect(batches)  # the same iterator: the rest of the epoch
+        gone = list(range((SHARDS - 1) * PER_SHARD, N))
+        skipped = {i: why for b in rest for i, why in b["skipped"]}
+        assert sorted(skipped) == gone
+        for why in skipped.values():
+            assert f"{http.url}/data/shard-{SHARDS - 1:06d}.tar: download" in why and "not found" in why, why
+        assert list(first.indices) + indices_of(rest) == list(range((SHARDS - 1) * PER_SHARD))
+        assert [b["shape"][0] for b in rest] == [PER_SHARD] * (SHARDS - 2) + [0]
+        st = status(svc)
+        assert st["totals"]["skipped"] == PER_SHARD and st["shard_cache"]["data"]["failures"] >= 1
+        svc.stop()
 
 
 def test_throttling_is_retried_with_backoff(tmp_path, shards):

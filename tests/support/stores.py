@@ -66,6 +66,33 @@ class MotoServer:
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=TEST_KEY["AWS_ACCESS_KEY_ID"],
                             aws_secret_access_key=TEST_KEY["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
 
+    def require_auth(self) -> None:
+        """From now on every request must be signed by a key moto's IAM knows, and be allowed by
+        its policies (moto's ``/moto-api/reset-auth``: no unauthenticated requests left)."""
+        req = urllib.request.Request(self.endpoint + "/moto-api/reset-auth", data=b"0", method="POST",
+                                     headers={"Content-Type": "text/plain"})  # a form body would not reach it
+        urllib.request.urlopen(req, timeout=10).close()
+
+    def temporary_credentials(self, bucket: str) -> dict:
+        """A role allowed to read ``bucket`` and STS credentials of it (key, secret, session token),
+        as an environment (made before :meth:`require_auth`)."""
+        import json
+
+        import boto3
+
+        kw = dict(endpoint_url=self.endpoint, aws_access_key_id=TEST_KEY["AWS_ACCESS_KEY_ID"],
+                  aws_secret_access_key=TEST_KEY["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+        iam, sts = boto3.client("iam", **kw), boto3.client("sts", **kw)
+        trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                         "Principal": {"AWS": "*"}}]}
+        role = iam.create_role(RoleName="reader", AssumeRolePolicyDocument=json.dumps(trust))["Role"]
+        read = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*",
+                                                        "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]}]}
+        iam.put_role_policy(RoleName="reader", PolicyName="read", PolicyDocument=json.dumps(read))
+        creds = sts.assume_role(RoleArn=role["Arn"], RoleSessionName="trainer")["Credentials"]
+        return {"AWS_ACCESS_KEY_ID": creds["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": creds["SecretAccessKey"],
+                "AWS_SESSION_TOKEN": creds["SessionToken"]}
+
     def upload_folder(self, bucket: str, folder: str, prefix: str = "") -> None:
         """Create ``bucket`` and put every file of ``folder`` (top level) under ``prefix``."""
         c = self.client()
@@ -78,6 +105,7 @@ class MotoServer:
 
 # ---------------------------------------------------------------------------- HTTP with Range
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+PACE = 64 << 10  # a paced body is written in pieces of this size
 
 
 class Faults:
@@ -89,6 +117,7 @@ class Faults:
         self.throttle = 0  # answer this many next GETs of data with 503 SlowDown
         self.short: Dict[str, int] = {}  # name -> bytes to send of a body that claims its full length
         self.gets: Dict[str, int] = {}  # name -> GETs served (whole or ranged)
+        self.bytes_per_s = 0  # each response's body paced to this rate (0: as fast as it goes): a distant store
 
     def take_throttle(self) -> bool:
         with self.lock:
@@ -170,7 +199,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
             self.close_connection = True
             return
-        self.wfile.write(chunk)
+        self._write_paced(chunk, faults.bytes_per_s)
+
+    def _write_paced(self, data: bytes, rate: int) -> None:
+        if not rate:
+            self.wfile.write(data)
+            return
+        t0 = time.monotonic()
+        for off in range(0, len(data), PACE):
+            self.wfile.write(data[off:off + PACE])
+            ahead = t0 + (off + PACE) / rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
 
 
 class RangeHTTPServer:

@@ -16,7 +16,10 @@ Rules, each kept under the folder lock:
 * before a download, least recently used shards not in use are evicted until the new one fits
   under the cap; when the shards in use leave no room, the reader waits (bounded) for room;
 * a shard left by an earlier service is used when its size and ``.etag`` match the listing,
-  else deleted and downloaded again. Nothing is read from a ``.part``.
+  else deleted and downloaded again. Nothing is read from a ``.part``;
+* a prefetch (:meth:`ShardCache.prefetch`) downloads a shard ahead of its reads only into free
+  room: it never evicts and never waits, so it cannot push out a shard that a read is about to
+  use, and a read that comes while it runs waits for it like for any other download.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import numpy as np
 
 from loader_service.sources.remote.store import ObjectInfo, RemoteError
 
-STATS = ("hits", "misses", "downloaded_bytes", "download_ns", "wait_ns", "evictions", "failures", "cached_bytes")
+STATS = ("hits", "misses", "downloaded_bytes", "download_ns", "wait_ns", "evictions", "failures", "cached_bytes",
+         "prefetches")
 PART, ETAG = ".part", ".etag"
 POLL_S = 0.05
 
@@ -129,6 +133,27 @@ class ShardCache:
             if waited_since is not None:
                 self._add_locked("wait_ns", int((time.monotonic() - waited_since) * 1e9))
 
+    def prefetch(self, info: ObjectInfo, local: str) -> str:
+        """Download ``info`` as ``local`` ahead of its reads if it fits in the free room, never
+        evicting and never waiting: ``"cached"``, ``"busy"`` (another process downloads it),
+        ``"no room"`` or ``"fetched"``. Raises :class:`RemoteError` when the download fails."""
+        if info.size > self.max_bytes:
+            return "no room"
+        with self._locked():
+            fd = self._open_cached(info, local)
+            if fd is not None:
+                os.close(fd)
+                return "cached"
+            if self._stats[STATS.index("cached_bytes")] + info.size > self.max_bytes:
+                return "no room"  # the counter is kept under this lock: no folder scan per hint while full
+            state, part_fd, _ = self._claim(info, local, evict=False)
+            if state == "claimed":
+                self._add("prefetches", 1)
+        if state != "claimed":
+            return "no room" if state == "full" else state
+        os.close(self._download(info, local, part_fd))
+        return "fetched"
+
     def _add_locked(self, key: str, n: int) -> None:
         with self._locked():
             self._add(key, n)
@@ -146,22 +171,28 @@ class ShardCache:
                 etag = f.read()
         except OSError:
             etag = None
-        if os.fstat(fd).st_size != info.size or etag != info.etag:
+        size = os.fstat(fd).st_size
+        if size != info.size or etag != info.etag:
             os.close(fd)
             self._remove(local)  # a different version (or damaged): never read, fetched again
+            self._add("cached_bytes", -size)
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)  # never blocks here: evictors take LOCK_EX under the folder lock only
         os.utime(path)
         return fd
 
-    def _claim(self, info: ObjectInfo, local: str) -> Tuple[str, int, int]:
+    def _claim(self, info: ObjectInfo, local: str, evict: bool = True) -> Tuple[str, int, int]:
         """("claimed", fd of a new .part, 0), ("busy", -1, 0): another live process downloads it,
-        or ("full", -1, bytes in use)."""
+        or ("full", -1, bytes in use, or in the folder when not ``evict``)."""
         part = self.path(local + PART)
         if os.path.exists(part):
             if not self._stale(part):
                 return "busy", -1, 0
-        in_use = self._make_room(info.size, local)
+        if evict:
+            in_use = self._make_room(info.size, local)
+        else:
+            used = self._used()[0]
+            in_use = 0 if used + info.size <= self.max_bytes else used
         if in_use:
             return "full", -1, in_use
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)

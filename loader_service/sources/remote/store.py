@@ -23,6 +23,9 @@ SCHEMES = ("s3://", "gs://", "http://", "https://")
 MAX_LISTING_BYTES = 4 << 20  # an HTML folder listing larger than this is refused
 _HREF = re.compile(r'href="([^"?#]+)"', re.IGNORECASE)
 _MD5 = re.compile(r"[0-9a-f]{32}")
+# obstore raises a GenericError for an S3 listing refused with 403: the status and code are in its text
+_DENIED = re.compile(r"\b(401 Unauthorized|403 Forbidden)\b|<Code>(AccessDenied|InvalidAccessKeyId|ExpiredToken|"
+                     r"InvalidToken|SignatureDoesNotMatch)</Code>")
 CHUNK = 1 << 20
 
 
@@ -45,12 +48,14 @@ class RemoteSettings:
     connect_timeout_s: float = 10.0
     max_retries: int = 3  # 5xx (503 SlowDown), dropped connections, timeouts: with backoff
     wait_s: float = 600.0  # the longest a read waits for a download (its own or another process's) or for room
+    prefetch_batches: int = 8  # per stream: the shards of this many batches ahead are downloaded early (0: off)
 
     def __post_init__(self) -> None:
         if self.cache_max_bytes <= 0 or self.timeout_s <= 0 or self.connect_timeout_s <= 0 or self.wait_s <= 0:
             raise ValueError("cache_max_bytes, timeout_s, connect_timeout_s and wait_s must be positive")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.max_retries < 0 or self.prefetch_batches < 0:
+            raise ValueError(f"max_retries and prefetch_batches must be >= 0, got {self.max_retries}, "
+                             f"{self.prefetch_batches}")
 
     def options(self) -> Tuple[Tuple[str, Any], ...]:
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
@@ -162,13 +167,13 @@ class Store:
     def _fail(self, exc: BaseException, what: str, name: str = "") -> RemoteError:
         e = self.obstore.exceptions
         where = self.location.where(name)
+        detail = " ".join(str(exc).split())[:600]
         if isinstance(exc, e.NotFoundError):
             cause = "not found"
-        elif isinstance(exc, (e.PermissionDeniedError, e.UnauthenticatedError)):
+        elif isinstance(exc, (e.PermissionDeniedError, e.UnauthenticatedError)) or _DENIED.search(detail):
             cause = "access denied (check the credentials and the bucket policy)"
         else:
             cause = "failed"
-        detail = " ".join(str(exc).split())[:600]
         return RemoteError(f"{where}: {what} {cause}: {type(exc).__name__}: {detail}")
 
     # ------------------------------------------------------------------ listing

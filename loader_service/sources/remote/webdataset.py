@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from loader_service.sources.base import SourceSpec, register
 from loader_service.sources.remote.cache import ShardCache, read_stats
+from loader_service.sources.remote.prefetch import ShardPrefetcher
 from loader_service.sources.remote.store import Location, ObjectInfo, RemoteSettings, Store
 from loader_service.sources.webdataset import INDEX_VERSION, WebDatasetSource, _build_index, _scan_shard
 
@@ -43,17 +44,30 @@ class RemoteWebDatasetSource(WebDatasetSource):
         super().__init__(root, index_dir, name, origin)
         self.url, self.settings, self.objects = url, settings, tuple(objects)
         self.location = Location.parse(url)
-        self._store: Optional[Store] = None
         self._cache: Optional[ShardCache] = None
         self._fds: "OrderedDict[int, int]" = OrderedDict()
+        self._prefetcher: Optional[ShardPrefetcher] = None
 
     @property
     def cache(self) -> ShardCache:
         if self._cache is None:  # made in the process that reads (a decode process makes its own)
-            self._store = Store(self.location, self.settings)
-            self._cache = ShardCache(self.root, self.settings.cache_max_bytes, self._store.download,
-                                     self.settings.wait_s)
+            self._cache = self._new_cache()
         return self._cache
+
+    def _new_cache(self) -> ShardCache:
+        """A handle on the cache with its own store (its pooled connections close with it)."""
+        return ShardCache(self.root, self.settings.cache_max_bytes, Store(self.location, self.settings).download,
+                          self.settings.wait_s)
+
+    def prefetch(self, plan, batch: int) -> None:
+        """Download the shards of ``plan``'s next batches ahead (see :mod:`.prefetch`)."""
+        if self.settings.prefetch_batches <= 0:
+            return
+        if self._prefetcher is None:
+            locals_ = [os.path.basename(p) for p in self.shards]
+            self._prefetcher = ShardPrefetcher(self._new_cache, self.objects, locals_, self._shard,
+                                               self.settings.prefetch_batches)
+        self._prefetcher.hint(plan, batch)
 
     @classmethod
     def open_url(cls, url: str, settings: RemoteSettings, name: str = "") -> "RemoteWebDatasetSource":
@@ -134,7 +148,9 @@ class RemoteWebDatasetSource(WebDatasetSource):
                     download_bytes_per_s=round(st["downloaded_bytes"] / download_s) if download_s else 0)
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         super().close()
         if self._cache is not None:
             self._cache.close()
-            self._cache = self._store = None  # the store's pooled connections go with it
+            self._cache = None

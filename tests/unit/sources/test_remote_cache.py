@@ -1,8 +1,9 @@
 """The shard cache (sources/remote/cache.py) on its own: a real folder and real locks, several
 handles on it (as decode processes have), objects fetched from bytes in memory. A model-based
-test drives random interleavings of opens, closes, failed downloads, killed downloads and damaged
-leftovers, and checks after every step: never over the cap, a pinned shard never evicted, every
-descriptor reads its shard's exact bytes, nothing half-written ever opened."""
+test drives random interleavings of opens, prefetches, closes, failed downloads, killed downloads
+and damaged leftovers, and checks after every step: never over the cap, a pinned shard never
+evicted, a prefetch never evicts, every descriptor reads its shard's exact bytes, nothing
+half-written ever opened."""
 
 from __future__ import annotations
 
@@ -97,6 +98,27 @@ class CacheMachine(RuleBasedStateMachine):
         self.open_fds.append((name, fd))
         self.opens += 1
 
+    @rule(h=st.integers(0, 2), k=st.integers(0, len(SIZES) - 1))
+    def prefetch_shard(self, h, k):
+        name = f"s{k}.tar"
+        info = self.store.objects[name][0]
+        before, fetches = self._valid(), self.store.fetches
+        pending = {n for n in os.listdir(self.folder) if n.endswith(PART)}  # leftovers of killed downloads
+        try:
+            got = self.handles[h].prefetch(info, name)
+        except RemoteError as exc:
+            assert "truncated" in str(exc) and name not in self._cached()
+            return
+        assert before - {name} <= self._valid(), "a prefetch evicted a shard"
+        if got == "fetched":
+            assert self.store.fetches == fetches + 1 and name in self._valid()
+        else:
+            assert self.store.fetches == fetches
+            assert got == ("cached" if name in before else "no room"), (got, pending)
+        if got == "no room":
+            files = sum(os.path.getsize(os.path.join(self.folder, n)) for n in self._cached())
+            assert files + info.size > CAP, "a prefetch that fits was refused"
+
     @precondition(lambda self: self.open_fds)
     @rule(data=st.data())
     def close_shard(self, data):
@@ -147,7 +169,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def counters_add_up(self):
         s = read_stats(self.folder)
-        assert s["hits"] + s["misses"] >= self.opens and s["misses"] == self.store.fetches
+        assert s["hits"] + s["misses"] >= self.opens and s["misses"] + s["prefetches"] == self.store.fetches
 
 
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)

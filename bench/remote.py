@@ -1,0 +1,204 @@
+"""A real client's epoch from WebDataset shards on local disk, in moto's S3 and behind a Range
+HTTP server, through the shard cache cold and warm (issue 29).
+
+    python -m bench.remote [--photos ~/.cache/remote-loader/photos/imagenet] [--shard-size 50]
+                           [--runs 3] [--workers 2] [--batch-size 32] [--json PATH]
+
+The real-photo set (``python -m bench.photo_sets`` builds it) is packed once with ``loader-service
+pack --format webdataset`` into a temporary folder, then served three ways, each on 127.0.0.1:
+``local`` (``--data FOLDER``, the page cache warm), ``s3`` (``python -m moto.server``,
+``tests.support.stores.MotoServer``) and ``http`` (``tests.support.stores.RangeHTTPServer``, a
+threaded server in this process, each response paced to ``--http-mbps``: a store farther away
+than loopback, where a download takes time rather than the CPU the decoders need). The cap is above the dataset. Each run starts a fresh service
+on an empty shard folder (the index, built by a first start, is kept: a restart reads no shard
+for it) and times two epochs of one ``RemoteLoader`` (RandomResizedCrop 224 + flip, shuffled):
+epoch 0 on the cold cache (every shard downloaded during it), epoch 1 on the warm cache; the
+remote ones once with ``--shard-prefetch --prefetch`` and once without (``0``), interleaved.
+Figures: img/s (median of ``--runs``), the shard cache's disk use and downloads (by reads, by the
+prefetch thread) after the epochs, the RSS of the service's dispatcher process and of its decode
+processes together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import psutil
+
+from bench.harness import command, log, machine, raise_on_sigterm, save_json, start_service, table_head, table_row
+from client import RemoteLoader
+from loader_service.sources import open_path
+from loader_service.sources.remote.store import RemoteSettings
+from tests.support.stores import TEST_KEY, MotoServer, RangeHTTPServer
+
+PHOTOS = os.path.expanduser("~/.cache/remote-loader/photos/imagenet")
+BUCKET = "bench"
+
+
+def pack(photos: str, out: str, shard_size: int) -> int:
+    """``loader-service pack`` the ImageFolder ``photos`` into ``out``; its bytes of shards."""
+    subprocess.run([sys.executable, "-m", "loader_service", "pack", photos, out, "--format", "webdataset",
+                    "--shard-size", str(shard_size), "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    return sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out) if n.endswith(".tar"))
+
+
+def folder_bytes(folder: str) -> int:
+    """Bytes of the files in ``folder`` (the shard cache's disk use: blocks allocated)."""
+    if not os.path.isdir(folder):
+        return 0
+    return sum(os.stat(os.path.join(folder, n)).st_blocks * 512 for n in os.listdir(folder))
+
+
+def timed_epoch(loader, epoch: int) -> float:
+    """img/s of one whole epoch."""
+    loader.set_epoch(epoch)
+    n, t0 = 0, time.perf_counter()
+    for images, _ in loader:
+        n += images.shape[0]
+    return n / (time.perf_counter() - t0)
+
+
+def one_run(data_args: List[str], env: Dict[str, str], cache: str, args, extra: List[str] = ()) -> dict:
+    """A fresh service on an empty shard folder: img/s of a cold and a warm epoch, cache and memory."""
+    shutil.rmtree(os.path.join(cache, "shards"), ignore_errors=True)
+    svc = start_service(["--no-demo", "--workers", str(args.workers), *data_args, *extra], env=env)
+    try:
+        with RemoteLoader(svc.endpoint, batch_size=args.batch_size, image_size=224, seed=1, prefetch=4,
+                          shuffle=args.order == "shuffled") as ld:
+            cold = timed_epoch(ld, 0)
+            warm = timed_epoch(ld, 1)
+            procs = svc.processes()
+            rss = [p.memory_info().rss for p in procs]
+            st = svc.status()
+        caches = list(st.get("shard_cache", {}).values())
+        c = caches[0] if caches else {}
+        return {"cold": cold, "warm": warm, "dispatcher_rss": rss[0], "workers_rss": sum(rss[1:]),
+                "workers": len(rss) - 1, "cache_disk": folder_bytes(os.path.join(cache, "shards")),
+                "downloads": c.get("misses", 0), "prefetches": c.get("prefetches", 0), "downloaded_bytes": c.get("downloaded_bytes", 0),
+                "wait_s": c.get("wait_s", 0.0)}
+    finally:
+        svc.stop()
+
+
+def downloads(st: dict) -> int:
+    c = next(iter(st["shard_cache"].values()))
+    return c["misses"] + c["prefetches"]
+
+
+def cap_run(url: str, cache: str, cap: int, shuffle: bool, args) -> dict:
+    """A fresh service on an empty shard folder with ``cap`` bytes: downloads and img/s of
+    epoch 1 (epoch 0 fills the cache)."""
+    shutil.rmtree(os.path.join(cache, "shards"), ignore_errors=True)
+    svc = start_service(["--no-demo", "--workers", str(args.workers), "--data", url, "--cache-dir", cache,
+                         "--cache-max-gb", f"{cap / 1e9:.6f}"])
+    try:
+        with RemoteLoader(svc.endpoint, batch_size=args.batch_size, image_size=224, seed=1, prefetch=4,
+                          shuffle=shuffle) as ld:
+            timed_epoch(ld, 0)
+            before = downloads(svc.status())
+            rate = timed_epoch(ld, 1)
+            c = next(iter(svc.status()["shard_cache"].values()))
+        return {"img/s": rate, "downloads": downloads({"shard_cache": {"": c}}) - before, "wait_s": c["wait_s"]}
+    finally:
+        svc.stop()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--photos", default=PHOTOS)
+    ap.add_argument("--shard-size", type=int, default=50, help="samples per shard")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--http-mbps", type=float, default=40.0,
+                    help="the HTTP server paces each response to this many MB/s (a store farther than loopback; 0: "
+                         "unpaced)")
+    ap.add_argument("--prefetch", type=int, default=8, help="--shard-prefetch of the runs with prefetch")
+    ap.add_argument("--order", choices=("shuffled", "sequential"), default="shuffled",
+                    help="the first table's sample order (sequential: shard after shard)")
+    ap.add_argument("--caps", default="1.2,0.75,0.5",
+                    help="the second table: caps as fractions of the dataset (HTTP source, one run each)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    raise_on_sigterm()
+    head = f"`{command('bench.remote', argv)}` on {machine()}"
+    os.environ.update(TEST_KEY)
+    work = tempfile.mkdtemp(prefix="bench-remote-")
+    results: Dict[str, List[dict]] = {}
+    sweep: List[tuple] = []
+    try:
+        data = os.path.join(work, "data")
+        size = pack(args.photos, data, args.shard_size)
+        n_shards = len([n for n in os.listdir(data) if n.endswith(".tar")])
+        log(f"packed {args.photos}: {n_shards} shards, {size / 1e6:.1f} MB")
+        cap = ["--cache-max-gb", f"{2 * size / 1e9:.6f}"]
+        with MotoServer() as s3, RangeHTTPServer(work) as http:
+            http.faults.bytes_per_s = int(args.http_mbps * 1e6)
+            s3.upload_folder(BUCKET, data, "train/")
+            sources = {
+                "local disk": (["--data", data], {}),
+                "S3 (moto)": (["--data", f"s3://{BUCKET}/train/", "--s3-endpoint-url", s3.endpoint], {}),
+                f"HTTP (Range, {args.http_mbps:g} MB/s)": (["--data", http.url + "/data/"], {}),
+            }
+            for name, (data_args, env) in sources.items():
+                cache = os.path.join(work, "cache-" + name.split()[0].lower())
+                full = data_args + ["--cache-dir", cache] + cap
+                if name != "local disk":  # the index, made once: each run then starts on the listing alone
+                    open_path(data_args[1], remote=RemoteSettings(endpoint_url=s3.endpoint, cache_dir=cache,
+                                                                  cache_max_bytes=2 * size)).close()
+                modes = [("", [])] if name == "local disk" else [
+                    (f", prefetch {args.prefetch}", ["--shard-prefetch", str(args.prefetch)]),
+                    (", no prefetch", ["--shard-prefetch", "0"])]
+                for r in range(args.runs):
+                    for mode, extra in modes:  # interleaved, so a change of the machine's load hits both
+                        res = one_run(full, env, cache, args, extra)
+                        results.setdefault(name + mode, []).append(res)
+                        log(f"{name}{mode} run {r}: cold {res['cold']:.0f} img/s, warm {res['warm']:.0f} img/s, "
+                            f"{res['downloads']} downloads + {res['prefetches']} prefetches, "
+                            f"cache {res['cache_disk'] / 1e6:.1f} MB")
+            caps = [float(c) for c in args.caps.split(",") if c.strip()]
+            cache = os.path.join(work, "cache-http")
+            for frac in caps:
+                for shuffle in (True, False):
+                    res = cap_run(http.url + "/data/", cache, int(frac * size), shuffle, args)
+                    sweep.append((frac, shuffle, res))
+                    log(f"cap {frac:.2f} x dataset, shuffle={shuffle}: {res}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    save_json(args.json, {"runs": results, "caps": sweep})
+    print(f"{head}; {n_shards} shards, {size / 1e6:.1f} MB; cap {2 * size / 1e6:.0f} MB; {args.workers} decode "
+          f"processes; batch {args.batch_size}, {args.order}; median of {args.runs} (load average {os.getloadavg()[0]:.2f} at end)\n")
+    print(table_head(["source", "cold cache img/s", "warm cache img/s", "downloads: reads + prefetch", "cache on disk MB",
+                      "dispatcher RSS MB", "decode processes RSS MB"], "lrrrrrr"))
+    for name, runs in results.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        remote = name != "local disk"
+        dl = f"{med['downloads']:.0f} + {med['prefetches']:.0f}"
+        print(table_row([name, f"{med['cold']:.0f}", f"{med['warm']:.0f}",
+                         dl if remote else "-",
+                         f"{med['cache_disk'] / 1e6:.1f}" if remote else "-",
+                         f"{med['dispatcher_rss'] / 1e6:.0f}", f"{med['workers_rss'] / 1e6:.0f}"]))
+    if sweep:
+        print_sweep(sweep, n_shards, size, args)
+
+
+def print_sweep(sweep: List[tuple], n_shards: int, size: int, args) -> None:
+    print(f"\nA cap below the dataset (HTTP source, {args.http_mbps:g} MB/s; epoch 1 after epoch 0 filled the cache; {n_shards} shards "
+          f"of {size / n_shards / 1e6:.1f} MB, {args.workers} decode processes each holding up to 2 shards open):\n")
+    print(table_head(["cap / dataset", "order", "downloads in the epoch", "downloaded / dataset", "img/s",
+                      "reads waited s (2 epochs)"], "llrrrr"))
+    for frac, shuffle, r in sweep:
+        print(table_row([f"{frac:.2f}", "shuffled" if shuffle else "sequential", int(r["downloads"]),
+                         f"{r['downloads'] / n_shards:.1f}x", f"{r['img/s']:.0f}", f"{r['wait_s']:.1f}"]))
+
+
+if __name__ == "__main__":
+    main()
