@@ -73,6 +73,8 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
                     seg.close()
                 continue
             done = run_task(msg, worker_id, sources, segments, decode, progress, pipelines)
+            if progress is not None:
+                progress[2] = -1  # between tasks: a death now is no task's fault
             sock.send_multipart(P.encode(done))
     finally:
         for seg in segments.values():
@@ -86,10 +88,12 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
 def run_task(task: P.Task, worker_id: int, sources: Dict[str, Source], segments,
              decode: DecodeOptions = DEFAULT_OPTIONS, progress=None, pipelines: Optional[Cache] = None) -> P.Done:
     """Run ``task``'s pipeline over its samples, writing each output into its block of the slot.
-    ``progress`` (if given) is kept at [position, start time] of the sample being read or
-    processed, and [-1, ...] once the task is done."""
+    ``progress`` (if given) is kept at [position, start time, task id] of the sample being read
+    or processed, and position -1 once the task is done (the pool reads the task id of a
+    worker that died: the task it died on; :func:`worker_main` clears it between tasks)."""
     if progress is None:
-        progress = [-1.0, 0.0]
+        progress = [-1.0, 0.0, -1.0]
+    progress[2] = task.task
     t_read = t_decode = 0.0
     try:
         source = sources[task.dataset]
