@@ -171,6 +171,14 @@ def median_of(runs: Sequence[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------- tables
+def print_verdicts(verdicts: Iterable[tuple]) -> None:
+    """``PASS``/``MISS`` lines of (target, met, detail) after a blank line (the exit status never
+    depends on them)."""
+    print()
+    for target, ok, detail in verdicts:
+        print(f"{'PASS' if ok else 'MISS'} {target}: {detail}")
+
+
 def table_row(cells: Iterable) -> str:
     """One row of a markdown table: ``| a | b |``."""
     return "| " + " | ".join(str(c) for c in cells) + " |"
