@@ -8,6 +8,7 @@ Errors are reported in-band (``Done.ok=False`` with the formatted traceback), ne
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -26,6 +27,23 @@ from loader_service.decode.pipelines import Cache, Item, run_one
 from loader_service.decode.transforms import sample_rng
 
 SEGMENT_CACHE = 4  # mappings a worker keeps open at most
+# glibc malloc: blocks from 32 MiB are mmapped (a camera photo's full decode), smaller ones come
+# from the heap, which keeps up to 64 MiB free at its top instead of giving it back at once
+MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 64 << 20
+
+
+def keep_freed_memory() -> None:
+    """Let glibc keep the memory a sample freed for the next sample. By default it trims the heap
+    (and maps decode buffers anew) as a task's samples free their buffers: ~11 page faults and
+    ~40 us of system time an ImageNet-size photo in a worker (issue 28), against none in the
+    same loop without a task around it. Bounded: at most TRIM_THRESHOLD stays unreturned. No-op
+    where the C library has no ``mallopt`` (musl)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+    mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
 
 
 def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn,
@@ -36,6 +54,7 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
     (``sources.base.kind_modules``), imported before the specs are opened."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the service, which stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    keep_freed_memory()
     segments: "OrderedDict[str, Segment]" = OrderedDict()
     sources: Dict[str, Source] = {}
     pipelines = Cache()
