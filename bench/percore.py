@@ -18,14 +18,14 @@ Per photo group, in one run, contenders interleaved (median of ``--runs``):
   beside it (the naive row is the naive N-process limit, no transport).
 
 Each contender is given as images per second of wall time (per core) and as images per
-CPU-second of its own processes (the decode processes and, for the service, its dispatcher's
-process; not the client): the second is what a core would give if nothing else ran on it, and
-barely moves when other programs share the machine, which the first does. For the service rows it
-also prints CPU per image of the decode processes, of the dispatcher's
-process (dispatcher thread, ZeroMQ I/O thread, REST) and of the client (the trainer), and the
-decode processes' busy share: their own time on samples (``stage_s`` read + decode from
-``/v1/status``) and the dispatcher's (a task's start to its Done, ``busy_s_total``), over
-wall time x processes.
+CPU-second of its own processes (the decode processes; for the service also its dispatcher's
+process, and the client's where it shares the service's CPUs): the second is what a core gives
+when nothing else runs on it, and barely moves when other programs share the machine, which the
+first does. For the service rows it also prints CPU per image of the decode processes, of the
+dispatcher's process (dispatcher thread, ZeroMQ I/O thread, REST) and of the client (the
+trainer), and the decode processes' busy share: their own time on samples (``stage_s`` read +
+decode from ``/v1/status``) and the dispatcher's (from a task's assignment to its Done read,
+``busy_s_total``; a task queued behind another counts), over wall time x processes.
 
 ``--profile DIR``: during the first run's dedicated service row, ``py-spy record`` samples the
 decode process and the service's process (raw stacks with idle time, and flame graphs), writes
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import shutil
 import signal
@@ -117,7 +118,9 @@ def service_row(settings: B.Settings, dataset_args: List[str], service_cpus: Opt
         set_affinity(before)
     n, w = samples, settings.workers
     on_samples = sum(st1["stage_s"][k] - st0["stage_s"][k] for k in ("read", "decode_augment"))
-    return {"img_s": n / wall, "img_cpu_s": n / (c_work + c_main), "worker_us": 1e6 * c_work / n, "dispatcher_us": 1e6 * c_main / n, "io_us": 1e6 * c_io / n,
+    # on shared CPUs the client's CPU comes out of the same cores: counted (the naive limit has none)
+    cpu = c_work + c_main + (c_me if client_cpus == service_cpus else 0.0)
+    return {"img_s": n / wall, "img_cpu_s": per_cpu_second(n, cpu), "worker_us": 1e6 * c_work / n, "dispatcher_us": 1e6 * c_main / n, "io_us": 1e6 * c_io / n,
             "client_us": 1e6 * c_me / n, "busy_own": on_samples / (wall * w),
             "busy_dispatcher": (st1["workers"]["busy_s_total"] - st0["workers"]["busy_s_total"]) / (wall * w),
             "samples": n, "wall": wall}
@@ -181,10 +184,15 @@ def where_time_goes(raw_path: str, root: str, limit: int = 16) -> List[tuple]:
     return [(c / total, fn, leaf[fn] / total) for fn, c in inclusive.most_common(limit)] if total else []
 
 
+def per_cpu_second(images: int, cpu_s: float) -> float:
+    """Images per CPU-second; NaN for a run too short for the CPU clock's ticks (10 ms)."""
+    return images / cpu_s if cpu_s > 0 else math.nan
+
+
 def raw_row(cpus: set, settings: B.Settings) -> dict:
     """A decode loop without transport (``settings.fn``) on ``cpus``: img/s, and images per CPU-second."""
     r = pinned(cpus, B.bench_raw, settings)
-    return {"img_s": r.images_per_s, "img_cpu_s": r.samples / r.all_cpu_s}
+    return {"img_s": r.images_per_s, "img_cpu_s": per_cpu_second(r.samples, r.all_cpu_s)}
 
 
 def run_group(settings: B.Settings, dataset_args: List[str], split, profile: Optional[str]) -> dict:
