@@ -281,9 +281,6 @@ class WorkerPool:
             log.error("%d workers in a row failed to start; not starting more", self.start_failures)
 
     # ------------------------------------------------------------------ tasks
-    def idle(self) -> List[WorkerRecord]:
-        return [w for w in self.workers.values() if w.state == "idle"]
-
     def places(self) -> List[WorkerRecord]:
         """A worker per task it can take now (idle or busy, below QUEUE_DEPTH), in the order to
         fill them: every worker's first free place before anyone's second, so tasks spread over
