@@ -210,6 +210,120 @@ JOBS = st.sampled_from(["a", "b"])
 
 
 @settings(max_examples=120, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+class TableModel(RuleBasedStateMachine):
+    """The table's bookkeeping on its own, against a model of who is connected on which fd
+    (:class:`SessionsModel` below drives it through queued, racy event orders).
+
+    The monitor reports accept and disconnect alternately per fd; a client's message comes over
+    a connection that is open; identities the table reports (replaced, disconnected) are
+    dropped at once, as the dispatcher does; a dropped identity may come back (a DEALER that
+    reconnects keeps its identity). After every step: every live identity is found and no
+    dropped one is; the fd owners are exactly the model's; each session's generation is the
+    serial of the connection it bound to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = Sessions()
+        self.open: dict[int, bytes | None] = {}  # fd of an open connection -> who spoke on it
+        self.serial: dict[int, int] = {}  # fd -> the serial of the connection open on it (one count for all fds)
+        self.accepted_so_far = 0
+        self.live: dict[bytes, int] = {}  # identity -> serial of the connection it bound to
+        self.gone: set[bytes] = set()
+        self.made = 0
+
+    def _forget(self, ident: bytes) -> None:
+        del self.live[ident]
+        self.gone.add(ident)
+        for fd, who in self.open.items():
+            if who == ident:
+                self.open[fd] = None
+
+    def _bind(self, s: Session, fd: int) -> None:
+        prev = self.open[fd]
+        replaced = self.table.bind(s, fd)
+        assert replaced == ([prev] if prev is not None and prev != s.ident else [])
+        for ident in replaced:
+            assert self.table.pop(ident) is not None
+            self._forget(ident)
+        for other, who in self.open.items():
+            if who == s.ident:
+                self.open[other] = None
+        self.open[fd] = s.ident
+        self.live[s.ident] = self.serial[fd]
+
+    @rule(fd=FDS)
+    def accept(self, fd):
+        if fd in self.open:
+            return  # the monitor never reports two accepts on one fd without a disconnect between
+        self.table.accepted(fd)
+        self.accepted_so_far += 1
+        self.serial[fd] = self.accepted_so_far
+        self.open[fd] = None
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data())
+    def hello_from_a_new_client(self, data):
+        self.made += 1
+        ident = self.made.to_bytes(16, "big")
+        self._bind(self.table.add(ident), data.draw(st.sampled_from(sorted(self.open))))
+
+    @precondition(lambda self: self.open and self.gone)
+    @rule(data=st.data())
+    def hello_from_a_client_that_was_dropped_and_came_back(self, data):
+        ident = data.draw(st.sampled_from(sorted(self.gone)))
+        self.gone.discard(ident)
+        self._bind(self.table.add(ident), data.draw(st.sampled_from(sorted(self.open))))
+
+    @precondition(lambda self: self.open and self.live)
+    @rule(data=st.data())
+    def message_from_a_known_client(self, data):
+        s = self.table.get(data.draw(st.sampled_from(sorted(self.live))))
+        fd = data.draw(st.sampled_from(sorted(self.open)))
+        if s.fd != fd:
+            self._bind(s, fd)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def bye(self, data):
+        ident = data.draw(st.sampled_from(sorted(self.live)))
+        s = self.table.get(ident)
+        assert self.table.pop(ident) is s
+        self._forget(ident)
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data())
+    def disconnect(self, data):
+        fd = data.draw(st.sampled_from(sorted(self.open)))
+        who = self.open.pop(fd)
+        assert self.table.disconnected(fd) == who
+        if who is not None:
+            assert self.table.pop(who) is not None
+            self._forget(who)
+
+    @invariant()
+    def every_live_session_is_found_by_its_identity(self):
+        for ident, gen in self.live.items():
+            s = self.table.get(ident)
+            assert s is not None and s.ident == ident and ident in self.table
+            assert s.fd_gen == gen
+        assert len(self.table) == len(self.live)
+        assert {s.ident for s in self.table} == set(self.live)
+
+    @invariant()
+    def no_dropped_session_is_found(self):
+        for ident in self.gone:
+            assert self.table.get(ident) is None and ident not in self.table
+
+    @invariant()
+    def fd_owners_are_the_clients_last_heard_on_each_open_connection(self):
+        owners = self.table.fd_owners()
+        assert owners == {fd: who for fd, who in self.open.items() if who is not None}
+        assert all(self.table.get(who).fd == fd for fd, who in owners.items())
+
+
+TestTableModel = TableModel.TestCase
+
+
 class SessionsModel(RuleBasedStateMachine):
     """The table driven as the dispatcher drives it, against the truth of which connections are
     open, with the monitor's events and each connection's messages queued apart and read in any
