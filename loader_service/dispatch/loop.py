@@ -68,6 +68,7 @@ from loader_service.workers.pool import WorkerPool, describe_exit
 
 log = logging.getLogger("loader_service.dispatch.loop")
 
+ACCEPT_REPORT_GRACE_S = 10.0  # how late a connection's accept may be reported after its first message
 CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued may take to leave
 
 
@@ -198,6 +199,7 @@ class Dispatcher:
                     if fd in events:
                         self._on_worker_exit(wid)
                 self._expire_tasks()
+                self._expire_unreported()
                 self.pool.expire_starts(time.monotonic())
                 if self.pool.broken:
                     self._fail_all(self.pool.broken)
@@ -220,7 +222,7 @@ class Dispatcher:
         (None: no deadline)."""
         now = time.monotonic()
         ends = [t for t in (self.tasks.next_deadline(), self.pool.next_start_deadline(),
-                            self.memory.next_lend_at(now)) if t is not None]
+                            self.memory.next_lend_at(now), self.sessions.next_early_due()) if t is not None]
         if self._stop_by is not None:
             if now >= self._stop_by or not self.tasks.running:
                 self._running_loop = False
@@ -293,6 +295,16 @@ class Dispatcher:
         elif self.guard.on_event(ev):
             self.totals.refused_handshakes += 1
 
+    def _expire_unreported(self) -> None:
+        """Connections opened on a message whose accept never came were gone before it was read."""
+        due = self.sessions.next_early_due()
+        if due is None or due > time.monotonic():
+            return
+        self._read_monitor()  # a report still queued confirms its connection
+        for ident in self.sessions.unreported(time.monotonic()):
+            self.totals.unreported_connections += 1
+            self._drop_client(ident, "is gone: its connection closed before its first message was read")
+
     def _read_monitor(self) -> None:
         """Every monitor event queued now (bounded by the connections the service has)."""
         while True:
@@ -307,15 +319,14 @@ class Dispatcher:
         fd = frames[-1].get(zmq.SRCFD)
         session = self.sessions.get(ident)
         if session is None or session.fd != fd:
-            # A new connection's accept is reported before any of its messages can arrive, but
-            # the monitor may not have been read yet: read it to the end now, so that the
-            # disconnect of an earlier connection on this fd number is not taken for this one's,
-            # and a message from a connection already gone is known as such.
+            # Read the monitor to the end first, so that the disconnect of an earlier connection
+            # on this fd number is not taken for this one's. A message whose fd is still not open
+            # came before its connection's accept was reported, or after it was gone: it is
+            # answered, and its connection opened early until the report comes (sessions.py).
             self._read_monitor()
             if not self.sessions.is_open(fd):
-                self.totals.late_messages += 1  # its sender left before it was read: nobody to answer
-                return
-            session = self.sessions.get(ident)
+                self.totals.early_messages += 1
+                self.sessions.open_early(fd, time.monotonic() + ACCEPT_REPORT_GRACE_S)
             if session is not None and session.fd != fd:
                 self._bind_fd(session, fd)
         try:

@@ -2,13 +2,20 @@
 :mod:`loader_service.dispatch`: an ident is a connection, a client a loader instance).
 
 ZeroMQ's ROUTER names a peer by its identity; the socket monitor names a connection by its file
-descriptor. The kernel reuses fd numbers, so a connection is (fd, serial): every EVENT_ACCEPTED
+descriptor. The kernel reuses fd numbers, so a connection is (fd, serial): every new connection
 gets the next serial, and the table holds only the connections open now. For one fd the
 monitor reports accepted and disconnected strictly alternately (the old connection's
-disconnect is emitted before its fd is closed, the new one's accept after the fd is reused),
-and a connection's accept is reported before any of its messages reach the ROUTER. So once
-the monitor has been read to the end, a message whose fd is not open came over a connection
-that is gone: it opens nothing (its disconnect was read before it; issue 32).
+disconnect is emitted before its fd is closed, the new one's accept after the fd is reused).
+But libzmq reports an accept only after handing the connection to an I/O thread
+(``send_attach`` precedes ``event_accepted`` in its listeners), so with several I/O threads a
+connection's first messages can reach the ROUTER before its accept reaches the monitor. So
+once the monitor has been read to the end, a message whose fd has no open connection came
+over one whose accept is still on its way, or over one already gone (its disconnect read
+before the message): the two cannot be told apart then. Such a connection is opened early
+(:meth:`open_early`) with a deadline: its accept, when it comes, confirms it; a connection
+whose accept has not come by then was gone, and whoever is bound to it is dropped
+(:meth:`unreported`). A send to a gone connection fails at once (ROUTER_MANDATORY), which
+drops its session sooner (issue 32).
 
 The table also keeps what the dispatcher's decisions look up, indexed as they change, so
 that no decision walks every session: the streams being served (:meth:`serve`), the
@@ -56,6 +63,7 @@ class Sessions:
         self._open: Dict[int, int] = {}  # fd -> serial of the connection open on it
         self._fd_owner: Dict[int, bytes] = {}  # fd of an open connection -> the session bound to it
         self._pending: Dict[int, int] = {}  # open connections no session is bound to: fd -> serial, oldest first
+        self._early: Dict[int, float] = {}  # fd opened on a message before its accept was reported -> by when it must be
         self._serial = 0
         self._streams: Dict[bytes, object] = {}  # ident -> its stream being served
         self._jobs: Dict[str, Dict[bytes, Session]] = {}  # job -> sessions holding a rank of it
@@ -126,8 +134,44 @@ class Sessions:
         """Whether a connection is open on ``fd`` (per the monitor events read so far)."""
         return fd in self._open
 
+    @property
+    def early(self) -> int:
+        """Connections opened on a message whose accept the monitor has not reported yet."""
+        return len(self._early)
+
+    def is_early(self, fd: int) -> bool:
+        return fd in self._early
+
+    def open_early(self, fd: int, due: float) -> None:
+        """A message came over ``fd``, which has no open connection once the monitor was read to
+        the end: open it now; its accept must be reported by ``due`` (see the module's doc)."""
+        self._open_new(fd)
+        self._early[fd] = due
+
+    def next_early_due(self) -> Optional[float]:
+        """When the oldest connection opened early must have been reported (None: none is)."""
+        return next(iter(self._early.values()), None)  # opened in time order, with one grace for all
+
+    def unreported(self, now: float) -> List[bytes]:
+        """Close the connections opened early whose accept was not reported by their deadline
+        (they were gone before their message was read); the identities bound to them, to drop."""
+        gone = []
+        while self._early:
+            fd, due = next(iter(self._early.items()))
+            if due > now:
+                break
+            ident = self.disconnected(fd)
+            if ident is not None:
+                gone.append(ident)
+        return gone
+
     def accepted(self, fd: int) -> None:
         """The monitor saw a new connection on ``fd``."""
+        if self._early.pop(fd, None) is not None:
+            return  # the report of the connection already opened on its first message
+        self._open_new(fd)
+
+    def _open_new(self, fd: int) -> None:
         self._serial += 1
         self._open[fd] = self._serial
         self._pending.pop(fd, None)  # keeps the order of acceptance
@@ -137,6 +181,7 @@ class Sessions:
         """The monitor saw ``fd`` disconnect: the identity to drop, if it was this connection's."""
         serial = self._open.pop(fd, None)
         self._pending.pop(fd, None)
+        self._early.pop(fd, None)
         ident = self._fd_owner.pop(fd, None)
         s = self._by_ident.get(ident) if ident is not None else None
         if s is None or s.fd_gen != serial:

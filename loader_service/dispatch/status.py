@@ -103,7 +103,8 @@ class Totals:
     internal_errors: int = 0
     refused_handshakes: int = 0  # on the data port: unknown keys, no keys, wrong server key
     refused_sessions: int = 0  # Hellos past --max-sessions or --max-waiting
-    late_messages: int = 0  # messages read after their connection was gone (a Hello among them opens nothing)
+    early_messages: int = 0  # messages read before their connection's accept was reported (or after it was gone)
+    unreported_connections: int = 0  # of those, connections whose accept never came: gone before their message was read
     revoked: int = 0  # streams ended because their client's CURVE key was removed
     heap_trims: int = 0  # free heap given back to the system after many sessions left (dispatch/heap.py)
     read_s: float = Field(0.0, exclude=True)  # workers' reading, summed over tasks

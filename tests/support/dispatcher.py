@@ -51,11 +51,11 @@ def close(d: Dispatcher) -> None:
     d.close()
 
 
-def deliver(d: Dispatcher, ident: bytes, msg: P.Message, fd: int = FD) -> None:
+def deliver(d: Dispatcher, ident: bytes, msg: P.Message, fd: int = FD, report: bool = True) -> None:
     """``msg`` from the client at ``ident`` on connection ``fd``, as the ROUTER hands it over. The
-    first use of an fd no event named yet reports its connection accepted first (the dispatcher
-    ignores messages from connections it does not know to be open)."""
-    if fd not in d.fds_seen:
+    first use of an fd no event named yet reports its connection accepted first, unless not
+    ``report`` (libzmq may report an accept after the connection's first messages)."""
+    if report and fd not in d.fds_seen:
         d.event(zmq.EVENT_ACCEPTED, fd)
     d._on_client([Frame(ident, fd)] + [Frame(f, fd) for f in P.encode(msg)])
 

@@ -1,9 +1,11 @@
 """Sessions: the client table by identity, and which client a connection's fd belongs to.
 
 The dispatcher uses it so: ``accepted(fd)`` / ``disconnected(fd)`` on monitor events (for one
-fd strictly alternately), dropping (``pop``) the identity ``disconnected`` names; on a client's
-first Hello ``add`` then ``bind`` to the message's fd; on a message from a known client over
-another fd, ``bind`` again; every identity ``bind`` reports as replaced is dropped.
+fd strictly alternately), dropping (``pop``) the identity ``disconnected`` names; a message
+over an fd with no open connection once the monitor is read opens it early (``open_early``);
+on a client's first Hello ``add`` then ``bind`` to the message's fd; on a message from a known
+client over another fd, ``bind`` again; every identity ``bind`` or ``unreported`` reports is
+dropped.
 ``tests/e2e/test_connections.py`` drives the dispatcher through the racy event orders; here the
 table is checked on its own.
 """
@@ -175,6 +177,30 @@ def test_binding_to_an_fd_with_no_open_connection_is_refused():
         table.bind(table.add(X), 5)
 
 
+def test_a_connection_opened_early_is_confirmed_by_its_late_accept_keeping_its_session():
+    table = Sessions()
+    table.open_early(5, due=10.0)  # its Hello was read before the monitor reported its accept
+    s = table.add(X)
+    assert table.bind(s, 5) == [] and table.is_early(5) and table.next_early_due() == 10.0
+    table.accepted(5)
+    assert not table.is_early(5) and table.early == 0 and table.next_early_due() is None
+    assert (s.fd_gen, table.connections, table.pending) == (1, 1, 0)
+    assert table.unreported(now=99.0) == []
+    assert table.disconnected(5) == X  # its own disconnect still names it
+
+
+def test_a_connection_opened_early_whose_accept_never_comes_is_closed_at_its_deadline():
+    table = Sessions()
+    table.accepted(5)
+    table.disconnected(5)  # gone; then its queued Hello is read
+    table.open_early(5, due=10.0)
+    table.bind(table.add(X), 5)
+    table.open_early(6, due=11.0)  # a Describe, say: nobody binds
+    assert table.unreported(now=9.9) == []
+    assert table.unreported(now=10.0) == [X] and table.is_open(6) and not table.is_open(5)
+    assert table.unreported(now=11.0) == [] and (table.connections, table.pending, table.early) == (0, 0, 0)
+
+
 def test_a_connection_is_pending_until_a_session_binds_to_it_and_again_once_that_session_goes():
     table = Sessions()
     table.accepted(5)
@@ -327,16 +353,21 @@ TestTableModel = TableModel.TestCase
 class SessionsModel(RuleBasedStateMachine):
     """The table driven as the dispatcher drives it, against the truth of which connections are
     open, with the monitor's events and each connection's messages queued apart and read in any
-    interleaving (issue 32: the disconnect may be read before that connection's Hello).
+    interleaving (issue 32: the disconnect may be read before that connection's Hello; with
+    several I/O threads libzmq may report a connection's accept after its first messages).
 
     The driver: monitor events as they are read (a disconnect drops the session it names); a
     message from an unknown identity or over another fd first reads the monitor to the end,
-    then is ignored if its fd has no open connection; a Hello opens a session and is answered,
-    and an answer to an identity whose connection is gone fails (ROUTER_MANDATORY), which drops
-    it; a session may hold a rank of a job and a stream. Heartbeat deadlines close silent
-    connections (a disconnect like any other). After every step: every session has a connection
-    that is open, or whose disconnect is still queued; the indexes equal a walk of the sessions;
-    once every queue is read, the sessions are exactly the open connections that said Hello."""
+    then opens its fd early if it has no open connection; a Hello opens a session and is
+    answered, and an answer to an identity whose connection is gone fails (ROUTER_MANDATORY),
+    which drops it; a session may hold a rank of a job and a stream. Heartbeat deadlines close
+    silent connections (a disconnect like any other). A connection's accept is reported at
+    once or later, but before its disconnect and within the grace; when the grace runs out the
+    monitor is read and connections opened early and still unreported are closed. After every
+    step: every session has a connection that is open, or whose disconnect is still queued, or
+    one opened early whose grace runs; the indexes equal a walk of the sessions; once every
+    queue is read and the grace has run out, the sessions are exactly the open connections that
+    said Hello, and the table's connections exactly the open ones."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -346,6 +377,9 @@ class SessionsModel(RuleBasedStateMachine):
         self.messages: list = []  # queued messages: (ident, fd, connection number, is_hello)
         self.conn = 0
         self.closed_fds: set[int] = set(range(3, 7))  # fd numbers free, as the kernel sees them
+        self.hello_read: set[bytes] = set()
+        self.unreported: dict[int, int] = {}  # fd -> connection number whose accept is not queued yet
+        self.clock = 0.0
 
     def _alive(self, ident: bytes) -> bool:
         return any(who == ident for who, _ in self.truth.values())
@@ -362,8 +396,8 @@ class SessionsModel(RuleBasedStateMachine):
             if ident is not None:
                 self._drop(ident)
 
-    @rule(data=st.data())
-    def connect(self, data):
+    @rule(data=st.data(), reported_late=st.booleans())
+    def connect(self, data, reported_late):
         free = sorted(self.closed_fds)
         if not free:
             return
@@ -371,7 +405,25 @@ class SessionsModel(RuleBasedStateMachine):
         self.closed_fds.discard(fd)
         self.conn += 1
         self.truth[fd] = [uuid_like(self.conn), self.conn]
-        self.monitor.append(("accept", fd, self.conn))
+        if reported_late:  # the listener's thread posts the accept after the connection is handed on
+            self.unreported[fd] = self.conn
+        else:
+            self.monitor.append(("accept", fd, self.conn))
+
+    @precondition(lambda self: self.unreported)
+    @rule(data=st.data())
+    def report_accept(self, data):
+        fd = data.draw(st.sampled_from(sorted(self.unreported)))
+        self.monitor.append(("accept", fd, self.unreported.pop(fd)))
+
+    @precondition(lambda self: not self.unreported)  # every accept is reported within the grace
+    @rule()
+    def grace_runs_out(self):
+        self.clock += ACCEPT_GRACE + 1
+        while self.monitor:
+            self._read_monitor_event()
+        for ident in self.table.unreported(self.clock):
+            self._drop(ident)
 
     @precondition(lambda self: self.truth)
     @rule(data=st.data())
@@ -394,6 +446,8 @@ class SessionsModel(RuleBasedStateMachine):
         zmq closes the connection either way; its queued messages stay readable."""
         fd = data.draw(st.sampled_from(sorted(self.truth)))
         _, conn = self.truth.pop(fd)
+        if fd in self.unreported:
+            self.monitor.append(("accept", fd, self.unreported.pop(fd)))
         self.monitor.append(("disconnect", fd, conn))
         self.closed_fds.add(fd)
 
@@ -411,13 +465,14 @@ class SessionsModel(RuleBasedStateMachine):
             while self.monitor:
                 self._read_monitor_event()
             if not self.table.is_open(fd):
-                return  # its connection is gone: nothing opens
+                self.table.open_early(fd, self.clock + ACCEPT_GRACE)  # reported late, or gone
             s = self.table.get(ident)
             if s is not None and s.fd != fd:
                 for other in self.table.bind(s, fd):
                     self._drop(other)
         if not hello:
             return
+        self.hello_read.add(ident)
         if s is None:
             s = self.table.add(ident)
             for other in self.table.bind(s, fd):
@@ -438,7 +493,8 @@ class SessionsModel(RuleBasedStateMachine):
     def every_session_has_an_open_connection_or_a_disconnect_still_queued(self):
         queued = {fd for kind, fd, _ in self.monitor if kind == "disconnect"}
         for s in self.table:
-            assert self._alive(s.ident) or s.fd in queued, f"session {s.name} outlived its connection"
+            assert self._alive(s.ident) or s.fd in queued or self.table.is_early(s.fd), \
+                f"session {s.name} outlived its connection"
 
     @invariant()
     def the_indexes_equal_a_walk_of_the_sessions(self):
@@ -448,16 +504,19 @@ class SessionsModel(RuleBasedStateMachine):
             assert {x.ident for x in self.table.of_job(job)} == \
                 {s.ident for s in self.table if s.spec is not None and s.job == job}
         open_fds = {fd for fd, _ in self.truth.items()}
-        if not self.monitor:
+        if not self.monitor and not self.unreported and not self.table.early:
             assert self.table.connections == len(open_fds)
             assert self.table.pending == len(open_fds - set(self.table.fd_owners()))
 
     @invariant()
     def once_everything_is_read_the_sessions_are_the_open_connections_that_said_hello(self):
-        if self.monitor or self.messages:
+        if self.monitor or self.messages or self.unreported or self.table.early:
             return
-        for s in self.table:
-            assert self._alive(s.ident)
+        said_hello = {ident for ident, _ in self.truth.values() if ident in self.hello_read}
+        assert {s.ident for s in self.table} == said_hello
+
+
+ACCEPT_GRACE = 10.0
 
 
 def uuid_like(n: int) -> bytes:
