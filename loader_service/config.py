@@ -41,7 +41,8 @@ def opt(description: str, *, flag: Optional[str] = None, metavar: Optional[str] 
 class ServiceConfig:
     data: Annotated[Tuple[str, ...], opt(
         "dataset: an ImageFolder or packed folder, WebDataset .tar shard(s) (a file, a folder, or a pattern like "
-        "shards-{000..009}.tar), or an .h5 file; repeat the flag for several (in LOADER_DATA: separated by "
+        "shards-{000..009}.tar), an .h5 file, or a URL in object storage (s3://, gs://, https://: .tar shards, or "
+        "s3:// / gs:// class folders of images); repeat the flag for several (in LOADER_DATA: separated by "
         f"{os.pathsep!r})", metavar="PATH")] = ()
     demo: Annotated[bool, opt("serve the embedded demo dataset when no --data is given")] = False
     demo_size: Annotated[int, opt("images in the demo dataset")] = DEFAULT_COUNT
@@ -88,8 +89,9 @@ class ServiceConfig:
         "look this often for files added to or removed from an ImageFolder dataset since the service scanned it "
         "(one stat per folder): they are not served until a restart, and /v1/status and the log say so "
         "(0: never look)")] = 30.0
-    max_sample_bytes: Annotated[int, opt("a loose image file (ImageFolder) larger than this is refused through "
-                                         "--on-error, with its path; only regular files are read")] = 64 << 20
+    max_sample_bytes: Annotated[int, opt("a loose image file (ImageFolder, local or in object storage) larger "
+                                         "than this is refused through --on-error, with its path (an object: as "
+                                         "listed, before it is fetched); only regular files are read")] = 64 << 20
     max_image_pixels: Annotated[int, opt("an image whose header claims more pixels (width x height) is refused "
                                          "before anything is decoded or allocated (a decode bomb)")] = DEFAULT_MAX_PIXELS
     jpeg_fast_dct: Annotated[bool, opt("libjpeg's fast integer IDCT: a few % faster, ~0.3 dB off")] = False

@@ -4,7 +4,8 @@
 * a ``.tar`` file, a brace pattern such as ``train-{000..146}.tar``, or a folder holding
   ``.tar`` files (its top-level shards, sorted): webdataset;
 * a ``.h5`` / ``.hdf5`` file: hdf5;
-* any other folder: imagefolder (``root/<class>/<image>``).
+* any other folder: imagefolder (``root/<class>/<image>``);
+* a URL (``s3://``, ``gs://``, ``http(s)://``): see :func:`open_url`.
 
 Anything else (a missing path, an unreadable one, another kind of file, compressed tars, a
 folder with no images) is an error that says which path and why.
@@ -51,20 +52,18 @@ def detect_kind(path: str) -> str:
 
 def open_path(path: str, max_sample_bytes: Optional[int] = None, remote=None, **options) -> Source:
     """Open the dataset at ``path`` as whichever source :func:`detect_kind` picks; a URL
-    (``s3://``, ``gs://``, ``http(s)://``) as WebDataset shards in object storage, reached and
-    cached as ``remote`` (a :class:`~loader_service.sources.remote.store.RemoteSettings`) says.
+    (``s3://``, ``gs://``, ``http(s)://``) as :func:`open_url` does, reached and cached as
+    ``remote`` (a :class:`~loader_service.sources.remote.store.RemoteSettings`) says.
 
     ``options`` go to that source (``name`` for any; ``label_map`` for webdataset;
     ``rdcc_nbytes``, ``rdcc_nslots``, ``rdcc_w0``, ``images``, ``labels`` for hdf5).
-    ``max_sample_bytes`` caps a loose file's read (imagefolder); the other kinds read sizes
+    ``max_sample_bytes`` caps a loose file's read (imagefolder, local or remote); the other kinds read sizes
     from their own index, bounded by the shard or file they were scanned from.
     """
     from loader_service.sources.remote.store import RemoteSettings, is_url
 
     if is_url(path):
-        from loader_service.sources.remote.webdataset import RemoteWebDatasetSource
-
-        return RemoteWebDatasetSource.open_url(path, remote or RemoteSettings(), name=options.get("name", ""))
+        return open_url(path, remote or RemoteSettings(), options.get("name", ""), max_sample_bytes)
     kind = detect_kind(path)
     if kind == "packed":
         from loader_service.sources.packed import PackedSource
@@ -85,3 +84,21 @@ def open_path(path: str, max_sample_bytes: Optional[int] = None, remote=None, **
     if max_sample_bytes is not None:
         options["max_sample_bytes"] = max_sample_bytes
     return ImageFolderSource.scan(path, **options)
+
+
+def open_url(url: str, remote, name: str = "", max_sample_bytes: Optional[int] = None) -> Source:
+    """A dataset in object storage: WebDataset shards when the URL is a ``.tar``, a pattern, or a
+    prefix with ``.tar`` objects right under it; else an ImageFolder of loose objects when the
+    prefix has class folders (``<prefix>/<class>/<image>``); else an error naming the URL. One
+    listing of the prefix's first level decides, and the source opened reuses it."""
+    from loader_service.sources.remote.store import Location, Store
+
+    store = Store(Location.parse(url), remote)
+    if store.kind() == "webdataset":
+        from loader_service.sources.remote.webdataset import RemoteWebDatasetSource
+
+        return RemoteWebDatasetSource.open_url(url, remote, name=name, store=store)
+    from loader_service.sources.remote.imagefolder import RemoteImageFolderSource
+
+    cap = {} if max_sample_bytes is None else {"max_sample_bytes": max_sample_bytes}
+    return RemoteImageFolderSource.open_url(url, remote, name=name, store=store, **cap)

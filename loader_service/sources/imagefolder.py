@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -48,17 +48,50 @@ class _Listing:
     skipped: list = field(default_factory=list)
 
 
+def is_class(name: str) -> bool:
+    """A folder under the root that is a class (hidden ones are not)."""
+    return bool(name) and not name.startswith(".")
+
+
+def is_image(name: str) -> bool:
+    return name.lower().endswith(EXTENSIONS)
+
+
+def no_images(where: str) -> ValueError:
+    return ValueError(f"no images found in {where}: expected ImageFolder layout root/<class>/<image>"
+                      f" with extensions {', '.join(EXTENSIONS)}")
+
+
+def layout(names: Sequence[str]) -> Tuple[List[str], List[int], List[int]]:
+    """The ImageFolder of files named ``names`` ("/"-separated, relative to the root: an object
+    store's keys under a prefix): its classes, and its images as (indices into ``names``, labels)
+    in the order :meth:`ImageFolderSource.scan` lists the same tree (classes sorted; in each folder
+    its files by name, then its subfolders), so the same files make the same samples in the same
+    order. A class is a first-level folder holding anything (an object store has no empty folders)."""
+    parts = [n.split("/") for n in names]
+    classes = sorted({p[0] for p in parts if len(p) > 1 and is_class(p[0])})
+    label = {c: i for i, c in enumerate(classes)}
+
+    def order(i: int):  # a folder's files (0, name) before its subfolders (1, name): the local walk's order
+        p = parts[i]
+        return (label[p[0]],) + tuple((1, d) for d in p[1:-1]) + ((0, p[-1]),)
+
+    picked = sorted((i for i, p in enumerate(parts)
+                     if len(p) > 1 and p[0] in label and all(p[1:]) and is_image(p[-1])), key=order)
+    return classes, picked, [label[parts[i][0]] for i in picked]
+
+
 def _list(root: str, with_stats: bool, progress=lambda n: None) -> _Listing:
     root_mtime = os.stat(root).st_mtime_ns  # before the classes are listed: a class folder added moves it
     at_ns = time.time_ns()
-    listing = _Listing(sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")), at_ns)
+    listing = _Listing(sorted(e.name for e in os.scandir(root) if e.is_dir() and is_class(e.name)), at_ns)
     listing.mtimes[root] = root_mtime
     seen: set = {(os.stat(root).st_dev, os.stat(root).st_ino)}  # a link back to the root is a loop too
     for label, cls_name in enumerate(listing.classes):
         for dirpath, filenames, mtime_ns in walk_once(os.path.join(root, cls_name), seen, listing.skipped, progress):
             listing.mtimes[dirpath] = mtime_ns
             for fn in filenames:
-                if fn.lower().endswith(EXTENSIONS):
+                if is_image(fn):
                     path = os.path.join(dirpath, fn)
                     listing.rel.append(os.path.relpath(path, root))
                     listing.labels.append(label)
@@ -97,10 +130,7 @@ class ImageFolderSource(Source):
                         len(skipped), "; ".join(f"{p}: {why}" for p, why in skipped[:5]),
                         " ..." if len(skipped) > 5 else "")
         if not rel:
-            raise ValueError(
-                f"no images found in {root}: expected ImageFolder layout root/<class>/<image>"
-                f" with extensions {', '.join(EXTENSIONS)}"
-            )
+            raise no_images(root)
         packed = PackedStrings.from_strings(rel)
         src = cls._into_shared(root, name or os.path.basename(root), packed, np.asarray(labels, np.int64),
                                np.asarray(stats, np.int64).reshape(-1, 2), listing.classes, max_sample_bytes)

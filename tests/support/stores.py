@@ -93,14 +93,18 @@ class MotoServer:
         return {"AWS_ACCESS_KEY_ID": creds["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": creds["SecretAccessKey"],
                 "AWS_SESSION_TOKEN": creds["SessionToken"]}
 
-    def upload_folder(self, bucket: str, folder: str, prefix: str = "") -> None:
-        """Create ``bucket`` and put every file of ``folder`` (top level) under ``prefix``."""
+    def upload_folder(self, bucket: str, folder: str, prefix: str = "", tree: bool = False) -> None:
+        """Create ``bucket`` (if new) and put every file of ``folder`` (top level; at any depth with
+        ``tree``, its relative path the key) under ``prefix``."""
         c = self.client()
-        c.create_bucket(Bucket=bucket)
-        for name in sorted(os.listdir(folder)):
-            path = os.path.join(folder, name)
-            if os.path.isfile(path):
-                c.upload_file(path, bucket, prefix + name)
+        if bucket not in {b["Name"] for b in c.list_buckets()["Buckets"]}:
+            c.create_bucket(Bucket=bucket)
+        for dirpath, dirnames, filenames in os.walk(folder):
+            for name in sorted(filenames):
+                rel = os.path.relpath(os.path.join(dirpath, name), folder).replace(os.sep, "/")
+                c.upload_file(os.path.join(dirpath, name), bucket, prefix + rel)
+            if not tree:
+                break
 
 
 # ---------------------------------------------------------------------------- HTTP with Range
@@ -166,8 +170,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if os.path.isdir(path):
             if not self.path.endswith("/"):
                 return self._answer(404, "not found")
-            names = sorted(os.listdir(path))
-            listing = "".join(f'<a href="{n}">{n}</a>\n' for n in names)
+            names = sorted(n + "/" if os.path.isdir(os.path.join(path, n)) else n for n in os.listdir(path))
+            listing = "".join(f'<a href="{n}">{n}</a>\n' for n in names)  # folders end in "/", as servers write them
             return self._answer(200, f"<html><body>\n{listing}</body></html>")
         if body and faults.take_throttle():
             return self._answer(503, "SlowDown")
@@ -273,7 +277,35 @@ class Blackhole:
 
 
 
-# ---------------------------------------------------------------------------- shards to serve
+# ---------------------------------------------------------------------------- datasets to serve
+def tiny_jpeg(seed: int, pad: int = 0) -> bytes:
+    """An 8x8 JPEG unique to ``seed`` (< 2**24); ``pad`` bytes of a JPEG comment make it bigger."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    px = np.full((8, 8, 3), (seed * 37) % 256, np.uint8)
+    px[0, 0] = (seed & 255, (seed >> 8) & 255, (seed >> 16) & 255)
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, "JPEG", quality=95, comment=b"x" * pad)
+    return buf.getvalue()
+
+
+def write_image_folder(folder: str, files: Dict[str, int]) -> Dict[str, bytes]:
+    """An ImageFolder at ``folder``: each relative path of ``files`` is written, an image path with
+    :func:`tiny_jpeg` of its seed (its value), any other a few bytes of text. Returns path -> bytes."""
+    out = {}
+    for rel, seed in sorted(files.items()):
+        data = tiny_jpeg(seed) if rel.lower().endswith((".jpg", ".jpeg")) else b"not an image"
+        path = os.path.join(folder, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        out[rel] = data
+    return out
+
+
 def write_shards(folder: str, n_shards: int, per_shard: int, pad: int = 0) -> dict:
     """``shard-000000.tar``... in ``folder``: sample ``s{k}-{i:04d}`` is a small JPEG, unique to it
     (``pad`` bytes of a JPEG comment make shards bigger), labelled ``i % 3`` by a ``.cls``
@@ -281,22 +313,16 @@ def write_shards(folder: str, n_shards: int, per_shard: int, pad: int = 0) -> di
     import io
     import tarfile
 
-    import numpy as np
-    from PIL import Image
-
     os.makedirs(folder, exist_ok=True)
     out = {}
     for k in range(n_shards):
         with tarfile.open(os.path.join(folder, f"shard-{k:06d}.tar"), "w", format=tarfile.USTAR_FORMAT) as tf:
             for i in range(per_shard):
                 key, label = f"s{k}-{i:04d}", i % 3
-                px = np.full((8, 8, 3), (k * 37 + i) % 256, np.uint8)
-                px[0, 0] = (k % 256, i % 256, i // 256)
-                buf = io.BytesIO()
-                Image.fromarray(px).save(buf, "JPEG", quality=95, comment=b"x" * pad)
-                for name, data in ((key + ".jpg", buf.getvalue()), (key + ".cls", str(label).encode())):
+                image = tiny_jpeg(k << 12 | i, pad)
+                for name, data in ((key + ".jpg", image), (key + ".cls", str(label).encode())):
                     info = tarfile.TarInfo(name)
                     info.size = len(data)
                     tf.addfile(info, io.BytesIO(data))
-                out[key] = (buf.getvalue(), label)
+                out[key] = (image, label)
     return out

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import html
+import json
 import os
 import re
 import urllib.parse
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 SCHEMES = ("s3://", "gs://", "http://", "https://")
 MAX_LISTING_BYTES = 4 << 20  # an HTML folder listing larger than this is refused
@@ -64,12 +65,22 @@ class RemoteSettings:
     def from_options(cls, options: dict) -> "RemoteSettings":
         return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
 
-    def shard_dir(self) -> str:
+    def root(self) -> str:
+        """The cache's folder: shards under ``shards/``, the indexes made from listings beside them."""
         if self.cache_dir:
-            return os.path.join(self.cache_dir, "shards")
+            return self.cache_dir
         from loader_service.sources.demo import cache_dir
 
-        return os.path.join(cache_dir(), "shards")
+        return cache_dir()
+
+    def shard_dir(self) -> str:
+        return os.path.join(self.root(), "shards")
+
+    def saved_index(self, folder: str, location: "Location", listing: dict) -> Tuple[str, str]:
+        """Where the index made from ``listing`` (what was listed: names, sizes, ETags, as JSON
+        values) is saved, ``<root>/<folder>/remote-<url>-<listing>``, and the listing's fingerprint."""
+        fp = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:24]
+        return os.path.join(self.root(), folder, f"remote-{location.tag()}-{fp}"), fp
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,14 @@ class Location:
             return cls(url, scheme, f"{scheme}://{parts.netloc}", folder, names)
         return cls(url, scheme, f"{scheme}://{parts.netloc}/{folder}", "", names)
 
+    def tag(self) -> str:
+        """A short digest of the store and prefix: names in the cache folder made for this URL."""
+        return hashlib.sha256(f"{self.base}\0{self.prefix}".encode()).hexdigest()[:16]
+
+    def default_name(self) -> str:
+        """The dataset's name when none is given: the last folder of the URL."""
+        return os.path.basename(self.where().rstrip("/").split("://", 1)[1])
+
     def where(self, name: str = "") -> str:
         """The URL of ``name`` (for messages)."""
         return self.base.rstrip("/") + "/" + self.prefix + name if self.scheme in ("s3", "gs") else self.base + name
@@ -163,46 +182,92 @@ class Store:
         else:
             client["allow_http"] = location.scheme == "http"
             self.store = stores.HTTPStore.from_url(location.base, client_options=client, retry_config=retry)
+        self._top_listing: Optional[Tuple[Dict[str, Optional[ObjectInfo]], List[str]]] = None
 
     def _fail(self, exc: BaseException, what: str, name: str = "") -> RemoteError:
         e = self.obstore.exceptions
         where = self.location.where(name)
         detail = " ".join(str(exc).split())[:600]
-        if isinstance(exc, e.NotFoundError):
+        if isinstance(exc, (e.NotFoundError, FileNotFoundError)):  # obstore raises the builtin for an S3 GET's 404
             cause = "not found"
-        elif isinstance(exc, (e.PermissionDeniedError, e.UnauthenticatedError)) or _DENIED.search(detail):
+        elif isinstance(exc, (e.PermissionDeniedError, e.UnauthenticatedError, PermissionError)) or _DENIED.search(detail):
             cause = "access denied (check the credentials and the bucket policy)"
         else:
             cause = "failed"
         return RemoteError(f"{where}: {what} {cause}: {type(exc).__name__}: {detail}")
 
     # ------------------------------------------------------------------ listing
+    def kind(self) -> str:
+        """What the URL holds: ``"webdataset"`` (a pattern, a ``.tar``, or ``.tar`` objects right under
+        the prefix) or ``"imagefolder"`` (no ``.tar`` there, class folders of images below it); one
+        listing of the prefix's first level decides (kept for the source that opens it)."""
+        if self.location.names:
+            return "webdataset"
+        objs, folders = self._top()
+        if any(n.endswith(".tar") and not n.startswith(".") for n in objs):
+            return "webdataset"
+        if any(not f.startswith(".") for f in folders):
+            return "imagefolder"
+        raise RemoteError(f"{self.location.url}: no .tar shards there, nor class folders of images "
+                          "(<prefix>/<class>/<image>)")
+
+    def _top(self) -> Tuple[Dict[str, Optional[ObjectInfo]], List[str]]:
+        """The prefix's first level, once: its objects (name -> ObjectInfo; None where an HTML
+        listing gives no size nor ETag) and its subfolders' names."""
+        if self._top_listing is None:
+            loc = self.location
+            if loc.scheme in ("s3", "gs"):
+                try:
+                    listing = self.obstore.list_with_delimiter(self.store, loc.prefix or None)
+                except Exception as exc:
+                    raise self._fail(exc, "listing") from None
+                objs: Dict[str, Optional[ObjectInfo]] = {
+                    info.name: info for info in map(self._info, listing["objects"]) if info is not None}
+                folders = [p[len(loc.prefix):].strip("/") for p in listing["common_prefixes"]
+                           if p.startswith(loc.prefix)]
+            else:
+                names = self._html_listing()
+                objs = {n: None for n in names if not n.endswith("/")}
+                folders = [n.rstrip("/") for n in names if n.endswith("/")]
+            self._top_listing = objs, folders
+        return self._top_listing
+
+    def _info(self, meta: dict) -> Optional[ObjectInfo]:
+        """An S3 / GCS listing's entry as an ObjectInfo named relative to the prefix (None: outside it)."""
+        path = meta["path"]
+        if not path.startswith(self.location.prefix):
+            return None
+        return ObjectInfo(path[len(self.location.prefix):], int(meta["size"]), meta.get("e_tag") or "")
+
     def list_shards(self) -> Tuple[List[ObjectInfo], Optional[ObjectInfo]]:
         """The dataset's ``.tar`` shards (sorted by name) and its ``classes.json``, if any."""
         loc = self.location
         if loc.names:
             infos = [self.head(n) for n in loc.names]
             label_map = None
-        elif loc.scheme in ("s3", "gs"):
-            try:
-                listing = self.obstore.list_with_delimiter(self.store, loc.prefix or None)
-            except Exception as exc:
-                raise self._fail(exc, "listing") from None
-            objs = {o["path"][len(loc.prefix):]: ObjectInfo(o["path"][len(loc.prefix):], int(o["size"]),
-                                                             o.get("e_tag") or "")
-                    for o in listing["objects"] if o["path"].startswith(loc.prefix)}
-            infos = [objs[n] for n in sorted(objs) if n.endswith(".tar") and not n.startswith(".")]
-            label_map = objs.get("classes.json")
         else:
-            names = self._html_listing()
-            infos = [self.head(n) for n in names if n.endswith(".tar")]
-            label_map = self.head("classes.json") if "classes.json" in names else None
+            objs = self._top()[0]
+            names = [n for n in sorted(objs) if n.endswith(".tar") and not n.startswith(".")]
+            infos = [objs[n] or self.head(n) for n in names]
+            label_map = (objs["classes.json"] or self.head("classes.json")) if "classes.json" in objs else None
         if not infos:
             raise RemoteError(f"{loc.url}: no .tar shards there")
         for info in infos:
             if info.name.endswith((".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")):
                 raise RemoteError(f"{loc.where(info.name)}: compressed shards cannot be read by offset")
         return infos, label_map
+
+    def list_tree(self) -> List[ObjectInfo]:
+        """Every object under the prefix, at any depth, named relative to it (S3 and GCS list
+        sizes and ETags with the names: one request per 1,000 objects)."""
+        if self.location.scheme not in ("s3", "gs"):
+            raise RemoteError(f"{self.location.url}: a folder of loose images is read from s3:// or gs:// "
+                              "(an HTML listing has no sizes nor ETags; pack the images into .tar shards)")
+        try:
+            return [info for batch in self.obstore.list(self.store, self.location.prefix or None, chunk_size=1000)
+                    for info in map(self._info, batch) if info is not None]
+        except Exception as exc:
+            raise self._fail(exc, "listing") from None
 
     def head(self, name: str) -> ObjectInfo:
         try:
@@ -212,8 +277,8 @@ class Store:
         return ObjectInfo(name, int(meta["size"]), meta.get("e_tag") or "")
 
     def _html_listing(self) -> List[str]:
-        """The ``.tar`` and ``classes.json`` names linked from a folder's HTML listing (nginx
-        autoindex, Apache, ``python -m http.server``), bounded in size; only plain names count."""
+        """The plain names linked from a folder's HTML listing (nginx autoindex, Apache, ``python -m
+        http.server``), subfolders ending in ``/``, bounded in size."""
         try:
             res = self.obstore.get(self.store, "")
             data = bytearray()
@@ -228,14 +293,14 @@ class Store:
         names = set()
         for href in _HREF.findall(data.decode("utf-8", "replace")):
             name = urllib.parse.unquote(html.unescape(href))
-            if "/" not in name and name not in ("", ".", "..") and (name.endswith(".tar") or name == "classes.json"):
+            if "/" not in name.rstrip("/") and name.rstrip("/") not in ("", ".", ".."):
                 names.add(name)
         return sorted(names)
 
     # ------------------------------------------------------------------ reading
-    def download(self, info: ObjectInfo, fd: int, progress: Callable[[int], None] = lambda n: None) -> None:
-        """Write the object into ``fd`` from its start, checked: the size the listing saw, the
-        same ETag, and the content's MD5 where the ETag is one. Raises :class:`RemoteError`."""
+    def _checked(self, info: ObjectInfo, what: str) -> Iterator[memoryview]:
+        """The object's bytes in chunks, checked: the size the listing saw, the same ETag, and the
+        content's MD5 where the ETag is one. Raises :class:`RemoteError` naming it and the cause."""
         where = self.location.where(info.name)
         md5 = hashlib.md5() if info.md5() else None
         n = 0
@@ -252,18 +317,31 @@ class Store:
                     raise RemoteError(f"{where}: the store sent more than the {info.size} bytes listed")
                 if md5 is not None:
                     md5.update(view)
-                while view:
-                    view = view[os.write(fd, view):]
-                n += len(chunk)
-                progress(len(chunk))
+                n += len(view)
+                yield view
         except RemoteError:
             raise
         except Exception as exc:
-            raise self._fail(exc, f"download (after {n} of {info.size} bytes)", info.name) from None
+            raise self._fail(exc, f"{what} (after {n} of {info.size} bytes)", info.name) from None
         if n != info.size:
-            raise RemoteError(f"{where}: truncated download: {n} of {info.size} bytes")
+            raise RemoteError(f"{where}: truncated {what}: {n} of {info.size} bytes")
         if md5 is not None and md5.hexdigest() != info.md5():
             raise RemoteError(f"{where}: checksum mismatch: MD5 {md5.hexdigest()}, ETag {info.etag}")
+
+    def download(self, info: ObjectInfo, fd: int, progress: Callable[[int], None] = lambda n: None) -> None:
+        """Write the object into ``fd`` from its start, checked (see :meth:`_checked`)."""
+        for view in self._checked(info, "download"):
+            size = len(view)
+            try:
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError as exc:
+                raise RemoteError(f"{self.location.where(info.name)}: writing the download failed: {exc}") from None
+            progress(size)
+
+    def read_object(self, info: ObjectInfo) -> bytes:
+        """The object whole, checked (see :meth:`_checked`): the caller bounds ``info.size`` first."""
+        return b"".join(bytes(view) for view in self._checked(info, "GET"))
 
     def read_small(self, info: ObjectInfo, limit: int) -> bytes:
         """A small object whole (a label map), refused over ``limit`` bytes."""

@@ -11,8 +11,6 @@ once for all of them; a shard stays pinned while a process keeps it open (at mos
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections import OrderedDict
 from typing import Optional, Sequence
@@ -25,14 +23,6 @@ from loader_service.sources.webdataset import INDEX_VERSION, WebDatasetSource, _
 
 OPEN_SHARDS = 2  # per process: what a cap must leave room for (x decode processes)
 MAX_LABEL_MAP_BYTES = 16 << 20
-
-
-def _index_root(settings: RemoteSettings) -> str:
-    if settings.cache_dir:
-        return settings.cache_dir
-    from loader_service.sources.demo import cache_dir
-
-    return cache_dir()
 
 
 @register("webdataset-remote")
@@ -70,18 +60,18 @@ class RemoteWebDatasetSource(WebDatasetSource):
         self._prefetcher.hint(plan, batch)
 
     @classmethod
-    def open_url(cls, url: str, settings: RemoteSettings, name: str = "") -> "RemoteWebDatasetSource":
-        """List the shards and open the index made for that listing (scanning them if none is saved)."""
+    def open_url(cls, url: str, settings: RemoteSettings, name: str = "",
+                 store: Optional[Store] = None) -> "RemoteWebDatasetSource":
+        """List the shards and open the index made for that listing (scanning them if none is saved);
+        ``store``: one made for ``url`` already (its listing is reused)."""
         loc = Location.parse(url)
-        store = Store(loc, settings)
+        store = store or Store(loc, settings)
         infos, label_info = store.list_shards()
         root = settings.shard_dir()
-        tag = hashlib.sha256(f"{loc.base}\0{loc.prefix}".encode()).hexdigest()[:16]
         listing = {"v": INDEX_VERSION, "url": loc.where(), "files": [[i.name, i.size, i.etag] for i in infos],
                    "map": [label_info.size, label_info.etag] if label_info else None}
-        fp = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:24]
-        index_dir = os.path.join(_index_root(settings), "wds-index", f"remote-{tag}-{fp}")
-        name = name or os.path.basename(loc.where().rstrip("/").split("://", 1)[1])
+        index_dir, fp = settings.saved_index("wds-index", loc, listing)
+        name = name or loc.default_name()
         args = (url, settings, infos)
         if os.path.isfile(os.path.join(index_dir, "meta.json")):
             try:
@@ -97,7 +87,7 @@ class RemoteWebDatasetSource(WebDatasetSource):
             label_map = index_dir + ".classes.json"
             with open(label_map, "wb") as f:
                 f.write(store.read_small(label_info, MAX_LABEL_MAP_BYTES))
-        locals_ = [f"{tag}-{i.name}" for i in infos]
+        locals_ = [f"{loc.tag()}-{i.name}" for i in infos]
         by_path = {os.path.join(root, n): (i, n) for i, n in zip(infos, locals_)}
         cache = ShardCache(root, settings.cache_max_bytes, store.download, settings.wait_s)
 
