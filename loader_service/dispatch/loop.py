@@ -650,6 +650,7 @@ class Dispatcher:
             self.totals.redone_tasks += 1
             if task_id != died_on:  # finished (its Done lost with the worker) or never began: not its fault
                 r.stream.state.task_returned(task_id)
+                self._may_take_task(r.stream)  # it has a batch to redo: back in the scheduler's line
             else:
                 self._apply(r.stream, r.stream.state.task_lost(task_id, r.lost_because(describe_exit(exitcode))))
 
