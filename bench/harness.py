@@ -179,6 +179,14 @@ def save_json(path: Optional[str], data) -> None:
             json.dump(data, f, indent=2)
 
 
+def print_verdicts(verdicts: Iterable[tuple]) -> None:
+    """``PASS``/``MISS`` lines of (target, met, detail) after a blank line (the exit status never
+    depends on them)."""
+    print()
+    for target, ok, detail in verdicts:
+        print(f"{'PASS' if ok else 'MISS'} {target}: {detail}")
+
+
 def table_row(cells: Iterable) -> str:
     """One row of a markdown table: ``| a | b |``."""
     return "| " + " | ".join(str(c) for c in cells) + " |"

@@ -24,6 +24,7 @@ and draws each group's table as bars (``--plot`` base name + ``-<group>.png``, d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -31,7 +32,7 @@ from dataclasses import replace
 
 from bench import plots
 from bench import throughput as B
-from bench.harness import command, log, machine, table_head, table_row, warm_page_cache
+from bench.harness import command, log, machine, print_verdicts, table_head, table_row, warm_page_cache
 from loader_service.decode.jpeg import decode_path
 from loader_service.sources.imagefolder import ImageFolderSource
 
@@ -39,6 +40,26 @@ PREPARED = "-rst"  # python -m bench.photo_sets --prepared: the same photos afte
 ROWS = [("naive", "naive, raw (reference)"), ("dl_naive", "torch DataLoader, naive function"),
         ("dl_pil", "torch DataLoader, PIL pipeline"), ("loop", "service decode loop (no transport)"),
         ("service", "service + RemoteLoader")]
+
+
+def parse_epochs(text: str) -> dict:
+    """``imagenet:4,camera:1`` -> {"imagenet": 4, "camera": 1}."""
+    return dict((k, int(v)) for k, v in (e.split(":") for e in text.split(",")))
+
+
+@contextlib.contextmanager
+def photo_group(photos: str, group: str, epochs: dict, workers: int, batch_size: int):
+    """The photo set ``group`` under ``photos``, every file read once (page cache warm): yields
+    (its Settings, its bytes in all, its path) and closes it after. Timed epochs: ``epochs[group]``
+    (a prepared set, ``imagenet-rst``, takes its original's)."""
+    path = os.path.join(photos, group)
+    source = ImageFolderSource.scan(path)
+    try:
+        nbytes = warm_page_cache(source)
+        timed = epochs.get(group, epochs.get(group.split("-")[0], 1))
+        yield B.Settings(source.spec(), len(source), workers, batch_size, 224, timed), nbytes, path
+    finally:
+        source.close()
 
 
 def run_once(settings: B.Settings, dataset_args) -> dict:
@@ -51,39 +72,37 @@ def run_once(settings: B.Settings, dataset_args) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def photo_args(p: argparse.ArgumentParser, batch_size: int, epochs: str) -> None:
+    """The options every real-photo benchmark takes: --photos, --groups, --runs, --batch-size, --epochs."""
     p.add_argument("--photos", default=os.path.expanduser("~/.cache/remote-loader/photos"))
     p.add_argument("--groups", default="imagenet,camera",
                    help="sets under --photos; imagenet-rst,camera-rst are the prepared copies (bench.photo_sets --prepared)")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--epochs", default="imagenet:4,camera:1", help="timed epochs per group (a prepared set, "
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--epochs", default=epochs, help="timed epochs per group (a prepared set, "
                    "imagenet-rst, takes its original's)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    photo_args(p, 32, "imagenet:4,camera:1")
+    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--plot", metavar="PNG", help="figure base name: one PNG per group, suffixed -<group>")
     args = p.parse_args(argv)
-    epochs = dict((k, int(v)) for k, v in (e.split(":") for e in args.epochs.split(",")))
+    epochs = parse_epochs(args.epochs)
     command_line = command("bench.photos", argv)
     mach = machine()
     print(f"machine: {mach} | decode path: {decode_path()} | command: `{command_line}`")
     verdicts = []
     medians = {}
     for group in args.groups.split(","):
-        path = os.path.join(args.photos, group)
-        source = ImageFolderSource.scan(path)
-        count = len(source)
-        try:
-            nbytes = warm_page_cache(source)
-            timed = epochs.get(group, epochs.get(group.split("-")[0], 1))
-            settings = B.Settings(source.spec(), len(source), args.workers, args.batch_size, 224, timed)
+        with photo_group(args.photos, group, epochs, args.workers, args.batch_size) as (settings, nbytes, path):
             runs = []
             for r in range(args.runs):
                 log(f"{group}: run {r + 1}/{args.runs}")
                 runs.append(run_once(settings, ["--data", path]))
                 log("  " + ", ".join(f"{k} {v.images_per_s:.0f}" for k, v in runs[-1].items()))
-        finally:
-            source.close()
+        count = settings.length
         med = medians[group] = {k: statistics.median(run[k].images_per_s for run in runs) for k, _ in ROWS}
         print(f"\n### {group}: {count} photos, {nbytes / count / 1024:.0f} KiB mean, "
               f"{settings.expected_samples} samples timed per run, median of {args.runs} runs\n")
@@ -107,9 +126,7 @@ def main(argv=None) -> int:
                              "prepare-jpegs)", med["service"] / ref >= target, f"{med['service'] / ref:.2f}x"))
         verdicts.append((f"{group}: service + RemoteLoader >= 1.3x DataLoader naive",
                          med["service"] / med["dl_naive"] >= 1.3, f"{med['service'] / med['dl_naive']:.2f}x"))
-    print()
-    for target, ok, detail in verdicts:
-        print(f"{'PASS' if ok else 'MISS'} {target}: {detail}")
+    print_verdicts(verdicts)
     return 0
 
 

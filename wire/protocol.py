@@ -21,7 +21,10 @@ import msgpack
 from wire.errors import ErrorCode, ProtocolError, brief
 from wire.jobspec import JobSpec, check_pipeline
 
-PROTOCOL_VERSION = 3  # 2: on-demand streams, stall figures as deltas; 3: Hello carries the job as one JobSpec map
+# 2: on-demand streams, stall figures as deltas; 3: Hello carries the job as one JobSpec map;
+# 4: augmentation draws from a counter-based hash (decode.transforms.SampleRandom): the same sample
+# gives other bytes than under 3, so a client or replica of 3 is refused, never mixed in
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
 MAX_ERROR_MESSAGE = 2048  # characters of an Error's message (its traceback is the worker's own, kept whole)

@@ -17,7 +17,7 @@ import numpy as np
 
 from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
 from loader_service.sources.base import Sample
-from loader_service.decode.transforms import TransformSpec, process_sample, resize_into
+from loader_service.decode.transforms import TransformSpec, process_sample, resize_into, sample_rng
 
 cv2.setNumThreads(1)  # one worker per core; OpenCV's own threads would oversubscribe
 
@@ -69,7 +69,7 @@ def resize_center_crop(data: Sample, out: np.ndarray, fraction: float = 0.875,
                        options: DecodeOptions = DEFAULT_OPTIONS) -> None:
     """Resize(size/fraction) + CenterCrop(size) into ``out``, with the fused decode."""
     spec = TransformSpec(out.shape[0], False, eval_crop_fraction=fraction)
-    process_sample(data, spec, np.random.Generator(np.random.PCG64(0)), out, options)
+    process_sample(data, spec, sample_rng(0, 0, 0), out, options)  # eval draws nothing
 
 
 def affine(img: np.ndarray, angle: float = 0.0, translate: Tuple[float, float] = (0.0, 0.0),

@@ -10,7 +10,8 @@ name the argument in every error) it returns a :class:`Pipeline`:
 * ``process(item, out)``: turn one sample into those arrays. ``item`` holds the encoded bytes
   (or decoded array) as the source read them, the label, the dataset index, where the sample
   lives (``item.where``, for side files such as masks) and ``item.rng``, the per-sample
-  generator seeded by (seed, epoch, sample): the same bytes on any worker and on resume.
+  draws keyed by (seed, epoch, sample): the same bytes on any worker and on resume (a
+  :class:`~loader_service.decode.transforms.SampleRandom`: use it as a ``np.random.Generator``).
   ``out`` maps each output name to its place in the shared-memory slot: write there (no copy),
   or return a dict of arrays, which are checked (shape, dtype) and copied in.
 
@@ -25,7 +26,7 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import msgpack
 import numpy as np
@@ -34,6 +35,9 @@ from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
 from loader_service.sources.base import Sample
 from wire.errors import brief
 from wire.jobspec import RATIO_LIMITS, JobSpec
+
+if TYPE_CHECKING:  # the built-in recipes below import transforms lazily, as they do
+    from loader_service.decode.transforms import SampleRandom
 
 MAX_SAMPLE_OUTPUT_BYTES = 256 << 20  # one sample's outputs together; a bigger declaration is a mistake
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
@@ -51,7 +55,7 @@ class Item:
     data: Sample
     label: int
     index: int
-    rng: np.random.Generator
+    rng: SampleRandom  # np.random.Generator's methods; one number is drawn without numpy
     describe: Callable[[int], str] = field(repr=False, default=lambda i: f"sample {i}")
     decode_options: DecodeOptions = DEFAULT_OPTIONS
 

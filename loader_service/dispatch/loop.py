@@ -602,16 +602,18 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ workers
     def _schedule(self) -> None:
-        idle = self.pool.idle()
-        if not idle or self._stop_by is not None:
+        places = self.pool.places()
+        if not places or self._stop_by is not None:
             return
-        self.scheduler.pick(len(idle), lambda s: s.segment is not None and s.state.dispatchable(),
-                            lambda s: s.tier, lambda s: self._dispatch(s, idle.pop()))
+        places.reverse()  # popped from the end: idle workers first
+        self.scheduler.pick(len(places), lambda s: s.segment is not None and s.state.dispatchable(),
+                            lambda s: s.tier, lambda s: self._dispatch(s, places.pop()))
 
     def _dispatch(self, s: Stream, worker) -> None:
         t = s.state.next_task(self.tasks.next_id())
         assert t is not None, "the scheduler picked a stream with nothing to do"
-        self.pool.assign(worker, self.tasks.start(s, t, worker.id, time.monotonic()))
+        behind = worker.tasks[-1] if worker.tasks else None
+        self.pool.assign(worker, self.tasks.start(s, t, worker.id, time.monotonic(), behind))
         s.source.prefetch(s.plan, t.batch)  # a queued hint: a remote source downloads the next shards on a thread
 
     def _on_worker(self, frames) -> None:
@@ -624,7 +626,10 @@ class Dispatcher:
             self.ready.set()
         if done is None:
             return
-        r = self.tasks.done(done.task, time.monotonic())
+        now = time.monotonic()
+        if w.task is not None:  # its queued task runs from now
+            self.tasks.began(w.task, now)
+        r = self.tasks.done(done.task, now)
         if r is None:
             return
         self.totals.read_s += done.read_s
@@ -637,14 +642,17 @@ class Dispatcher:
         self._apply(r.stream, effects)
 
     def _on_worker_exit(self, wid: int) -> None:
-        task_id, exitcode = self.pool.reap(wid)
-        if task_id is None:
-            return
-        r = self.tasks.lost(task_id)
-        if r is None:
-            return
-        self.totals.redone_tasks += 1
-        self._apply(r.stream, r.stream.state.task_lost(task_id, r.lost_because(describe_exit(exitcode))))
+        held, died_on, exitcode = self.pool.reap(wid)
+        for task_id in held:
+            r = self.tasks.lost(task_id)
+            if r is None:
+                continue
+            self.totals.redone_tasks += 1
+            if task_id != died_on:  # finished (its Done lost with the worker) or never began: not its fault
+                r.stream.state.task_returned(task_id)
+                self._may_take_task(r.stream)  # it has a batch to redo: back in the scheduler's line
+            else:
+                self._apply(r.stream, r.stream.state.task_lost(task_id, r.lost_because(describe_exit(exitcode))))
 
     def _expire_tasks(self) -> None:
         """Kill the worker of every task past its deadline; its loss is handled when it is reaped."""

@@ -236,6 +236,18 @@ class StreamState:
     def _position(self, batch: int) -> int:
         return self.order.index(batch) if self._pos is None else self._pos[batch]
 
+    def task_returned(self, task_id: int) -> None:
+        """``task_id``'s worker is gone, but not while running it (it was queued behind, or done
+        with its Done not read): it is done again, and no loss counts against its batch or sample."""
+        t = self.tasks.pop(task_id, None)
+        if t is None or self.done:
+            return
+        if t.pos >= 0:
+            self.isolated[t.batch].todo.insert(0, t.pos)
+            return
+        self.free.append(t.slot)
+        heapq.heappush(self.redo, (self._position(t.batch), t.batch))
+
     def send_complete(self, slot: int) -> None:
         """The send that read ``slot`` is complete: the slot may be written again."""
         self.sending.remove(slot)

@@ -1,8 +1,12 @@
 """The worker pool: process lifecycle, live scaling, death detection.
 
 The pool owns the internal ROUTER socket the workers connect to and one record per worker.
-It never decides what a worker does; the dispatcher does. Scale-down dismisses: a busy worker
-chosen to leave finishes its task before it is told to stop, so no task is abandoned.
+It never decides what a worker does; the dispatcher does. A worker holds up to
+:data:`QUEUE_DEPTH` tasks: the one it runs and the next, already in its socket, so it starts the
+next one the moment it reports one done instead of waiting a round trip through the dispatcher
+(on a core it shares with the dispatcher, that wait is the dispatcher's whole turn). Scale-down
+dismisses: a busy worker chosen to leave finishes its tasks before it is told to stop, so no task
+is abandoned.
 Shutdown follows the ladder stop -> join -> terminate -> kill and is idempotent.
 """
 
@@ -13,8 +17,9 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 import zmq
 
@@ -27,6 +32,7 @@ from loader_service.workers.worker import worker_main
 log = logging.getLogger("loader_service.workers.pool")
 
 MAX_START_FAILURES = 3
+QUEUE_DEPTH = 2  # tasks a worker holds at most: the one it runs and the next
 REAP_TIMEOUT_S = 2.0  # an exited worker's sentinel fires a moment before it can be waited for
 
 # What usually sends these signals to a decode worker: the words an operator needs first.
@@ -56,19 +62,24 @@ class WorkerRecord:
     id: int
     process: mp.process.BaseProcess
     state: str = "starting"  # starting | idle | busy | leaving | stopping | failed
-    task: Optional[int] = None
+    tasks: Deque[int] = field(default_factory=deque)  # the task ids it holds, in its order: the first runs
     pid: int = 0
     tasks_done: int = 0
     busy_s: float = 0.0
     started_at: float = 0.0
     ready: bool = False  # said Ready (without an error)
     start_hung: bool = False  # killed for not saying Ready within the start deadline
-    task_started: float = 0.0
+    task_started: float = 0.0  # when its running task started (the previous one's Done, or its assignment)
     # Shared with the worker: [position in its task of the sample it is on (-1: none), when that
-    # sample began (time.monotonic, one clock for all processes)]. Tells a waiting client which
+    # sample began (time.monotonic, one clock for all processes), the task it runs (-1: none)]. Tells a waiting client which
     # file a slow task is stuck on; two stores per sample in the worker.
     progress: Optional[Any] = None
     mapped: Set[str] = field(default_factory=set)  # segments its tasks wrote into: it may hold them mapped
+
+    @property
+    def task(self) -> Optional[int]:
+        """The task it is running (None: none)."""
+        return self.tasks[0] if self.tasks else None
 
     def current_sample(self) -> Tuple[int, float]:
         """(position in the task, seconds on it) of the sample the worker is on; (-1, 0) if unknown."""
@@ -138,7 +149,7 @@ class WorkerPool:
     def _spawn(self) -> None:
         wid = self._next_id
         self._next_id += 1
-        progress = self._mp.RawArray("d", [-1.0, 0.0])
+        progress = self._mp.RawArray("d", [-1.0, 0.0, -1.0])
         proc = self._mp.Process(
             target=worker_main,
             args=(wid, self.endpoint, self._specs, self._death_r, self._decode, progress, self._kind_modules),
@@ -184,11 +195,15 @@ class WorkerPool:
                 w.state = "idle"
             return None, w
         if w.task != msg.task:
-            log.warning("worker %d reported task %d but holds %s", w.id, msg.task, w.task)
+            log.warning("worker %d reported task %d but runs %s", w.id, msg.task, w.task)
             return None, w
-        w.task = None
+        w.tasks.popleft()
         w.tasks_done += 1
-        w.busy_s += time.monotonic() - w.task_started
+        now = time.monotonic()
+        w.busy_s += now - w.task_started
+        w.task_started = now  # its next task, if it holds one, starts now
+        if w.tasks:
+            return msg, w
         if w.state == "leaving":
             self._send_stop(w)
         else:
@@ -199,14 +214,17 @@ class WorkerPool:
         """fd -> worker id, for the dispatcher's poller (readable when the process exits)."""
         return {w.process.sentinel: w.id for w in self.workers.values()}
 
-    def reap(self, wid: int) -> Tuple[Optional[int], Optional[int]]:
+    def reap(self, wid: int) -> Tuple[List[int], Optional[int], Optional[int]]:
         """Forget an exited worker; replace it if the pool is below target.
 
-        Returns (the task it held, its exit code).
+        Returns (the tasks it held, the one it died on, its exit code). The one it died on is
+        what the worker itself recorded (None: it died between tasks): the Done of a task
+        ahead of it may still be on its way, and the tasks behind it never began.
         """
         w = self.workers.pop(wid, None)
         if w is None:
-            return None, None
+            return [], None, None
+        on = int(w.progress[2]) if w.progress is not None else -1
         # Its sentinel fired, so it is exiting: wait for that (bounded) and close the handle, or
         # it stays a zombie holding a descriptor until the next start happens to reap it.
         w.process.join(timeout=REAP_TIMEOUT_S)
@@ -218,8 +236,8 @@ class WorkerPool:
                 f"worker {wid} exited before it was ready ({describe_exit(w.process.exitcode)})")
         if not expected:
             self.deaths += 1
-            log.warning("worker %d (pid %s) died, %s, holding task %s",
-                        wid, w.pid, describe_exit(w.process.exitcode), w.task)
+            log.warning("worker %d (pid %s) died, %s, holding tasks %s",
+                        wid, w.pid, describe_exit(w.process.exitcode), list(w.tasks))
         self.version += 1
         self._busy_gone += w.busy_s
         exitcode = w.process.exitcode
@@ -231,7 +249,7 @@ class WorkerPool:
             self._unreaped.append(w.process)
         if not self._closed:
             self._converge()
-        return w.task, exitcode
+        return list(w.tasks), (on if on in w.tasks else None), exitcode
 
     @staticmethod
     def _starting(w: WorkerRecord) -> bool:
@@ -263,12 +281,19 @@ class WorkerPool:
             log.error("%d workers in a row failed to start; not starting more", self.start_failures)
 
     # ------------------------------------------------------------------ tasks
-    def idle(self) -> List[WorkerRecord]:
-        return [w for w in self.workers.values() if w.state == "idle"]
+    def places(self) -> List[WorkerRecord]:
+        """A worker per task it can take now (idle or busy, below QUEUE_DEPTH), in the order to
+        fill them: every worker's first free place before anyone's second, so tasks spread over
+        idle workers before they queue behind running ones."""
+        takers = [w for w in self.workers.values() if w.state in ("idle", "busy")]
+        return [w for depth in range(QUEUE_DEPTH) for w in takers if len(w.tasks) <= depth]
 
     def assign(self, w: WorkerRecord, task: P.Task) -> None:
-        assert w.state == "idle", w
-        w.state, w.task, w.task_started = "busy", task.task, time.monotonic()
+        assert w.state in ("idle", "busy") and len(w.tasks) < QUEUE_DEPTH, w
+        if not w.tasks:
+            w.task_started = time.monotonic()
+        w.state = "busy"
+        w.tasks.append(task.task)
         w.mapped.add(task.shm)
         self.sock.send_multipart([_ident(w.id), *P.encode(task)])
 
@@ -287,7 +312,7 @@ class WorkerPool:
     def busy_seconds(self) -> float:
         """Total seconds workers have spent on tasks, including the tasks running now."""
         now = time.monotonic()
-        running = sum(now - w.task_started for w in self.workers.values() if w.task is not None)
+        running = sum(now - w.task_started for w in self.workers.values() if w.tasks)
         return self._busy_gone + running + sum(w.busy_s for w in self.workers.values())
 
     def live_count(self) -> int:

@@ -141,3 +141,23 @@ def test_cipher_benchmark_reports_the_floor_and_each_frame_count():
     for frames in (1, 4):
         assert f"| CURVE's extra, {frames} frame(s) |" in stdout
         assert f"per 224x224x3 image, {frames} frame(s): sender +" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--split needs two CPUs")
+def test_percore_benchmark_reports_both_layouts_and_the_targets(tmp_path):
+    from loader_service.sources.demo import demo_image, encode_jpeg
+
+    folder = tmp_path / "photos" / "imagenet" / "class_0"
+    folder.mkdir(parents=True)
+    for i in range(16):
+        (folder / f"{i:02d}.jpg").write_bytes(encode_jpeg(demo_image(0, i, 1), 90))
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    stdout = run_bench("bench.percore", ["--photos", str(tmp_path / "photos"), "--groups", "imagenet", "--runs", "1",
+                                         "--batch-size", "8", "--epochs", "imagenet:1",
+                                         "--split", f"{cpus[0]}:{cpus[1]}"])
+    for layout in ("dedicated", "shared"):
+        assert "### imagenet (16 photos" in stdout and f", {layout}: service on CPU" in stdout
+    assert stdout.count("| service + RemoteLoader |") == 2 and stdout.count("| naive loop (") == 2
+    assert stdout.count("service, CPU per image: decode processes") == 2
+    assert stdout.count("PASS ") + stdout.count("MISS ") == 3

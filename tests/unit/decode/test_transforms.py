@@ -257,3 +257,40 @@ def test_grey_array_gives_the_rgb_bytes_of_its_grey_png():
 def test_arrays_outside_the_sample_contract_are_refused(bad):
     with pytest.raises(T.DecodeError, match="uint8 array H x W x 3"):
         run(bad, T.TransformSpec(16))
+
+
+# ------------------------------------------------------------------ the per-sample draws
+def test_the_draws_are_pinned_to_the_protocol_version():
+    """Changing what sample_rng draws changes every augmented byte: a service and a client (or
+    two replicas) of different draws must not mix, so the change bumps PROTOCOL_VERSION and
+    this test is updated with it."""
+    from wire.protocol import PROTOCOL_VERSION
+
+    r = T.sample_rng(7, 2, 1234)
+    assert (PROTOCOL_VERSION, r.random(), r.integers(0, 1000), r.uniform(0.5, 2.0)) == \
+        (4, 0.9027178898124768, 100, 1.6115158520458217)
+
+
+@given(st.integers(0, (1 << 63) - 1), st.integers(0, 1 << 20), st.integers(0, 1 << 40))
+@settings(max_examples=200, deadline=None)
+def test_draws_depend_on_seed_epoch_and_index_only(seed, epoch, index):
+    a, b = T.sample_rng(seed, epoch, index), T.sample_rng(seed, epoch, index)
+    draws = [(a.random(), a.uniform(2, 3), a.integers(5, 9), a.integers(7)) for _ in range(4)]
+    assert draws == [(b.random(), b.uniform(2, 3), b.integers(5, 9), b.integers(7)) for _ in range(4)]
+    for u, v, i, j in draws:
+        assert 0.0 <= u < 1.0 and 2.0 <= v < 3.0 and 5 <= i < 9 and 0 <= j < 7
+    others = {T.sample_rng(seed ^ 1, epoch, index).random(), T.sample_rng(seed, epoch + 1, index).random(),
+              T.sample_rng(seed, epoch, index + 1).random()}
+    assert draws[0][0] not in others
+
+
+def test_draws_beyond_one_number_come_from_numpy_with_the_same_key():
+    a, b = T.sample_rng(1, 2, 3), T.sample_rng(1, 2, 3)
+    assert a.permutation(6).tolist() == b.permutation(6).tolist()
+    assert np.array_equal(a.uniform(0, 1, size=3), b.uniform(0, 1, size=3))
+    assert a.integers(0, 10, size=4).tolist() == b.integers(0, 10, size=4).tolist() and a.normal() == b.normal()
+    assert sorted(T.sample_rng(1, 2, 3).permutation(6).tolist()) == list(range(6))
+    with pytest.raises(ValueError, match="low >= high"):
+        a.integers(5, 5)
+    counts = np.bincount([T.sample_rng(5, 1, i).integers(0, 4) for i in range(8000)], minlength=4)
+    assert counts.min() > 1800  # about 2000 each: no value favoured

@@ -93,6 +93,17 @@ class StreamModel(RuleBasedStateMachine):
         tid = data.draw(st.sampled_from(sorted(self.s.tasks)))
         self._apply(self.s.task_lost(tid, "hung past its deadline" if hung else "crashed"))
 
+    @precondition(lambda self: self.s.tasks)
+    @rule(data=st.data())
+    def return_queued_task(self, data):  # its worker died before it began (pool.QUEUE_DEPTH)
+        tid = data.draw(st.sampled_from(sorted(self.s.tasks)))
+        t = self.s.tasks[tid]
+        attempts = dict(self.s.attempts)
+        self.s.task_returned(tid)
+        assert self.s.attempts == attempts, "a task that never ran counted as a loss"
+        if not self.s.done and t.pos >= 0:
+            assert t.pos in self.s.isolated[t.batch].todo
+
     @precondition(lambda self: self.sending)
     @rule(data=st.data())
     def complete_send(self, data):

@@ -65,3 +65,30 @@ def test_a_task_past_its_deadline_is_marked_hung_once_while_its_worker_is_on_it(
     hung_reason = "hung: still running after its 5.0s deadline (worker killed)"
     assert tasks.lost(0).lost_because("killed by SIGKILL") == hung_reason
     assert tasks.lost(1).lost_because("killed by SIGSEGV") == "crashed the decoder (worker killed by SIGSEGV)"
+
+
+def test_a_queued_task_has_its_deadline_after_the_one_ahead_until_it_begins(stream):
+    tasks = Tasks(TaskDeadlines(fixed_s=5.0), on_error="raise")
+    tasks.start(stream, RunTask(0, 0, 0), worker=0, now=0.0)
+    tasks.start(stream, RunTask(1, 1, 1), worker=0, now=1.0, behind=0)  # queued on the same worker
+    assert (tasks.running[0].deadline, tasks.running[1].deadline) == (5.0, 10.0)
+    on = {0: 0}  # worker 0 is still on task 0
+    assert tasks.overdue(4.0, lambda w, t: on[w] == t) == []
+    tasks.done(0, now=3.0)
+    tasks.began(1, now=3.0)  # its own clock starts now
+    assert tasks.running[1].deadline == 8.0 and tasks.next_deadline() == 8.0
+    on[0] = 1
+    assert tasks.overdue(7.9, lambda w, t: on[w] == t) == []
+    assert [tid for tid, _ in tasks.overdue(8.0, lambda w, t: on[w] == t)] == [1]
+    assert tasks.overdue(20.0, lambda w, t: on[w] == t) == []  # its first heap entry (10.0) marks nothing twice
+
+
+def test_only_the_time_a_task_ran_teaches_the_deadlines(stream):
+    tasks = Tasks(TaskDeadlines(floor_s=1.0), on_error="raise")
+    tasks.start(stream, RunTask(0, 0, 0), worker=0, now=0.0)
+    tasks.start(stream, RunTask(1, 1, 1), worker=0, now=0.0, behind=0)
+    tasks.done(0, now=2.0)
+    tasks.began(1, now=2.0)
+    tasks.done(1, now=4.0)  # queued 4 s, ran 2 s: 0.5 s a sample, as task 0
+    tasks.start(stream, RunTask(2, 0, 0), worker=0, now=10.0)
+    assert tasks.next_deadline() == 10.0 + 10 * 0.5 * 4
