@@ -17,6 +17,12 @@ remote ones once with ``--shard-prefetch --prefetch`` and once without (``0``), 
 Figures: img/s (median of ``--runs``), the shard cache's disk use and downloads (by reads, by the
 prefetch thread) after the epochs, the RSS of the service's dispatcher process and of its decode
 processes together.
+
+A second table: caps below the dataset (``--caps``, fractions of it; HTTP source), shuffled,
+shuffled with each ``--windows`` value as the loader's ``shuffle_window`` (shard-aware), and
+sequential; the downloads of epoch 1 as a multiple of the dataset (median of ``--cap-runs``).
+``--only-caps`` runs that table alone, e.g.
+``python -m bench.remote --shard-size 10 --only-caps --caps 0.75,0.5 --windows 8,16 --cap-runs 3``.
 """
 
 from __future__ import annotations
@@ -93,15 +99,15 @@ def downloads(st: dict) -> int:
     return c["misses"] + c["prefetches"]
 
 
-def cap_run(url: str, cache: str, cap: int, shuffle: bool, args) -> dict:
+def cap_run(url: str, cache: str, cap: int, shuffle: bool, args, window: int = 0) -> dict:
     """A fresh service on an empty shard folder with ``cap`` bytes: downloads and img/s of
-    epoch 1 (epoch 0 fills the cache)."""
+    epoch 1 (epoch 0 fills the cache); ``window``: the loader's ``shuffle_window``."""
     shutil.rmtree(os.path.join(cache, "shards"), ignore_errors=True)
     svc = start_service(["--no-demo", "--workers", str(args.workers), "--data", url, "--cache-dir", cache,
                          "--cache-max-gb", f"{cap / 1e9:.6f}"])
     try:
         with RemoteLoader(svc.endpoint, batch_size=args.batch_size, image_size=224, seed=1, prefetch=4,
-                          shuffle=shuffle) as ld:
+                          shuffle=shuffle, shuffle_window=window) as ld:
             timed_epoch(ld, 0)
             before = downloads(svc.status())
             rate = timed_epoch(ld, 1)
@@ -125,7 +131,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--order", choices=("shuffled", "sequential"), default="shuffled",
                     help="the first table's sample order (sequential: shard after shard)")
     ap.add_argument("--caps", default="1.2,0.75,0.5",
-                    help="the second table: caps as fractions of the dataset (HTTP source, one run each)")
+                    help="the second table: caps as fractions of the dataset (HTTP source)")
+    ap.add_argument("--windows", default="",
+                    help="the second table's shuffled rows with these shuffle_window values too (shards), e.g. 8,16")
+    ap.add_argument("--cap-runs", type=int, default=1, help="runs of each row of the second table (the median shown)")
+    ap.add_argument("--only-caps", action="store_true", help="the second table alone")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     raise_on_sigterm()
@@ -148,7 +158,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 "S3 (moto)": (["--data", f"s3://{BUCKET}/train/", "--s3-endpoint-url", s3.endpoint], {}),
                 f"HTTP (Range, {args.http_mbps:g} MB/s)": (["--data", http.url + "/data/"], {}),
             }
-            for name, (data_args, env) in sources.items():
+            for name, (data_args, env) in ({} if args.only_caps else sources).items():
                 cache = os.path.join(work, "cache-" + name.split()[0].lower())
                 full = data_args + ["--cache-dir", cache] + cap
                 if name != "local disk":  # the index, made once: each run then starts on the listing alone
@@ -165,17 +175,31 @@ def main(argv: Optional[List[str]] = None) -> None:
                             f"{res['downloads']} downloads + {res['prefetches']} prefetches, "
                             f"cache {res['cache_disk'] / 1e6:.1f} MB")
             caps = [float(c) for c in args.caps.split(",") if c.strip()]
+            windows = [int(w) for w in args.windows.split(",") if w.strip()]
             cache = os.path.join(work, "cache-http")
+            orders = [("shuffled", True, 0)] + [(f"shuffled, window {w}", True, w) for w in windows] + [
+                ("sequential", False, 0)]
             for frac in caps:
-                for shuffle in (True, False):
-                    res = cap_run(http.url + "/data/", cache, int(frac * size), shuffle, args)
-                    sweep.append((frac, shuffle, res))
-                    log(f"cap {frac:.2f} x dataset, shuffle={shuffle}: {res}")
+                for order, shuffle, window in orders:
+                    runs = [cap_run(http.url + "/data/", cache, int(frac * size), shuffle, args, window)
+                            for _ in range(args.cap_runs)]
+                    res = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                    sweep.append((frac, order, res))
+                    log(f"cap {frac:.2f} x dataset, {order}: {runs}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     save_json(args.json, {"runs": results, "caps": sweep})
-    print(f"{head}; {n_shards} shards, {size / 1e6:.1f} MB; cap {2 * size / 1e6:.0f} MB; {args.workers} decode "
-          f"processes; batch {args.batch_size}, {args.order}; median of {args.runs} (load average {os.getloadavg()[0]:.2f} at end)\n")
+    first = f"cap {2 * size / 1e6:.0f} MB; " if results else ""
+    print(f"{head}; {n_shards} shards, {size / 1e6:.1f} MB; {first}{args.workers} decode "
+          f"processes; batch {args.batch_size}, {args.order}; median of {args.runs} (load average {os.getloadavg()[0]:.2f} at end)")
+    if results:
+        print_sources(results)
+    if sweep:
+        print_sweep(sweep, n_shards, size, args)
+
+
+def print_sources(results: Dict[str, List[dict]]) -> None:
+    print()
     print(table_head(["source", "cold cache img/s", "warm cache img/s", "downloads: reads + prefetch", "cache on disk MB",
                       "dispatcher RSS MB", "decode processes RSS MB"], "lrrrrrr"))
     for name, runs in results.items():
@@ -186,17 +210,16 @@ def main(argv: Optional[List[str]] = None) -> None:
                          dl if remote else "-",
                          f"{med['cache_disk'] / 1e6:.1f}" if remote else "-",
                          f"{med['dispatcher_rss'] / 1e6:.0f}", f"{med['workers_rss'] / 1e6:.0f}"]))
-    if sweep:
-        print_sweep(sweep, n_shards, size, args)
 
 
 def print_sweep(sweep: List[tuple], n_shards: int, size: int, args) -> None:
     print(f"\nA cap below the dataset (HTTP source, {args.http_mbps:g} MB/s; epoch 1 after epoch 0 filled the cache; {n_shards} shards "
-          f"of {size / n_shards / 1e6:.1f} MB, {args.workers} decode processes each holding up to 2 shards open):\n")
+          f"of {size / n_shards / 1e6:.2f} MB, {args.workers} decode processes each holding up to 2 shards open; "
+          f"median of {args.cap_runs}):\n")
     print(table_head(["cap / dataset", "order", "downloads in the epoch", "downloaded / dataset", "img/s",
                       "reads waited s (2 epochs)"], "llrrrr"))
-    for frac, shuffle, r in sweep:
-        print(table_row([f"{frac:.2f}", "shuffled" if shuffle else "sequential", int(r["downloads"]),
+    for frac, order, r in sweep:
+        print(table_row([f"{frac:.2f}", order, int(r["downloads"]),
                          f"{r['downloads'] / n_shards:.1f}x", f"{r['img/s']:.0f}", f"{r['wait_s']:.1f}"]))
 
 

@@ -10,7 +10,7 @@
 
 The loader's cursor is the only progress there is: the job's position in the epoch's global
 order, the same on every rank at the same step. ``state_dict()`` returns it, with what fixes
-that order (seed, shuffle, drop_last, the dataset's identity); ``load_state_dict()`` on any rank
+that order (seed, shuffle, shuffle_window, drop_last, the dataset's identity); ``load_state_dict()`` on any rank
 of a job, at any world size and batch size, continues with exactly the rest of the epoch (see
 :mod:`wire.plan`); after a service restart the loader starts its streams again from it.
 """
@@ -49,6 +49,9 @@ log = logging.getLogger("client")
 
 STATE_VERSION = 2  # 1: one rank's batch cursor (read at its own world size and batch size only)
 _ORDER_KEYS = JobSpec.order_fields()  # a resume must match these; world size and batch size may change
+# order fields added since STATE_VERSION 2: written only when set, read as their default when absent
+# (a state saved before them, or without them, is the order they leave unchanged)
+_LATER_KEYS = {"shuffle_window": 0}
 
 
 class RemoteLoader:
@@ -57,7 +60,8 @@ class RemoteLoader:
 
     def __init__(self, endpoint: Union[str, Sequence[str]], batch_size: int, *, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 image_size: int = 224, train: bool = True, prefetch: int = 4, device: str = "cpu", **options):
+                 image_size: int = 224, train: bool = True, prefetch: int = 4, device: str = "cpu",
+                 shuffle_window: int = 0, **options):
         """``endpoint``: one ``tcp://host:port``, or a list of service replicas to spread this
         rank's batches over. A host given by name (``tcp://loader-headless:5555``, a Kubernetes
         headless Service) stands for every address it resolves to, followed during the run:
@@ -70,7 +74,8 @@ class RemoteLoader:
             raise ValueError("endpoint: give at least one tcp://host:port")
         self.endpoints = endpoints
         self.config = LoaderConfig.of(endpoints[0], batch_size=batch_size, rank=rank, world_size=world_size,
-                                      seed=seed, shuffle=shuffle, drop_last=drop_last, image_size=image_size,
+                                      seed=seed, shuffle=shuffle, shuffle_window=shuffle_window,
+                                      drop_last=drop_last, image_size=image_size,
                                       train=train, prefetch=prefetch, device=str(device), **options)
         for e in endpoints[1:]:
             LoaderConfig(endpoint=e, spec=self.config.spec)  # validates the address
@@ -185,15 +190,16 @@ class RemoteLoader:
         """The job's position: where the next iteration starts, the same on every rank at the same
         step, so any rank's copy resumes the whole job. Small, JSON-friendly."""
         c = self.config
+        order = {k: getattr(c.spec, k) for k in _ORDER_KEYS}
         return {"version": STATE_VERSION, "epoch": self._epoch, "position": self._position(),
-                **{k: getattr(c.spec, k) for k in _ORDER_KEYS},
+                **{k: v for k, v in order.items() if k not in _LATER_KEYS or v != _LATER_KEYS[k]},
                 **dict(zip(("dataset_length", "fingerprint"), self._identity())),
                 "world_size": c.spec.world_size, "batch_size": c.spec.batch_size}  # the shape it was taken at
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (from :meth:`state_dict` on any rank of the job, at any world
         size and batch size): the next iteration serves exactly the rest of its epoch across this
-        job's ranks. The settings that fix the epoch's order (seed, shuffle, drop_last, dataset)
+        job's ranks. The settings that fix the epoch's order (seed, shuffle, shuffle_window, drop_last, dataset)
         must match this loader's, and the dataset must be the one the state was taken on; a
         state that is not well-formed is refused with the field named, before any connection."""
         state = _checked_state(state)
@@ -426,9 +432,10 @@ def _checked_state(state: object) -> dict:
         state = _from_version_1(state)
     elif version != STATE_VERSION:
         raise ValueError(f"unsupported loader state version {version!r} (this loader reads 1 and {STATE_VERSION})")
+    state = {**_LATER_KEYS, **state}
     fields = {"epoch": int, "position": int, "seed": int, "shuffle": bool, "drop_last": bool,
               "dataset": (str, type(None)), "dataset_length": (int, type(None)), "fingerprint": (str, type(None)),
-              "world_size": int, "batch_size": int}
+              "world_size": int, "batch_size": int, "shuffle_window": int}
     for name, kind in fields.items():
         if name not in state:
             raise ValueError(f"loader state: missing {name!r}")
@@ -436,7 +443,7 @@ def _checked_state(state: object) -> dict:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ValueError(f"loader state: {name} must be {getattr(kind, '__name__', 'a str or None')}, "
                              f"got {type(value).__name__} {value!r}"[:200])
-    for name, lo in (("epoch", 0), ("position", 0), ("world_size", 1), ("batch_size", 1)):
+    for name, lo in (("epoch", 0), ("position", 0), ("world_size", 1), ("batch_size", 1), ("shuffle_window", 0)):
         if state[name] < lo:
             raise ValueError(f"loader state: {name} must be >= {lo}, got {state[name]}")
     if state["dataset_length"] is not None:

@@ -18,13 +18,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import msgpack
 
 from wire.errors import ErrorCode, ProtocolError, brief
-from wire.plan import PlanSpec
+from wire.plan import Blocks, PlanSpec
 
 # RandomResizedCrop's ranges that every sample survives: an aspect ratio beyond 1000:1 overflows
 # the crop arithmetic or rounds a side to nothing, so it is refused here, not failed per image
 RATIO_LIMITS = (1e-3, 1e3)
 MAX_ARGS_DEPTH = 8  # pipeline_args nest at most this deep (a list in a map in a list ...)
 MAX_ARGS_BYTES = 64 * 1024  # and pack to at most this many bytes
+MAX_SHUFFLE_WINDOW = (1 << 31) - 1  # blocks; a window of at least the dataset's blocks shuffles them all at once
 
 _ORDER = {"order": True}  # the field fixes the epoch's global order of samples (a resume must match it)
 _SHAPE = {"shape": True}  # the field shards that order into ranks' batches (a resume may change it)
@@ -47,6 +48,9 @@ class JobSpec:
     ratio: list = field(default_factory=lambda: [3 / 4, 4 / 3])  # and its aspect-ratio range
     pipeline: str = ""  # a pipeline the service offers ("": the built-in train/eval recipe from the fields above)
     pipeline_args: dict = field(default_factory=dict)  # plain values, checked by the pipeline
+    # shuffle shard-aware: the dataset's blocks (shards) permuted, in windows of this many blocks whose
+    # samples are permuted among themselves (wire.plan); 0: one uniform permutation of the samples
+    shuffle_window: int = field(default=0, metadata=_ORDER)
 
     def check(self) -> None:
         """Range checks the wire's types cannot express; raise :class:`ProtocolError` (``bad_job``)."""
@@ -54,14 +58,18 @@ class JobSpec:
         _range("image_size", self.image_size, 8, 4096)
         _range("seed", self.seed, 0, (1 << 63) - 1)
         _range("world_size", self.world_size, 1, 1 << 16)
+        _range("shuffle_window", self.shuffle_window, 0, MAX_SHUFFLE_WINDOW)
         check_crop(self.scale, self.ratio)
         check_pipeline(type(self).__name__, self.pipeline, self.pipeline_args)
 
-    def plan(self, length: int, epoch: int, rank: int, origin: int = 0) -> PlanSpec:
+    def plan(self, length: int, epoch: int, rank: int, origin: int = 0, blocks: Optional[Blocks] = None) -> PlanSpec:
         """The plan of ``rank``'s share of ``epoch`` over a dataset of ``length`` samples, from
-        position ``origin`` of the epoch's global order (0: the whole epoch)."""
+        position ``origin`` of the epoch's global order (0: the whole epoch); ``blocks``: the
+        dataset's (its source's :meth:`~loader_service.sources.base.Source.blocks`), which only a
+        shuffle window uses."""
+        window = self.shuffle_window if self.shuffle else 0
         return PlanSpec(length, self.batch_size, self.seed, epoch, rank, self.world_size, self.shuffle,
-                        self.drop_last, origin)
+                        self.drop_last, origin, window, blocks if window else None)
 
     def on(self, dataset: str) -> "JobSpec":
         """This spec with its dataset resolved (``None`` names the service's default), with the
@@ -142,4 +150,5 @@ def _range(name: str, v: int, lo: int, hi: int) -> None:
         raise ProtocolError(f"JobSpec.{name} must be [{lo}, {hi}], got {v}", ErrorCode.BAD_JOB)
 
 
-__all__ = ["JobSpec", "check_crop", "check_pipeline", "RATIO_LIMITS", "MAX_ARGS_DEPTH", "MAX_ARGS_BYTES"]
+__all__ = ["JobSpec", "check_crop", "check_pipeline", "RATIO_LIMITS", "MAX_ARGS_DEPTH", "MAX_ARGS_BYTES",
+           "MAX_SHUFFLE_WINDOW"]

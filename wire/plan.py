@@ -1,7 +1,7 @@
 """The epoch plan: which dataset indices each rank gets, in which batches.
 
 A pure function of (dataset length, seed, epoch, rank, world_size, batch_size, shuffle,
-drop_last, origin). Client and service compute it independently and always agree; nothing about a
+drop_last, origin, and, for a windowed shuffle, the window and the dataset's blocks). Client and service compute it independently and always agree; nothing about a
 plan is ever stored, which is why a restarted service or a resumed client loses nothing.
 
 The epoch's *global order* is one permutation of ``range(n)`` per (seed, epoch); it does not
@@ -14,6 +14,16 @@ prefix ``order[:k * b * w]``. ``origin`` is such a position: a plan from ``origi
 Rules (the same as ``torch.utils.data.DistributedSampler`` + ``DataLoader``):
 
 * shuffle: one permutation of ``range(n)`` per (seed, epoch), shared by all ranks.
+* shuffle with ``window`` W > 0 (shard-aware, as WebDataset's shard shuffle + sample buffer and
+  Mosaic's block shuffles): the dataset's *blocks* (:class:`Blocks`: its units of reading, e.g. a
+  WebDataset shard, whose samples are contiguous indices) are permuted, cut into consecutive
+  windows of W blocks, and the samples of each window permuted among themselves. The order stays
+  one permutation of ``range(n)`` per (seed, epoch, blocks, W), whatever the world size and batch
+  size (so ``origin`` works unchanged), and at any moment the job reads about W blocks, on every
+  rank alike. W = 0 is the uniform permutation above, unchanged. Without blocks (``None``: a
+  source whose every sample is its own block) windows of W samples drawn from a permutation of
+  the samples, permuted within, are just a uniform permutation: the order is then W = 0's. Without
+  shuffle W has no effect (the order is ``range(n)``).
 * drop_last=False: the order (from ``origin``) is padded by wrapping around to a multiple of world_size,
   so every rank gets ``ceil(n / world_size)`` samples; the last batch may be short. Padding
   repeats at most ``world_size - 1`` samples, always in the last position of a rank, and is
@@ -27,10 +37,47 @@ Every rank gets the same number of batches either way, so DDP ranks never wait o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-__all__ = ["PlanSpec", "RankPlan", "make_plan", "num_batches", "position"]
+__all__ = ["Blocks", "PlanSpec", "RankPlan", "epoch_order", "make_plan", "num_batches", "position"]
+
+
+class Blocks:
+    """A dataset's units of reading: the sorted start indices of its blocks (int64, the first 0),
+    block ``k`` being the samples ``starts[k] .. starts[k + 1] - 1`` (the last runs to the end).
+    Immutable, hashable by content (a :class:`PlanSpec` holding it keys the service's plan cache);
+    a source computes it once and hands the same object to every plan."""
+
+    __slots__ = ("starts", "_hash")
+
+    def __init__(self, starts) -> None:
+        a = np.array(starts, dtype=np.int64)  # a copy: nobody else holds it writable
+        if a.ndim != 1 or len(a) == 0 or a[0] != 0 or (len(a) > 1 and not (np.diff(a) > 0).all()):
+            raise ValueError("blocks: strictly increasing start indices from 0, at least one")
+        a.flags.writeable = False
+        self.starts = a
+        self._hash = hash((len(a), a.tobytes()))
+
+    @classmethod
+    def of_labels(cls, block_of: np.ndarray) -> "Blocks":
+        """The blocks of a per-sample block number that is constant over each block (samples of a
+        block contiguous, e.g. a WebDataset index's shard column)."""
+        return cls(np.concatenate(([0], np.flatnonzero(np.diff(block_of)) + 1)))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Blocks) and self._hash == other._hash
+                                 and np.array_equal(self.starts, other.starts))
+
+    def __repr__(self) -> str:
+        return f"Blocks({len(self)} blocks)"
 
 
 @dataclass(frozen=True)
@@ -46,6 +93,8 @@ class PlanSpec:
     shuffle: bool = True
     drop_last: bool = False
     origin: int = 0  # samples of the epoch's global order the job consumed before this plan (a resume)
+    window: int = 0  # shuffle in windows of this many blocks (0: one uniform permutation)
+    blocks: Optional[Blocks] = None  # the dataset's blocks for a window (None: every sample its own block)
 
     def __post_init__(self) -> None:
         if self.length < 1:
@@ -60,6 +109,10 @@ class PlanSpec:
             raise ValueError(f"seed and epoch must be >= 0, got seed={self.seed} epoch={self.epoch}")
         if not 0 <= self.origin <= self.length:
             raise ValueError(f"origin must be in [0, {self.length}] (the epoch's {self.length} samples), got {self.origin}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.blocks is not None and self.blocks.starts[-1] >= self.length:
+            raise ValueError(f"blocks start past the dataset's {self.length} samples (blocks of another dataset?)")
         if self.drop_last and self.length < self.world_size:
             raise ValueError(
                 f"drop_last with {self.length} samples and world_size {self.world_size} leaves "
@@ -110,9 +163,32 @@ def epoch_permutation(length: int, seed: int, epoch: int, shuffle: bool) -> np.n
     return rng.permutation(length).astype(np.int64)
 
 
+def windowed_permutation(length: int, seed: int, epoch: int, window: int, blocks: Blocks) -> np.ndarray:
+    """The shard-aware order (see the module docstring): blocks permuted, cut into windows of
+    ``window`` blocks, the samples of each window permuted among themselves (one draw per window:
+    a dataset of ``k`` blocks costs ``k / window`` of them)."""
+    rng = np.random.Generator(np.random.PCG64([seed, epoch, 0x77696E64]))  # "wind"
+    sizes = np.diff(np.append(blocks.starts, length))
+    perm = rng.permutation(len(blocks))
+    first, sizes = blocks.starts[perm], sizes[perm]
+    begins = np.cumsum(sizes) - sizes  # where each permuted block begins in the order
+    order = np.repeat(first - begins, sizes) + np.arange(length, dtype=np.int64)
+    cuts = np.append(begins[::window], length).tolist()
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        rng.shuffle(order[a:b])
+    return order
+
+
+def epoch_order(spec: PlanSpec) -> np.ndarray:
+    """The epoch's global order of ``spec`` (every rank's, from position 0)."""
+    if spec.shuffle and spec.window > 0 and spec.blocks is not None:
+        return windowed_permutation(spec.length, spec.seed, spec.epoch, spec.window, spec.blocks)
+    return epoch_permutation(spec.length, spec.seed, spec.epoch, spec.shuffle)
+
+
 def make_plan(spec: PlanSpec) -> RankPlan:
     """Compute ``spec.rank``'s plan for ``spec.epoch``."""
-    order = epoch_permutation(spec.length, spec.seed, spec.epoch, spec.shuffle)[spec.origin:]
+    order = epoch_order(spec)[spec.origin:]
     n, w = len(order), spec.world_size
     if spec.drop_last:
         total = (n // w) * w

@@ -128,7 +128,8 @@ class Admission:
         if broken:
             return Refuse(P.ErrorCode.INTERNAL, broken)
         try:
-            plan = self.plan(hello.spec.plan(len(source), hello.epoch, hello.rank, hello.origin))
+            blocks = source.blocks() if hello.spec.shuffle_window else None
+            plan = self.plan(hello.spec.plan(len(source), hello.epoch, hello.rank, hello.origin, blocks))
         except ValueError as exc:
             return Refuse(P.ErrorCode.BAD_JOB, str(exc))
         nb = plan.num_batches

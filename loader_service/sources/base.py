@@ -10,6 +10,8 @@ from typing import Any, Iterable, Optional, Tuple, Union
 
 import numpy as np
 
+from wire.plan import Blocks
+
 Sample = Union[bytes, np.ndarray]
 
 # The image files a folder or a shard member may be: torchvision's ImageFolder list, so a dataset
@@ -68,6 +70,14 @@ class Source(abc.ABC):
     def prefetch(self, plan, batch: int) -> None:
         """A hint from the dispatcher: ``plan``'s batch ``batch`` was just handed to a worker, the
         next ones follow. Must return at once; a source in object storage fetches ahead on it."""
+
+    def blocks(self) -> Optional[Blocks]:
+        """The dataset's units of reading, for a shuffle window (``JobSpec.shuffle_window``: the
+        plan permutes blocks, then samples within windows of W blocks; see :mod:`wire.plan`).
+        ``None`` (this default): every sample is its own block, as in a folder of files, a packed
+        file or HDF5, where a window then changes nothing. A sharded format returns its shards'
+        first samples. Called in the service's process, at a Hello with a window; cheap after the first call."""
+        return None
 
     def close(self) -> None:
         """Release what the source holds. Idempotent."""

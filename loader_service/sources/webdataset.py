@@ -42,6 +42,7 @@ import numpy as np
 
 from loader_service.sources.base import IMAGE_EXTENSIONS, Source, SourceSpec, register
 from loader_service.sources.index import PackedStrings
+from wire.plan import Blocks
 
 log = logging.getLogger("loader_service.sources.webdataset")
 
@@ -303,6 +304,7 @@ class WebDatasetSource(Source):
         self.labels = a["labels"]
         self.keys = PackedStrings(a["keys_blob"], a["keys_offsets"])
         self._fds: "OrderedDict[int, int]" = OrderedDict()
+        self._blocks: Optional[Blocks] = None
 
     # -------------------------------------------------------------- opening
     @classmethod
@@ -345,6 +347,12 @@ class WebDatasetSource(Source):
 
     def index_parts(self):
         return self.keys.blob, self.keys.offsets, self._size, self.labels
+
+    def blocks(self) -> Blocks:
+        """One block per shard (its samples are contiguous in the index), for a shuffle window."""
+        if self._blocks is None:
+            self._blocks = Blocks.of_labels(self._shard)
+        return self._blocks
 
     # -------------------------------------------------------------- reading
     def __len__(self) -> int:

@@ -81,3 +81,32 @@ def test_a_state_taken_on_another_dataset_is_refused_saying_what_differs(make_se
                                               rf"state was taken on {N} samples") as info:
             collect(ld)
         assert info.value.code == "dataset_changed"
+
+
+@pytest.mark.parametrize("before, after", [((2, 4), (3, 5)), ((3, 4), (1, 8))])
+def test_a_shuffle_window_resumes_at_another_shape_exactly_once(make_service, tmp_path, before, after):
+    """WebDataset shards with shuffle_window=3: the job's first steps take a prefix of the windowed
+    global order (the service uses the shards' blocks), and a resume at another world size and batch
+    size serves exactly the rest; the state names the window."""
+    from loader_service.sources import open_path
+    from tests.support.stores import write_shards
+    from wire.plan import PlanSpec, epoch_order
+
+    shards, per_shard, window = 10, 6, 3
+    n = shards * per_shard
+    write_shards(str(tmp_path / "data"), shards, per_shard)
+    source = open_path(str(tmp_path / "data"), cache_dir=str(tmp_path / "index"))
+    order = epoch_order(PlanSpec(n, 1, KW["seed"], window=window, blocks=source.blocks())).tolist()
+    source.close()
+    svc = make_service(data=(str(tmp_path / "data"),), demo=False, cache_dir=str(tmp_path / "index"))
+    (w1, b1), (w2, b2) = before, after
+    kw = dict(KW, shuffle_window=window)
+    first = _ranks(svc.endpoint, w1, 2, batch_size=b1, job="windowed", **kw)
+    state = first[0][1]
+    assert state["shuffle_window"] == window and state["position"] == 2 * b1 * w1
+    head = [i for got, _ in first for i in _real(got)]
+    assert sorted(head) == sorted(order[:state["position"]])  # a prefix of the windowed order
+    second = _ranks(svc.endpoint, w2, -1, state=state, batch_size=b2, job="windowed-resumed", **kw)
+    rest = [i for got, _ in second for i in _real(got)]
+    assert sorted(head + rest) == list(range(n))  # exactly once across both runs
+    assert len({len(got) for got, _ in second}) == 1

@@ -15,6 +15,7 @@ from client import RemoteLoader
 from loader_service.sources import open_path
 from loader_service.sources.remote.cache import PART
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
+from loader_service.sources.remote.webdataset import OPEN_SHARDS
 from tests.support.helpers import collect, indices_of, status
 from tests.support.stores import TEST_KEY, Blackhole, MotoServer, RangeHTTPServer, write_shards
 
@@ -311,3 +312,51 @@ def test_a_truncated_download_is_never_read_as_a_shard(tmp_path, shards):
         src = open_path(http.url + "/data/", remote=_settings(tmp_path, shards))
         assert _by_key(src) == shards["want"]
         src.close()
+
+
+# ---------------------------------------------------------------------------- a shuffle window (issue 29)
+WIN_SHARDS, WIN = 12, 2
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("remote-window")
+    want = write_shards(str(root / "data"), WIN_SHARDS, PER_SHARD, pad=PAD)
+    sizes = [os.path.getsize(root / "data" / f"shard-{k:06d}.tar") for k in range(WIN_SHARDS)]
+    return {"root": str(root), "data": str(root / "data"), "want": want, "size": max(sizes)}
+
+
+def _epoch_downloads(make_service, tmp_path, shards, url, window):
+    """One shuffled epoch (seed 5) through one decode process, prefetch off, a cap of W + 2 shards (a
+    third of the dataset): the epoch's indices and the shard downloads it cost."""
+    cap = (WIN + OPEN_SHARDS) * shards["size"] + 100
+    svc = make_service(data=(url,), demo=False, workers=1, cache_dir=str(tmp_path / f"cache-{window}"),
+                       cache_max_gb=cap / 1e9, shard_prefetch=0)
+    before = status(svc)["shard_cache"]["data"]  # the start's scan downloaded every shard once already
+    with RemoteLoader(svc.endpoint, **KW, shuffle_window=window, epoch_lookahead=False) as ld:
+        got = collect(ld)
+    after = status(svc)["shard_cache"]["data"]
+    svc.stop()
+    assert after["cached_bytes"] <= cap and after["failures"] == 0 and after["prefetches"] == 0
+    return indices_of(got), after["misses"] - before["misses"]
+
+
+@pytest.mark.slow
+def test_a_shuffle_window_reads_each_shard_once_per_epoch_under_a_cap_of_a_third_of_the_dataset(
+        make_service, tmp_path, many_shards):
+    """The windowed order (W = 2 shards) with a cap of W + 2 shards out of 12: exactly once, and each
+    shard downloaded at most once in the epoch. Why at most once, exactly: the one decode process
+    reads in plan order; a window's W shards and the 2 it may still hold open (pinned) fit the cap,
+    so a shard, once fetched in its window, stays until its window ends, and no later window needs
+    it again. The uniform shuffle (W = 0), same cap and seed, downloads many times more."""
+    n = WIN_SHARDS * PER_SHARD
+    with RangeHTTPServer(many_shards["root"]) as http:
+        order, windowed = _epoch_downloads(make_service, tmp_path, many_shards, http.url + "/data/", WIN)
+        assert sorted(order) == list(range(n))  # exactly once
+        shard_runs = [i // PER_SHARD for i in order]
+        for k in range(0, n, WIN * PER_SHARD):  # each window: all the samples of exactly W shards
+            assert len(set(shard_runs[k:k + WIN * PER_SHARD])) == WIN
+        uniform_order, uniform = _epoch_downloads(make_service, tmp_path, many_shards, http.url + "/data/", 0)
+        assert sorted(uniform_order) == list(range(n)) and uniform_order != order
+    assert windowed <= WIN_SHARDS, windowed
+    assert uniform > 3 * WIN_SHARDS, uniform  # the issue: a uniform order under a small cap

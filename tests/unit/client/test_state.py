@@ -80,3 +80,19 @@ def test_a_version_1_state_is_read_as_the_jobs_position(loader, caplog):
 def test_a_bad_version_1_state_is_refused_naming_the_field(loader, state, match):
     with pytest.raises(ValueError, match=match):
         loader.load_state_dict(state)
+
+
+def test_a_shuffle_window_is_part_of_the_order_a_state_names_and_absent_means_none():
+    """shuffle_window (added after version 2) is written only when set, so a W = 0 state is the
+    same as before; a state without it (older, or W = 0) resumes only a loader without a window."""
+    with RemoteLoader(ENDPOINT, batch_size=16, world_size=2, seed=3, shuffle_window=8, timeout=1) as windowed:
+        assert windowed.state_dict()["shuffle_window"] == 8
+        windowed.load_state_dict(good(shuffle_window=8))
+        with pytest.raises(ValueError, match=r"shuffle_window: saved 0 vs loader 8"):
+            windowed.load_state_dict(good())  # a state saved before the window, or without one
+        with pytest.raises(ValueError, match=r"shuffle_window must be int"):
+            windowed.load_state_dict(good(shuffle_window="8"))
+    with RemoteLoader(ENDPOINT, batch_size=16, world_size=2, seed=3, timeout=1) as plain:
+        assert "shuffle_window" not in plain.state_dict()
+        with pytest.raises(ValueError, match=r"shuffle_window: saved 4 vs loader 0"):
+            plain.load_state_dict(good(shuffle_window=4))

@@ -8,11 +8,11 @@ import pytest
 from client.config import LoaderConfig
 from wire import protocol as P
 from wire.jobspec import JobSpec
-from wire.plan import PlanSpec
+from wire.plan import Blocks, PlanSpec
 
 
 def test_the_order_fields_fix_the_global_order_and_the_shape_fields_only_shard_it():
-    assert set(JobSpec.order_fields()) == {"seed", "shuffle", "drop_last", "dataset"}
+    assert set(JobSpec.order_fields()) == {"seed", "shuffle", "drop_last", "dataset", "shuffle_window"}
     assert set(JobSpec.shape_fields()) == {"batch_size", "world_size"}
     assert set(JobSpec.order_fields() + JobSpec.shape_fields()) < set(JobSpec.names())
 
@@ -21,6 +21,37 @@ def test_plan_carries_every_order_field_and_the_rank_and_epoch():
     spec = JobSpec(batch_size=8, seed=3, world_size=4, shuffle=False, drop_last=True, dataset="d")
     assert spec.plan(100, epoch=2, rank=1) == PlanSpec(100, 8, 3, 2, 1, 4, False, True)
     assert spec.plan(100, epoch=2, rank=1, origin=40) == PlanSpec(100, 8, 3, 2, 1, 4, False, True, 40)
+
+
+def test_plan_takes_the_blocks_only_for_a_shuffle_window():
+    blocks = Blocks([0, 10, 20])
+    windowed = JobSpec(batch_size=8, seed=3, shuffle_window=2)
+    assert windowed.plan(30, 0, 0, blocks=blocks) == PlanSpec(30, 8, 3, window=2, blocks=Blocks([0, 10, 20]))
+    # no window, or no shuffle: the blocks change nothing, so the plan (and the service's cache key) is W = 0's
+    assert JobSpec(batch_size=8, seed=3).plan(30, 0, 0, blocks=blocks) == PlanSpec(30, 8, 3)
+    unshuffled = JobSpec(batch_size=8, seed=3, shuffle=False, shuffle_window=2).plan(30, 0, 0, blocks=blocks)
+    assert unshuffled == PlanSpec(30, 8, 3, shuffle=False)
+
+
+def test_a_shuffle_window_travels_only_when_set_so_a_default_hello_is_unchanged_on_the_wire():
+    """No PROTOCOL_VERSION change: W = 0 sends no new key (an older service reads the Hello as
+    before); W > 0 sends one, which a service without the field refuses naming it (the unknown
+    field rule of wire.protocol._build), never ignores."""
+    import msgpack
+
+    plain = msgpack.unpackb(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=8)))[0])
+    assert "shuffle_window" not in plain["spec"]
+    hello = P.Hello(stream=1, spec=JobSpec(batch_size=8, shuffle_window=16))
+    assert msgpack.unpackb(P.encode(hello)[0])["spec"]["shuffle_window"] == 16
+    assert P.decode(P.encode(hello))[0] == hello
+    # a service of before this field: the same decoder over a JobSpec without it
+    older = dataclasses.make_dataclass("JobSpec", [(f.name, f.type, f) for f in dataclasses.fields(JobSpec)
+                                                   if f.name != "shuffle_window"], frozen=True,
+                                        namespace={"__module__": "wire.jobspec"})
+    older.check = lambda self: None
+    assert P._build(older, plain["spec"]).batch_size == 8
+    with pytest.raises(P.ProtocolError, match=r"JobSpec has no field\(s\) \['shuffle_window'\]"):
+        P._build(older, msgpack.unpackb(P.encode(hello)[0])["spec"])
 
 
 def test_differences_name_each_field_with_both_values():
@@ -42,6 +73,7 @@ def test_on_resolves_the_dataset_and_makes_equal_numbers_compare_equal():
     (dict(image_size=7), r"JobSpec.image_size must be \[8"),
     (dict(seed=-1), r"JobSpec.seed must be \[0"),
     (dict(world_size=0), r"JobSpec.world_size must be \[1"),
+    (dict(shuffle_window=-1), r"JobSpec.shuffle_window must be \[0"),
     (dict(scale=[0.5]), "scale must be two finite numbers"),
     (dict(ratio=[2.0, 1.0]), "ratio must satisfy 0 < min <= max"),
     (dict(scale=[0.5, 1.5]), "scale max must be <= 1"),

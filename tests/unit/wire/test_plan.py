@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wire.plan import PlanSpec, epoch_permutation, make_plan, num_batches, position
+from wire.plan import Blocks, PlanSpec, epoch_order, epoch_permutation, make_plan, num_batches, position
 
 
 def all_ranks(length, bs, world, drop_last, seed=0, epoch=0, shuffle=True):
@@ -145,3 +145,117 @@ def test_a_plan_from_the_end_of_the_epoch_is_empty_and_start_is_checked():
         position(10, 2, 2, False, origin=0, steps=4)
     with pytest.raises(ValueError, match="origin must be in"):
         PlanSpec(10, 4, origin=11)
+
+
+# ---------------------------------------------------------------------------- a shuffle window (shard-aware)
+@st.composite
+def blocked(draw, max_length=400):
+    """(length, Blocks): a dataset cut into contiguous blocks of any sizes (shards of a WebDataset)."""
+    length = draw(st.integers(1, max_length))
+    cuts = draw(st.sets(st.integers(1, length - 1), max_size=40)) if length > 1 else set()
+    return length, Blocks([0, *sorted(cuts)])
+
+
+def _windowed(length, blocks, window, seed=0, epoch=0):
+    return epoch_order(PlanSpec(length, 1, seed, epoch, window=window, blocks=blocks))
+
+
+def _block_of(length, blocks):
+    return np.searchsorted(blocks.starts, np.arange(length), side="right") - 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=blocked(), window=st.integers(1, 50), seed=st.integers(0, 2**32), epoch=st.integers(0, 50))
+def test_a_window_orders_every_index_exactly_once_each_window_from_exactly_its_blocks(data, window, seed, epoch):
+    length, blocks = data
+    order = _windowed(length, blocks, window, seed, epoch)
+    assert order.dtype == np.int64 and sorted(order.tolist()) == list(range(length))  # exactly once
+    assert np.array_equal(order, _windowed(length, blocks, window, seed, epoch))  # a pure function
+    # from the start of a window, the first `window` blocks met are its blocks (the last window: those
+    # left); the window is then exactly all their samples, and the next one begins after it
+    block_of = _block_of(length, blocks)[order].tolist()
+    sizes = np.bincount(_block_of(length, blocks), minlength=len(blocks))
+    pos, seen = 0, set()
+    while pos < length:
+        members = []
+        for k in block_of[pos:]:
+            if k not in members:
+                members.append(k)
+                if len(members) == window:
+                    break
+        end = pos + int(sizes[members].sum())
+        assert set(block_of[pos:end]) == set(members)  # the window holds all of its blocks' samples, nothing else
+        assert len(members) == min(window, len(blocks) - len(seen)) and not set(members) & seen
+        seen |= set(members)
+        pos = end
+    assert seen == set(range(len(blocks)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=blocked(), seed=st.integers(0, 999), extra=st.integers(0, 5))
+def test_a_window_of_every_block_is_one_window_and_w0_is_the_old_order_exactly(data, seed, extra):
+    length, blocks = data
+    whole = _windowed(length, blocks, len(blocks) + extra, seed)
+    assert sorted(whole.tolist()) == list(range(length))
+    # W = 0, or no shuffle, or no blocks (every sample its own block): the uniform permutation, byte for byte
+    assert np.array_equal(epoch_order(PlanSpec(length, 1, seed)), epoch_permutation(length, seed, 0, True))
+    assert np.array_equal(epoch_order(PlanSpec(length, 1, seed, blocks=blocks)), epoch_permutation(length, seed, 0, True))
+    assert np.array_equal(epoch_order(PlanSpec(length, 1, seed, window=3)), epoch_permutation(length, seed, 0, True))
+    assert np.array_equal(epoch_order(PlanSpec(length, 1, seed, shuffle=False, window=3, blocks=blocks)),
+                          np.arange(length))
+
+
+def test_a_window_of_one_reads_block_after_block_and_windows_differ_by_seed_and_epoch():
+    blocks = Blocks([0, 10, 20, 30])
+    order = _windowed(40, blocks, 1, seed=4)
+    for k in range(0, 40, 10):  # each run of 10 is one whole block
+        assert len({int(i) // 10 for i in order[k:k + 10]}) == 1
+    others = [_windowed(40, blocks, 2, seed=4, epoch=1), _windowed(40, blocks, 2, seed=5), _windowed(40, blocks, 2, seed=4)]
+    assert not np.array_equal(others[0], others[2]) and not np.array_equal(others[1], others[2])
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=blocked(), window=st.integers(1, 12), seed=st.integers(0, 999), drop_last=st.booleans(), choice=st.data(),
+       world=st.integers(1, 8), bs=st.integers(1, 32), world2=st.integers(1, 8), bs2=st.integers(1, 32))
+def test_a_window_keeps_the_resume_rule_at_any_world_size_and_batch_size(data, window, seed, drop_last, choice,
+                                                                        world, bs, world2, bs2):
+    """The global order does not depend on world size nor batch size, so the prefix rule of the
+    elastic resume holds as with W = 0: k steps consumed a prefix, and a plan from there at
+    another shape serves exactly the rest."""
+    length, blocks = data
+    if drop_last and length < max(world, world2):
+        return
+    spec = dict(seed=seed, drop_last=drop_last, window=window, blocks=blocks)
+    order = epoch_order(PlanSpec(length, 1, **spec)).tolist()
+    plans = [make_plan(PlanSpec(length, bs, rank=r, world_size=world, **spec)) for r in range(world)]
+    steps = choice.draw(st.integers(0, plans[0].num_batches), label="steps before the stop")
+    before = [int(i) for p in plans for b in range(steps) for i, pad in zip(p.batch(b), p.batch_padding(b)) if not pad]
+    position_ = plans[0].position_after(steps)
+    if steps < plans[0].num_batches:
+        assert sorted(before) == sorted(order[:position_])  # a prefix of the global order
+    rest = [make_plan(PlanSpec(length, bs2, rank=r, world_size=world2, origin=position_, **spec)) for r in range(world2)]
+    after = [int(i) for p in rest for b in range(p.num_batches) for i, pad in zip(p.batch(b), p.batch_padding(b))
+             if not pad]
+    assert len({p.num_batches for p in rest}) == 1  # equal shares
+    assert len(before + after) == len(set(before + after))  # never twice
+    if not drop_last:
+        assert sorted(before + after) == list(range(length))  # exactly once
+
+
+@pytest.mark.parametrize("starts, match", [([], "at least one"), ([1, 4], "from 0"), ([0, 4, 4], "strictly increasing"),
+                                           ([0, 5, 3], "strictly increasing")])
+def test_bad_blocks_are_refused(starts, match):
+    with pytest.raises(ValueError, match=match):
+        Blocks(starts)
+
+
+def test_blocks_past_the_dataset_are_refused_and_blocks_compare_by_content():
+    with pytest.raises(ValueError, match="blocks start past the dataset's 10 samples"):
+        PlanSpec(10, 2, window=2, blocks=Blocks([0, 5, 10]))
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        PlanSpec(10, 2, window=-1)
+    a, b = Blocks([0, 5]), Blocks(np.array([0, 5], dtype=np.int32))
+    assert a == b and hash(a) == hash(b) and a != Blocks([0, 6]) and len({a, b}) == 1
+    assert Blocks.of_labels(np.array([0, 0, 1, 1, 1, 3])) == Blocks([0, 2, 5])
+    with pytest.raises(ValueError):
+        a.starts[0] = 1  # read-only: a plan cache key never changes
