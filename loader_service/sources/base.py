@@ -71,6 +71,11 @@ class Source(abc.ABC):
         """A hint from the dispatcher: ``plan``'s batch ``batch`` was just handed to a worker, the
         next ones follow. Must return at once; a source in object storage fetches ahead on it."""
 
+    def idle(self) -> None:
+        """The decode process has no task to run next: let go of what it holds only to be quick
+        on its next read and that other processes may be waiting for (a source in object storage
+        unpins its open shards, so a cache full of them has room for another process's)."""
+
     def blocks(self) -> Optional[Blocks]:
         """The dataset's units of reading, for a shuffle window (``JobSpec.shuffle_window``: the
         plan permutes blocks, then samples within windows of W blocks; see :mod:`wire.plan`).

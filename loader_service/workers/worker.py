@@ -95,6 +95,8 @@ def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_co
             if progress is not None:
                 progress[2] = -1  # between tasks: a death now is no task's fault
             sock.send_multipart(P.encode(done))
+            if not sock.poll(0):  # nothing queued behind it: what the task held open may be let go
+                sources[msg.dataset].idle()
     finally:
         for seg in segments.values():
             seg.close()

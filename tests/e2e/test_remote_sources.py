@@ -119,6 +119,38 @@ def test_a_killed_services_cache_is_reused_after_verification(tmp_path, shards):
         again.close()
 
 
+def test_an_idle_decode_process_unpins_its_open_shards(tmp_path, shards):
+    """A process keeps its last shards open (pinned) between reads, but not once it has no task:
+    two processes whose pins filled a cap could otherwise wait on each other's idle pins (CI saw a
+    read wait for room while the other process sat idle holding two shards)."""
+    import fcntl
+
+    with RangeHTTPServer(shards["root"]) as http:
+        src = open_path(http.url + "/data/", remote=_settings(tmp_path, shards))
+        first_of = {}
+        for i in range(len(src)):
+            first_of.setdefault(int(src._shard[i]), i)
+        for k in (0, 1):
+            src.read(first_of[k])
+        pinned = [str(tmp_path / "cache" / "shards" / os.path.basename(src.shards[k])) for k in (0, 1)]
+
+        def in_use(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False
+            except BlockingIOError:
+                return True
+            finally:
+                os.close(fd)
+
+        assert [in_use(p) for p in pinned] == [True, True]
+        src.idle()
+        assert [in_use(p) for p in pinned] == [False, False]
+        assert src.read(first_of[1]) == shards["want"][src.keys[first_of[1]]][0]  # and it reads on afterwards
+        src.close()
+
+
 # ---------------------------------------------------------------------------- through the service
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["http", "s3"])

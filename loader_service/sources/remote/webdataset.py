@@ -126,6 +126,12 @@ class RemoteWebDatasetSource(WebDatasetSource):
         fd = self._fds[s] = self.cache.open(self.objects[s], os.path.basename(self.shards[s]))
         return fd
 
+    def idle(self) -> None:
+        """Unpin this process's open shards: an idle process holding them could keep a cache that
+        is full of pinned shards from ever having room for another process's next one."""
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
     def describe(self, i: int) -> str:
         return f"{self.location.where(self.objects[int(self._shard[i])].name)}:{self.keys[i]}"
 
