@@ -98,6 +98,27 @@ def rss_mb(svc: ServiceProcess) -> float:
     return psutil.Process(svc.proc.pid).memory_info().rss / 2**20
 
 
+MEMORY_KINDS = ("heap (brk)", "anonymous maps", "shared memory", "files")
+
+
+def memory_by_kind(pid: int) -> List[str]:
+    """The process's resident MB by kind of mapping (/proc/PID/smaps): the main arena's brk heap;
+    anonymous maps (other threads' malloc arenas, Python's object arenas, large allocations);
+    /dev/shm segments; files (code, libraries, page cache of mapped files)."""
+    mb = dict.fromkeys(MEMORY_KINDS, 0.0)
+    kind = "files"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                name = head[5].strip() if len(head) > 5 else ""
+                kind = ("heap (brk)" if name == "[heap]" else "shared memory" if name.startswith("/dev/shm")
+                        else "anonymous maps" if not name or name.startswith("[") else "files")
+            elif head and head[0] == "Rss:":
+                mb[kind] += int(head[1]) / 1024
+    return [f"{mb[k]:.0f}" for k in MEMORY_KINDS]
+
+
 def measure(svc: ServiceProcess, phase: str, batches: int) -> list:
     stop, lat, fails, first = threading.Event(), [], [], []
     t = threading.Thread(target=healthz_latencies, args=(svc.url, stop, lat, fails), daemon=True)
@@ -116,7 +137,7 @@ def measure(svc: ServiceProcess, phase: str, batches: int) -> list:
     sessions = svc.status()["connections"]["sessions"] if not fails or lat else -1
     status_ms = (time.perf_counter() - t0) * 1000  # /v1/status with every session of the phase
     return [phase, f"{rate:.0f}", f"{first[0]:.1f}" if first else "-", f"{med:.1f}", f"{p99:.1f}", len(fails),
-            f"{rss_mb(svc):.0f}", sessions, f"{status_ms:.0f}"]
+            f"{rss_mb(svc):.0f}", sessions, f"{status_ms:.0f}", *memory_by_kind(svc.proc.pid)]
 
 
 def wait_sessions(svc: ServiceProcess, deadline_s: float) -> float:
@@ -173,7 +194,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(table_head(["phase", "client img/s", "first batch s", "/healthz median ms", "p99 ms", "/healthz failed",
                       "service RSS MB", "sessions", "/v1/status ms"], "lrrrrrrrr"))
     for r in rows:
-        print(table_row(r))
+        print(table_row(r[:9]))
+    print("\nThe service's resident memory by kind of mapping, MB (/proc/PID/smaps):\n")
+    print(table_head(["phase", *MEMORY_KINDS], "l" + "r" * len(MEMORY_KINDS)))
+    for r in rows:
+        print(table_row([r[0], *r[9:]]))
     return 0
 
 

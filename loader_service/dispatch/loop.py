@@ -32,6 +32,7 @@ import errno
 import logging
 import os
 import signal
+import struct
 import sys
 import threading
 import time
@@ -44,7 +45,6 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
 import msgpack
 import numpy as np
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from wire import protocol as P
 from loader_service.config import ServiceConfig
@@ -283,7 +283,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ clients
     def _on_monitor(self, frames) -> None:
-        ev = parse_monitor_message([f.bytes for f in frames])
+        ev = monitor_event(frames)
         if ev["event"] == zmq.EVENT_ACCEPTED:
             self.sessions.accepted(ev["value"])
             self._trim_rule.connections(self.sessions.connections)
@@ -818,6 +818,15 @@ def cannot_bind(port: str, host: str, number: int, err: int) -> OSError:
     else:
         hint = f"check --host / LOADER_HOST and {option}"
     return OSError(err, f"cannot bind the {port} port {host}:{number}: {os.strerror(err)} ({hint})")
+
+
+def monitor_event(frames) -> dict:
+    """A socket monitor message as {"event", "value", "endpoint"}, all plain values. Not pyzmq's
+    ``parse_monitor_message``: it makes ``value`` (an fd, an errno) a ``zmq.Event`` flag, and the
+    enum keeps a member for every value it meets, forever: one per fd number of a flood's
+    connections, each pinning the heap it was allocated in (issue 32)."""
+    event, value = struct.unpack("=hi", frames[0].bytes[:6])
+    return {"event": event, "value": value, "endpoint": frames[1].bytes if len(frames) > 1 else b""}
 
 
 def _stream_of(frame) -> int:
