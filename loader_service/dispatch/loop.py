@@ -500,6 +500,7 @@ class Dispatcher:
         """Give the heap that departed sessions freed back to the system (see :mod:`.heap`)."""
         self._trim_due = False
         before = heap.rss_bytes()
+        heap.compact(self.sessions, self.scheduler, self.tasks, self.memory)
         if heap.trim():
             self.totals.heap_trims += 1
             log.info("%d connections now: gave %.0f MiB of freed heap back to the system",

@@ -234,3 +234,8 @@ def test_after_many_sessions_come_and_go_the_dispatcher_holds_nothing_of_them(di
     assert len(d.admission._plans) == 0  # the plan the flood shared went with its last stream
     assert d._unreachable == {} and d._trim_due  # 301 connections closed: the heap is given back next
     assert len(zmq.Event._value2member_map_) == enum_members
+    d._trim_heap()  # the tables are rebuilt at their size now, and serve on
+    assert (len(s), s.connections, len(d.scheduler)) == (0, 0, 0)
+    again = uuid.uuid4().bytes
+    deliver(d, again, hello, fd=500)
+    assert d.sessions.get(again).stream is not None and len(d.scheduler) == 1 and d.memory.in_use() > 0
