@@ -87,18 +87,24 @@ def open_path(path: str, max_sample_bytes: Optional[int] = None, remote=None, **
 
 
 def open_url(url: str, remote, name: str = "", max_sample_bytes: Optional[int] = None) -> Source:
-    """A dataset in object storage: WebDataset shards when the URL is a ``.tar``, a pattern, or a
+    """A dataset in object storage: a packed dataset when the prefix has a ``meta.json`` right
+    under it; WebDataset shards when the URL is a ``.tar``, a pattern, or a
     prefix with ``.tar`` objects right under it; else an ImageFolder of loose objects when the
     prefix has class folders (``<prefix>/<class>/<image>``); else an error naming the URL. One
     listing of the prefix's first level decides, and the source opened reuses it."""
     from loader_service.sources.remote.store import Location, Store
 
     store = Store(Location.parse(url), remote)
-    if store.kind() == "webdataset":
+    kind = store.kind()
+    cap = {} if max_sample_bytes is None else {"max_sample_bytes": max_sample_bytes}
+    if kind == "packed":
+        from loader_service.sources.remote.packed import RemotePackedSource
+
+        return RemotePackedSource.open_url(url, remote, name=name, store=store, **cap)
+    if kind == "webdataset":
         from loader_service.sources.remote.webdataset import RemoteWebDatasetSource
 
         return RemoteWebDatasetSource.open_url(url, remote, name=name, store=store)
     from loader_service.sources.remote.imagefolder import RemoteImageFolderSource
 
-    cap = {} if max_sample_bytes is None else {"max_sample_bytes": max_sample_bytes}
     return RemoteImageFolderSource.open_url(url, remote, name=name, store=store, **cap)

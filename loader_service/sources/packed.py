@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import uuid
-from typing import Iterable, Sequence, Tuple
+from typing import Callable, Iterable, Sequence, Tuple
 
 import numpy as np
 
@@ -28,28 +28,40 @@ from loader_service.sources.index import PackedStrings
 
 FORMAT = "loader-packed"
 VERSION = 1
+INDEX_FILES = ("meta.json", "offsets.npy", "labels.npy", "names_blob.npy", "names_offsets.npy")
+
+
+def read_index(folder: str, data_size: Callable[[], int], where: str = "") -> Tuple[dict, np.ndarray, np.ndarray,
+                                                                                   PackedStrings]:
+    """A packed index in ``folder`` (``meta.json`` and the ``.npy`` arrays, memory-mapped): its meta,
+    offsets, labels and names, checked against each other and ``data_size()``, data.bin's size
+    (called once meta.json has been read). ``where`` names the dataset in errors (default ``folder``)."""
+    where = where or folder
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where} is not a packed dataset (no meta.json)") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{where}: unsupported packed format {meta.get('format')!r} v{meta.get('version')}")
+    load = lambda f: np.load(os.path.join(folder, f), mmap_mode="r")  # noqa: E731
+    offsets, labels = load("offsets.npy"), load("labels.npy")
+    names = PackedStrings(load("names_blob.npy"), load("names_offsets.npy"))
+    size = data_size()
+    if len(offsets) != meta["length"] + 1 or len(labels) != meta["length"] or offsets[-1] != size:
+        raise ValueError(f"{where}: packed dataset is inconsistent (truncated copy?)")
+    return meta, offsets, labels, names
 
 
 @register("packed")
 class PackedSource(Source):
     def __init__(self, path: str, name: str = ""):
-        meta_path = os.path.join(path, "meta.json")
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path} is not a packed dataset (no meta.json)") from None
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise ValueError(f"{path}: unsupported packed format {meta.get('format')!r} v{meta.get('version')}")
-        self.path, self.name, self.meta = path, name or os.path.basename(os.path.normpath(path)), meta
-        self.classes: list = list(meta.get("classes", []))
-        load = lambda f: np.load(os.path.join(path, f), mmap_mode="r")  # noqa: E731
-        self.offsets, self.labels = load("offsets.npy"), load("labels.npy")
-        self.names = PackedStrings(load("names_blob.npy"), load("names_offsets.npy"))
-        size = os.path.getsize(os.path.join(path, "data.bin"))
-        if len(self.offsets) != meta["length"] + 1 or len(self.labels) != meta["length"] or self.offsets[-1] != size:
-            raise ValueError(f"{path}: packed dataset is inconsistent (truncated copy?)")
-        self._data = np.memmap(os.path.join(path, "data.bin"), dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        self.path, self.name = path, name or os.path.basename(os.path.normpath(path))
+        data = os.path.join(path, "data.bin")
+        self.meta, self.offsets, self.labels, self.names = read_index(path, lambda: os.path.getsize(data))
+        self.classes: list = list(self.meta.get("classes", []))
+        size = int(self.offsets[-1])
+        self._data = np.memmap(data, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
 
     @classmethod
     def from_spec(cls, spec: SourceSpec) -> "PackedSource":

@@ -36,7 +36,7 @@ import shutil
 import uuid
 from array import array
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -463,15 +463,25 @@ def _build_index(root: str, shards: List[str], label_map: Optional[str], fp: str
 
 def _write_index(target: str, arrays: Dict[str, np.ndarray], meta: dict) -> str:
     """Write atomically (temp folder + rename); a concurrent writer's equal index wins."""
+
+    def fill(tmp: str) -> None:
+        for k, arr in arrays.items():
+            np.save(os.path.join(tmp, f"{k}.npy"), arr)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+
+    return save_folder(target, fill)
+
+
+def save_folder(target: str, fill: Callable[[str], None]) -> str:
+    """Make the folder ``target`` atomically: ``fill(tmp)`` writes a temporary sibling, renamed
+    into place; a concurrent writer's equal folder (one with its ``meta.json``) wins."""
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        for k, arr in arrays.items():
-            np.save(os.path.join(tmp, f"{k}.npy"), arr)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
+        fill(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

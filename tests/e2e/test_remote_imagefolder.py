@@ -6,7 +6,6 @@ neither a clear error."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -18,7 +17,7 @@ from loader_service.sources.remote.imagefolder import RemoteImageFolderSource
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
 from loader_service.sources.remote.webdataset import RemoteWebDatasetSource
 from tests.support.helpers import collect, indices_of, status
-from tests.support.stores import TEST_KEY, MotoServer, RangeHTTPServer, tiny_jpeg, write_image_folder, write_shards
+from tests.support.stores import TEST_KEY, MotoServer, same_epoch_as_local, RangeHTTPServer, tiny_jpeg, write_image_folder, write_shards
 
 # nested folders, upper-case extensions, files beside images that are no samples, a hidden
 # folder and a top-level file (neither a class), a class with no image (still a class, as locally)
@@ -152,22 +151,7 @@ def test_an_http_folder_of_class_folders_is_refused_with_the_reason(tmp_path, tr
 # ---------------------------------------------------------------------------- through the service
 @pytest.mark.slow
 def test_exactly_once_over_an_epoch_byte_for_byte_the_local_folders(make_service, tmp_path, tree, s3):
-    local = make_service(data=(tree["pets"],), demo=False, workers=2)
-    with RemoteLoader(local.endpoint, **KW) as ld:
-        want = collect(ld)
-    local.stop()
-    svc = make_service(data=("s3://bkt/pets/",), demo=False, workers=2, cache_dir=str(tmp_path / "cache"),
-                       s3_endpoint_url=s3.endpoint)
-    with RemoteLoader(svc.endpoint, **KW) as ld:
-        got = collect(ld)
-    assert sorted(indices_of(got)) == list(range(N))
-    assert indices_of(got) == indices_of(want)
-    assert [b["images"] for b in got] == [b["images"] for b in want]
-    assert [b["labels"] for b in got] == [b["labels"] for b in want]
-    st = status(svc)
-    assert st["totals"]["skipped"] == 0 and "pets" not in st["shard_cache"]  # read straight from the store
-    shown = json.dumps(st) + repr(svc.sources["pets"].spec()) + repr(svc.config)
-    assert not [k for k, v in TEST_KEY.items() if k != "AWS_DEFAULT_REGION" and v in shown], "credentials shown"
+    svc = same_epoch_as_local(make_service, tree["pets"], "s3://bkt/pets/", s3, str(tmp_path / "cache"), N, "pets", **KW)
     svc.stop()
 
 

@@ -326,3 +326,31 @@ def write_shards(folder: str, n_shards: int, per_shard: int, pad: int = 0) -> di
                     tf.addfile(info, io.BytesIO(data))
                 out[key] = (image, label)
     return out
+
+
+def same_epoch_as_local(make_service, local_path: str, url: str, s3: MotoServer, cache_dir: str, n: int,
+                        name: str, **kw):
+    """One epoch from a service on ``local_path`` and one from a service on ``url`` (moto), checked
+    exactly once and byte for byte the same (indices, images, labels), read straight from the
+    store (not the shard cache), no credentials shown. Returns the remote service, running."""
+    import json
+
+    from client import RemoteLoader
+    from tests.support.helpers import collect, indices_of, status
+
+    local = make_service(data=(local_path,), demo=False, workers=2)
+    with RemoteLoader(local.endpoint, **kw) as ld:
+        want = collect(ld)
+    local.stop()
+    svc = make_service(data=(url,), demo=False, workers=2, cache_dir=cache_dir, s3_endpoint_url=s3.endpoint)
+    with RemoteLoader(svc.endpoint, **kw) as ld:
+        got = collect(ld)
+    assert sorted(indices_of(got)) == list(range(n))
+    assert indices_of(got) == indices_of(want)
+    assert [b["images"] for b in got] == [b["images"] for b in want]
+    assert [b["labels"] for b in got] == [b["labels"] for b in want]
+    st = status(svc)
+    assert st["totals"]["skipped"] == 0 and name not in st["shard_cache"]  # read straight from the store
+    shown = json.dumps(st) + repr(svc.sources[name].spec()) + repr(svc.config)
+    assert not [k for k, v in TEST_KEY.items() if k != "AWS_DEFAULT_REGION" and v in shown], "credentials shown"
+    return svc

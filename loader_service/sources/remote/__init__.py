@@ -10,5 +10,7 @@ objects, ``<prefix>/<class>/<image>`` (:func:`~loader_service.sources.detect.ope
 * :mod:`.webdataset`: the shards' source, a :class:`~loader_service.sources.webdataset.WebDatasetSource`
   whose shards are opened through the cache;
 * :mod:`.imagefolder`: loose images, the listing their index, each read one checked GET (not
-  through the cache: its docstring says why).
+  through the cache: its docstring says why);
+* :mod:`.packed`: a packed dataset (``meta.json`` under the prefix), its index files downloaded
+  once, each sample one ranged GET of ``data.bin``.
 """

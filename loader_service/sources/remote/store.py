@@ -198,12 +198,15 @@ class Store:
 
     # ------------------------------------------------------------------ listing
     def kind(self) -> str:
-        """What the URL holds: ``"webdataset"`` (a pattern, a ``.tar``, or ``.tar`` objects right under
+        """What the URL holds: ``"packed"`` (a ``meta.json`` right under the prefix, as ``loader-service
+        pack`` writes it), ``"webdataset"`` (a pattern, a ``.tar``, or ``.tar`` objects right under
         the prefix) or ``"imagefolder"`` (no ``.tar`` there, class folders of images below it); one
         listing of the prefix's first level decides (kept for the source that opens it)."""
         if self.location.names:
             return "webdataset"
         objs, folders = self._top()
+        if "meta.json" in objs:
+            return "packed"
         if any(n.endswith(".tar") and not n.startswith(".") for n in objs):
             return "webdataset"
         if any(not f.startswith(".") for f in folders):
@@ -268,6 +271,14 @@ class Store:
                     for info in map(self._info, batch) if info is not None]
         except Exception as exc:
             raise self._fail(exc, "listing") from None
+
+    def listed(self, name: str) -> ObjectInfo:
+        """``name`` right under the prefix as the first-level listing saw it (a HEAD where an HTML
+        listing gives no size nor ETag); a :class:`RemoteError` naming it when it is not there."""
+        objs = self._top()[0]
+        if name not in objs:
+            raise RemoteError(f"{self.location.where(name)}: not found in the listing of {self.location.where()}")
+        return objs[name] or self.head(name)
 
     def head(self, name: str) -> ObjectInfo:
         try:
@@ -342,6 +353,36 @@ class Store:
     def read_object(self, info: ObjectInfo) -> bytes:
         """The object whole, checked (see :meth:`_checked`): the caller bounds ``info.size`` first."""
         return b"".join(bytes(view) for view in self._checked(info, "GET"))
+
+    def read_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object, one ranged GET, checked: the response must be that
+        object as listed (size, and ETag where it sends one; the ETag is also sent as ``If-Match``,
+        so S3 and GCS refuse a changed object themselves) and exactly the span asked for."""
+        where = self.location.where(info.name)
+        if not 0 <= start < end <= info.size:
+            raise RemoteError(f"{where}: range {start}-{end} is outside the {info.size} bytes listed")
+        options: Dict[str, Any] = {"range": (start, end)}
+        if info.etag:
+            options["if_match"] = info.etag
+        try:
+            res = self.obstore.get(self.store, self.location.key(info.name), options=options)
+            meta = res.meta
+            if int(meta["size"]) != info.size or (info.etag and meta.get("e_tag") and meta["e_tag"] != info.etag):
+                raise RemoteError(f"{where}: changed since the dataset was listed (size {info.size} -> "
+                                  f"{meta['size']}, ETag {info.etag} -> {meta.get('e_tag')}); restart the service "
+                                  "to take the new version as a new dataset")
+            data = bytes(res.bytes())
+        except RemoteError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, self.obstore.exceptions.PreconditionError):
+                raise RemoteError(f"{where}: changed since the dataset was listed (ETag {info.etag} no longer "
+                                  "matches); restart the service to take the new version as a new dataset") from None
+            raise self._fail(exc, f"range GET of bytes {start}-{end}", info.name) from None
+        if len(data) != end - start or tuple(res.range) != (start, end):
+            raise RemoteError(f"{where}: truncated range GET: {len(data)} bytes (range {tuple(res.range)}) for "
+                              f"bytes {start}-{end}")
+        return data
 
     def read_small(self, info: ObjectInfo, limit: int) -> bytes:
         """A small object whole (a label map), refused over ``limit`` bytes."""
