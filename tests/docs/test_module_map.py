@@ -62,9 +62,11 @@ def test_every_module_is_named_under_its_folder(folder):
 def test_every_module_the_map_names_exists_in_its_folder():
     sections = _sections()
     wrong = []
-    for folder in ("wire", "loader_service", "client", "bench", "examples"):
+    for folder in MAPPED:
         names = {os.path.basename(p) for p in _tracked(folder)} | NOT_NAMED
-        for name in set(re.findall(r"(?<![\w./])(\w+\.(?:py|c|h|sh))\b", sections[folder])):
+        if folder.startswith("tests/"):  # the tests section names test folders and support/'s modules
+            names |= {os.path.basename(p) for p in _tracked("tests")}
+        for name in set(re.findall(r"(?<![\w./])(\w+\.(?:py|c|h|sh))\b", _section_of(folder, sections))):
             if name not in names:
                 wrong.append(f"{folder}/: {name}")
     assert not wrong, f"README's module map names modules that are not there: {wrong}"
@@ -82,3 +84,20 @@ def test_the_map_lists_the_top_level_folders_and_the_test_folders():
     unit = sorted(d for d in os.listdir(os.path.join(REPO_ROOT, "tests", "unit"))
                   if os.path.isdir(os.path.join(REPO_ROOT, "tests", "unit", d)) and not d.startswith("_"))
     assert sorted(x.strip() for x in listed.split(",")) == unit
+
+
+@pytest.mark.parametrize("folder", MAPPED)
+def test_a_module_in_a_subfolder_is_named_after_that_subfolder(folder):
+    """Named under its own room: ``remote/packed.py`` after the map's ``remote/``, not only
+    somewhere in its top-level folder's text (where ``sources/packed.py`` also matches)."""
+    text = _section_of(folder, _sections())
+    wrong = []
+    for p in _tracked(folder):
+        rel = os.path.relpath(p, folder).split(os.sep)
+        at = 0
+        for sub in rel[:-1]:  # each folder on its path, in order
+            m = re.compile(rf"(?<![\w.]){re.escape(sub)}/").search(text, at)
+            at = m.end() if m else len(text)
+        if not re.compile(rf"(?<![\w.]){re.escape(rel[-1])}(?!\w)").search(text, at):
+            wrong.append(p)
+    assert not wrong, f"README's module map does not name these after their own folder: {wrong}"

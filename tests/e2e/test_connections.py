@@ -171,6 +171,29 @@ def test_a_hello_read_before_its_connections_accept_is_served_and_kept_when_the_
     assert ident not in d.sessions and d.memory.in_use() == 0
 
 
+def test_a_hello_read_after_its_connection_was_reported_gone_opens_nothing_once_its_answer_cannot_be_routed(dispatcher):
+    """Issue 32: the monitor's disconnect is read before that connection's queued Hello. The real
+    ROUTER (ROUTER_MANDATORY) refuses the Accept to an identity whose connection is gone: the
+    session is dropped after that event, before any other, and holds nothing."""
+    d = dispatcher
+    gone = uuid.uuid4().bytes
+    sent = d._send
+
+    def router_mandatory(ident, msg):  # what _send_frames does on EHOSTUNREACH
+        if ident == gone:
+            d._unreachable[ident] = None
+        else:
+            sent(ident, msg)
+
+    d._send = router_mandatory
+    d.event(zmq.EVENT_ACCEPTED)
+    d.event(zmq.EVENT_DISCONNECTED)
+    deliver(d, gone, _hello())
+    d._drop_unreachable()  # as _read_all does after every message
+    assert gone not in d.sessions and len(d.sessions) == 0 and d.sent == []
+    assert d.totals.early_messages == 1 and d.memory.in_use() == 0
+
+
 def test_a_hello_read_after_its_connection_was_reported_gone_is_dropped_when_no_accept_comes(dispatcher, monkeypatch):
     """Issue 32: the monitor's disconnect is read before that connection's queued Hello. Here
     the Accept could be "sent" (the fake socket takes it); a real ROUTER_MANDATORY send fails
