@@ -85,6 +85,7 @@ class BatchMemory:
         self._connected = connected  # whether an ident is still connected (its reserve is worth keeping)
         self._unlinked = unlinked  # told each segment's name once it is unlinked (workers unmap it)
         self._segments: Set[Segment] = set()  # in use by a live or retiring stream
+        self._closing: List[Segment] = []  # dropped while a zmq frame still held a view (see _drop)
         self._reserve: Dict[bytes, Segment] = {}  # ident -> its reserve, oldest first
         # the bytes of each, kept with every change (never summed: a decision costs the same
         # whatever the number of sessions; see :meth:`check_counts`)
@@ -213,8 +214,23 @@ class BatchMemory:
             self._drop(segment)
 
     def _drop(self, segment: Segment) -> None:
-        segment.close()
+        try:
+            segment.close()
+        except BufferError:
+            # a zmq frame may hold its view a moment after its send tracker said done (pyzmq lets
+            # go of zero-copy buffers on a thread of its own): unmapped once it has let go
+            self._closing.append(segment)
         self._unlinked(segment.name)
+
+    def _close_let_go(self) -> None:
+        """Unmap the dropped segments whose last view has gone since."""
+        left = []
+        for seg in self._closing:
+            try:
+                seg.close()
+            except BufferError:
+                left.append(seg)
+        self._closing = left
 
     def forget(self, ident: bytes) -> None:
         """``ident`` is gone: its reserve goes back."""
@@ -272,6 +288,8 @@ class BatchMemory:
     def release_idle(self, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
         """Give back the slots of retired streams that nothing reads any more (as their
         connection's reserve while it is connected); if any came back, :meth:`retry`."""
+        if self._closing:
+            self._close_let_go()
         if not self.retiring:
             return []
         keep = []
@@ -339,8 +357,9 @@ class BatchMemory:
         """Unmap everything (after zmq has released every frame). Idempotent."""
         self.stop()
         self.retiring = []
-        for seg in list(self._segments) + list(self._reserve.values()):
+        for seg in list(self._segments) + list(self._reserve.values()) + self._closing:
             seg.close()
+        self._closing = []
         self._segments.clear()
         self._reserve.clear()
         self._segment_bytes = self._reserve_bytes = 0

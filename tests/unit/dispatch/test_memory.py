@@ -386,3 +386,23 @@ def test_a_stream_that_goes_quiet_again_and_again_leaves_no_pile_of_index_entrie
             loop.memory.check_counts()  # the index equals the walk, and its heaps stay small
             pushed += 1
     assert pushed > 64 + 4 and len(loop.memory._due) + len(loop.memory._later) <= 64 + 4
+
+
+def test_a_segment_dropped_while_a_frame_still_holds_a_view_is_unmapped_once_it_lets_go():
+    """pyzmq lets go of a zero-copy frame's buffer on its own thread, a moment after the send's
+    tracker says done: dropping the segment then must not crash the dispatcher (it did once, with
+    BufferError in release_idle); it is unmapped and unlinked once the view is gone."""
+    import os
+
+    from loader_service.shm import Segment
+
+    m = BatchMemory(4 * MiB, 0, live=lambda: (), connected=lambda ident: True)
+    seg = Segment.create(4096, tag="test")
+    frame_view = seg.buf[0:16]  # what a zmq frame of a batch holds
+    m._drop(seg)
+    assert m._closing == [seg] and os.path.exists(f"/dev/shm/{seg.name}")
+    m.release_idle(0.0)
+    assert m._closing == [seg]  # still held
+    frame_view.release()
+    m.release_idle(0.0)
+    assert m._closing == [] and not os.path.exists(f"/dev/shm/{seg.name}")
