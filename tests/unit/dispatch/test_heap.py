@@ -14,10 +14,19 @@ def counts(rule: TrimRule, seq) -> list:
     return [n for n in seq if rule.connections(n)]
 
 
-def test_a_draining_flood_is_trimmed_as_it_halves_until_fewer_than_min_gone_are_left_to_close():
+def test_a_draining_flood_is_trimmed_as_it_halves_down_to_its_last_connection():
     rule = TrimRule(min_gone=256)
     assert counts(rule, range(1, 10_001)) == []  # connecting never trims
-    assert counts(rule, range(9_999, -1, -1)) == [5000, 2500, 1250, 625, 312, 56]
+    assert counts(rule, range(9_999, -1, -1)) == [5000, 2500, 1250, 625, 312, 156, 78, 39, 19, 9, 4, 2, 1, 0]
+
+
+def test_a_drain_that_stops_above_its_last_trim_is_not_trimmed_again_until_min_gone_have_left():
+    rule = TrimRule(min_gone=256)
+    counts(rule, range(1, 1001))
+    assert counts(rule, range(999, 99, -1)) == [500, 250, 125]
+    # a client comes above the count of the last trim, and goes: the drain is over
+    assert counts(rule, [101, 126, 100]) == []
+    assert counts(rule, [n for _ in range(300) for n in (101, 100)]) == [100]  # once, at 256 gone
 
 
 def test_one_client_coming_and_going_is_trimmed_once_in_min_gone_departures():
@@ -28,16 +37,21 @@ def test_one_client_coming_and_going_is_trimmed_once_in_min_gone_departures():
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 3000), max_size=200))
-def test_a_trim_comes_only_after_min_gone_departures_and_no_fewer_than_remain(seq):
-    rule, gone, last = TrimRule(min_gone=64), 0, 0
+def test_a_trim_comes_only_after_min_gone_departures_or_in_a_drain_and_no_fewer_than_remain(seq):
+    """A trim after fewer than ``min_gone`` departures only while the count has stayed at or
+    below that of a previous trim (a drain going on)."""
+    rule, gone, last, floor = TrimRule(min_gone=64), 0, 0, None
     for n in seq:
         gone += max(0, last - n)
         last = n
+        if floor is not None and n > floor:
+            floor = None
+        draining = floor is not None and gone > 0
         if rule.connections(n):
-            assert gone >= 64 and gone >= n
-            gone = 0
+            assert gone >= n and (gone >= 64 or draining)
+            gone, floor = 0, n
         else:
-            assert gone < 64 or gone < n
+            assert gone < n or (gone < 64 and not draining)
 
 
 def test_trim_gives_back_the_free_pages_between_blocks_still_in_use():
