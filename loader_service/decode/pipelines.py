@@ -180,8 +180,17 @@ def build(name: str, target: str, raw_args: Optional[Mapping[str, Any]]) -> Pipe
     return pipe
 
 
+# target -> its callable, once found: targets come from the service's registry (few, fixed), and
+# a lookup per Hello made new strings that the interpreter's type cache kept, one per flood
+# connection's arena (issue 32).
+_resolved: Dict[str, Callable[[Args], Pipeline]] = {}
+
+
 def resolve(target: str, name: str = "") -> Callable[[Args], Pipeline]:
     """``MODULE:CALLABLE`` -> the callable; ValueError naming what is missing."""
+    found = _resolved.get(target)
+    if found is not None:
+        return found
     who = f"pipeline {name!r}: " if name else ""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
@@ -196,6 +205,7 @@ def resolve(target: str, name: str = "") -> Callable[[Args], Pipeline]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise PipelineError(f"{who}{target} is not callable")
+    _resolved[target] = obj
     return obj
 
 

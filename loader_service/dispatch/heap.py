@@ -6,6 +6,12 @@ per-connection buffers and the dispatcher's per-session records are freed into g
 returning it (2 GB of RSS with 0 sessions, 92 MB at start). ``malloc_trim(0)`` walks every
 arena and returns its free pages. It costs milliseconds per hundred MB of heap, so it runs only
 after many connections have closed (:class:`TrimRule` decides, :func:`trim` does it).
+
+Python's own object allocator would keep most of the rest: it returns a 1 MiB arena only once
+every object in it is gone, and a few objects made during a flood that live on (a rate window's
+floats, a lazily imported module) sit in every arena the flood filled. So ``loader-service serve``
+runs the interpreter with ``PYTHONMALLOC=malloc`` (``loader_service.cli.main``), whose free
+pages :func:`trim` can return one by one.
 """
 
 from __future__ import annotations
