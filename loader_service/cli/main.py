@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -154,6 +155,10 @@ def _serve(config: ServiceConfig) -> int:
         print(f"loader-service: {exc.strerror if isinstance(exc, OSError) and exc.strerror and not exc.filename else exc}",
               file=sys.stderr)
         return 2
+    # What start-up made (the REST app, the imports: ~74,000 tracked objects) lives as long as the
+    # process; frozen, the full collections after a flood (dispatch/heap.py) pass over it: 60 ms
+    # of the dispatcher's time per collection becomes under 1 ms.
+    gc.freeze()
     announced, started = False, time.monotonic()
     # The main thread only watches: for a signal, the first ready worker, a broken pool or a dead
     # dispatcher. Each wait is short and the loop ends on any of them, so SIGTERM is prompt in

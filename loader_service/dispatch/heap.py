@@ -94,7 +94,8 @@ def trim() -> bool:
     the system; False where there is no ``malloc_trim``. The collection matters: departed
     sessions left cycles that only the oldest generation's collection finds, and the
     interpreter's free lists (thousands of tuples, dicts) keep blocks of the flood in use until
-    a full collection empties them."""
+    a full collection empties them. (``serve`` freezes what start-up made, so the collection
+    passes over it: a millisecond, not 60.)"""
     gc.collect()
     if _TRIM is None:
         return False
