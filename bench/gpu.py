@@ -97,8 +97,8 @@ def h2d(batch: int, size: int, iters: int, warmup: int) -> dict:
     out["raw_pinned"] = gbps(nbytes, per_call(lambda: pinned.to(dev, non_blocking=True), iters, warmup, True))
     for normalize in (False, True):
         sink = CudaSink(_config(batch, size, str(dev), normalize), held=2)
-        for slot in sink._slots:
-            slot.images.copy_(pageable.view(-1))
+        for slot in sink._slots:  # one output (the images): each slot holds one pinned buffer for it
+            slot.outputs[0].copy_(pageable.view(-1))
         k = [0]
 
         def one():
@@ -106,7 +106,7 @@ def h2d(batch: int, size: int, iters: int, warmup: int) -> dict:
             slot = sink._take_slot()
             msg = P.Batch(stream=1, epoch=0, index=k[0], indices=list(range(batch)), shape=list(shape))
             k[0] += 1
-            sink.hand_over(sink.push(msg, (slot, slot.images.view(shape), slot.labels)))
+            sink.hand_over(sink.push(msg, (slot, [slot.outputs[0].view(shape)], slot.labels)))
 
         out["ring_normalize" if normalize else "ring"] = gbps(nbytes, per_call(one, iters, warmup, True))
         sink.close()
@@ -218,11 +218,12 @@ def train(args, cuda: bool) -> dict:
     lossf = torch.nn.CrossEntropyLoss()
 
     def step(images, labels):
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = lossf(model(images), labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        for _ in range(args.model_passes):  # a model this many times heavier, on the same batch
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = lossf(model(images), labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
 
     B, S = args.batch_size, args.image_size
     x = torch.randn(B, 3, S, S, device=dev).contiguous(memory_format=torch.channels_last)
@@ -282,10 +283,15 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--prefetch", type=int, default=8)
     p.add_argument("--demo-size", type=int, default=2000)
     p.add_argument("--h2d-iters", type=int, default=50)
+    p.add_argument("--model-passes", type=int, default=1,
+                   help="forward + backward passes per batch: a heavier model, so that the service can outpace it "
+                        "and the stall measures the client's path rather than the service's rate")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.warmup < MIN_WARMUP:
         p.error(f"--warmup must be at least {MIN_WARMUP}")
+    if args.model_passes < 1:
+        p.error("--model-passes must be at least 1")
     if args.demo_size < args.batch_size:
         p.error("--demo-size must be at least --batch-size (the loader drops the last partial batch)")
     raise_on_sigterm()  # unwind through every finally: the service stops
@@ -316,7 +322,8 @@ def main(argv: Optional[list] = None) -> int:
         print("\nring vs raw pinned: skipped (no CUDA)\n")
 
     t = train(args, cuda)
-    print(f"## Training step, SmallResNet, batch {B}, {S}px, bf16 autocast, {args.workers} service workers, "
+    passes = f" x {args.model_passes} passes per batch" if args.model_passes > 1 else ""
+    print(f"## Training step, SmallResNet{passes}, batch {B}, {S}px, bf16 autocast, {args.workers} service workers, "
           f"{args.steps} steps after {args.warmup} warm-up\n")
     print("| | value |\n|---|---:|")
     print(f"| step, data resident on the {'GPU' if cuda else 'CPU'} | {1e3 * t['resident_step_s']:.1f} ms "

@@ -7,6 +7,10 @@
 #                                      # and the mutant runs (tests/cuda/run_mutants.py)
 #   bash bench/gpu_session.sh suite    # ON THE GPU: the new CPU/GPU tests, then the quick suite
 #   bash bench/gpu_session.sh bench    # ON THE GPU: python -m bench.gpu at batch 128 and 256
+#   bash bench/gpu_session.sh lease    # ON THE GPU: what one 15-minute lease holds, most telling
+#                                      # first, every part cut to what is left of LEASE_S (540 s):
+#                                      # tests/cuda, the 1-GPU torchrun example, bench.gpu at 256
+#                                      # and 128, the mutant runs, tests/cuda under the sanitizer
 #
 # On the GPU each step installs .whl/ with pip --no-index (no network there), writes its logs into
 # results/gpu-<step>/, prints a summary, and, where the device tool's $OUT is set, packs the logs
@@ -15,7 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-STEP=${1:?usage: bash bench/gpu_session.sh wheels|tests|suite|bench}
+STEP=${1:?usage: bash bench/gpu_session.sh wheels|tests|suite|bench|lease}
 PY=${PYTHON:-python3}
 
 # Installed on the GPU image already (or plugin-registering packages better not shadowed there).
@@ -31,7 +35,8 @@ wheels() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$tmp" \
     "pyzmq>=26" "msgpack>=1.0" "fastapi>=0.110" "uvicorn>=0.29" "simplejpeg>=1.7" "pydantic>=2" \
-    "pytest-timeout>=2.3" "schemathesis>=4.29" "kubernetes-validate>=1.29" || return 1
+    "pytest-timeout>=2.3" "schemathesis>=4.29" "kubernetes-validate>=1.29" \
+    "pydantic-settings>=2.7" "python-dotenv>=0.21" "dnspython>=2.4" || return 1
   rm -rf .whl && mkdir -p .whl
   for f in "$tmp"/*.whl; do
     name=$(basename "$f" | cut -d- -f1 | tr 'A-Z_' 'a-z-')
@@ -65,6 +70,7 @@ setup_gpu() {
     "$PY" -c "import sys, torch, zmq; print('python', sys.version.split()[0], 'torch', torch.__version__,
 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'pyzmq', zmq.__version__)" 2>&1
     nproc
+    df -h /dev/shm | tail -1
     git -C "$ROOT" log --oneline -1 2>/dev/null || true
   } >"$RESULTS/env.txt"
   cat "$RESULTS/env.txt"
@@ -77,6 +83,15 @@ part() {
   local name=$1 limit=$2 expect=$3
   shift 3
   local t0=$SECONDS
+  if [ -n "${DEADLINE:-}" ]; then  # the lease step: no part runs past the step's own deadline
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 20 ]; then
+      printf '%-22s %-17s %4ss  %s\n' "$name" "NOT RUN (no time)" 0 "$*" | tee -a "$SUMMARY"
+      FAILED=1
+      return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "== $name: $*"
   timeout --kill-after=20 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
   local rc=$?
@@ -127,8 +142,19 @@ case $STEP in
     done
     finish
     ;;
+  lease)
+    setup_gpu
+    DEADLINE=$((SECONDS + ${LEASE_S:-540}))
+    part cuda-plain 150 pass "$PY" -m pytest tests/cuda -v -rs -p no:cacheprovider
+    part torchrun-1gpu 100 pass "$PY" -m pytest tests/e2e/test_examples.py -m cuda -v -rs -p no:cacheprovider
+    part bench-gpu-256 150 pass "$PY" -m bench.gpu --batch-size 256 --steps 100 --json "$RESULTS/bench-gpu-256.json"
+    part bench-gpu-128 120 pass "$PY" -m bench.gpu --batch-size 128 --steps 100 --json "$RESULTS/bench-gpu-128.json"
+    part mutants 180 pass "$PY" tests/cuda/run_mutants.py --out "$RESULTS/mutants"
+    part cuda-sanitizer 240 pass env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest tests/cuda -v -rs -p no:cacheprovider
+    finish
+    ;;
   *)
-    echo "unknown step $STEP: wheels|tests|suite|bench" >&2
+    echo "unknown step $STEP: wheels|tests|suite|bench|lease" >&2
     exit 2
     ;;
 esac

@@ -18,7 +18,7 @@ SCRIPT = "bench.gpu"
 def test_gpu_benchmark_runs_and_reports_every_row(tmp_path):
     out = tmp_path / "gpu.json"
     stdout = run_bench(SCRIPT, ["--batch-size", "8", "--image-size", "32", "--steps", "12", "--demo-size", "64",
-                           "--workers", "1", "--h2d-iters", "12", "--json", str(out)])
+                           "--workers", "1", "--h2d-iters", "12", "--model-passes", "2", "--json", str(out)])
     result = json.loads(out.read_text())
     cuda = torch.cuda.is_available()
     assert result["cuda"] is cuda
@@ -32,6 +32,7 @@ def test_gpu_benchmark_runs_and_reports_every_row(tmp_path):
     assert result["args"]["warmup"] >= 10
     assert "| receive only: recv_into a host buffer (loopback tcp) |" in stdout
     assert "| data stall: 1 - resident / fed step time |" in stdout
+    assert result["args"]["model_passes"] == 2 and "SmallResNet x 2 passes per batch" in stdout
     if not cuda:
         assert "no CUDA: GPU rows skipped" in stdout and "ring vs raw pinned: skipped (no CUDA)" in stdout
 
@@ -43,3 +44,12 @@ def test_gpu_benchmark_refuses_fewer_than_ten_warmup_iterations():
     proc = subprocess.run([sys.executable, "-m", SCRIPT, "--warmup", "3"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--warmup must be at least 10" in proc.stderr
+
+
+def test_gpu_benchmark_refuses_fewer_than_one_model_pass():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", SCRIPT, "--model-passes", "0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--model-passes must be at least 1" in proc.stderr
