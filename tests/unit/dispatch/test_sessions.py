@@ -494,6 +494,8 @@ class SessionsModel(RuleBasedStateMachine):
         self.table.serve(s, ("stream", ident))
         if not self._alive(ident):  # the Accept cannot be routed: ROUTER_MANDATORY says so
             self._drop(ident)
+        else:
+            self.displaced.discard(ident)  # displaced earlier, its client's Hello (again) has its session back
 
     @precondition(lambda self: self.table.streams())
     @rule(data=st.data())
@@ -548,3 +550,47 @@ def uuid_like(n: int) -> bytes:
 
 
 TestSessionsModel = SessionsModel.TestCase
+
+
+class _Drawn:
+    """Stands for hypothesis' ``data`` in a replayed run: hands out the values given, in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy):
+        return self.values.pop(0)
+
+
+def test_a_client_displaced_by_a_stale_hello_and_saying_hello_again_has_its_session():
+    """Found by the model in CI (stop 36): a Hello of a gone connection on fd 4, read after fd 4
+    was reused, displaces the live client there; that client's next Hello must bring its session
+    back, and the model must count it as having one (the model's bookkeeping kept it displaced)."""
+    m = SessionsModel()
+
+    def check():
+        m.a_live_connection_whose_hello_was_read_has_its_session()
+        m.every_session_has_an_open_connection_or_a_disconnect_still_queued()
+        m.once_everything_is_read_the_sessions_are_the_open_connections_that_said_hello()
+        m.the_indexes_equal_a_walk_of_the_sessions()
+
+    steps = [
+        lambda: m.connect(_Drawn(4), False), lambda: m.grace_runs_out(),
+        *[lambda: m.client_sends_hello(_Drawn(4))] * 3,  # three Hellos of connection 1, queued
+        lambda: m.disconnect(_Drawn(4), False),  # connection 1 goes; its Hellos stay queued
+        lambda: m.connect(_Drawn(3), False), lambda: m.connect(_Drawn(4), False),  # fd 4 reused by connection 3
+        lambda: m.connect(_Drawn(5), True), lambda: m.read_message(_Drawn(0), "a"),
+        lambda: m.connect(_Drawn(6), True), lambda: m.read_message(_Drawn(0), "a"),
+        lambda: m.report_accept(_Drawn(5)), lambda: m.report_accept(_Drawn(6)),
+        lambda: m.client_sends_hello(_Drawn(4)), lambda: m.client_sends_hello(_Drawn(4)),  # connection 3's
+        lambda: m.read_message(_Drawn(1), "a"),  # connection 3's first Hello: its session
+        lambda: m.read_message(_Drawn(0), "a"),  # connection 1's last Hello, stale: displaces it
+        lambda: m.read_message(_Drawn(0), "a"),  # connection 3's Hello again: its session is back
+    ]
+    check()
+    for step in steps:
+        step()
+        check()
+    live = m.truth[4][0]
+    assert m.table.get(live) is not None and m.table.get(live).fd == 4
+    assert live not in m.displaced
