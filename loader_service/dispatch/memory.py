@@ -14,7 +14,9 @@ dispatcher sends it from there). Live segments and reserves together never excee
   first, if that makes room; the stream takes slots again with its next request, and waits
   (``starved``) while none are free.
 * **waiting**: a new stream that would fit once streams that are ending, or quiet, give their
-  slots back waits for them (``waiting``); one that would not is refused at once. So a job
+  slots back waits for them (``waiting``); one that would not is refused at once. A stream
+  caught up with what it was asked, its last sends not yet let go by libzmq, counts as quiet
+  here: it is quiet a moment later (a Hello that came in that moment was refused, a race). So a job
   that fits ``max_bytes`` is never refused because a connected client sits on slots.
 * **lookahead**: a client's next epoch, started early, is best effort: it must leave room for
   a plain stream as large as the largest one live, lends nothing and never waits.
@@ -107,6 +109,10 @@ class BatchMemory:
         self._due_bytes = 0
         self._later_bytes = 0
         self._seq = itertools.count()
+        # streams caught up but for sends libzmq has not let go of yet: quiet once it has (see
+        # :meth:`_will_fit`), each with its segment's bytes
+        self._settling: Dict[Stream, int] = {}
+        self._settling_bytes = 0
         # the current epochs' slot sizes (live streams, not lookahead): size -> count; a heap of
         # the sizes (negated, each once; sizes no longer counted are popped when on top)
         self._current: Dict[Stream, int] = {}
@@ -132,6 +138,9 @@ class BatchMemory:
         assert set(self._quiet) == quiet, "the quiet index differs from the walk"
         assert all(self._quiet[q].asked_at == q.asked_at for q in quiet), "a quiet stream is indexed by an old ask"
         assert self._due_bytes + self._later_bytes == sum(q.segment.size for q in quiet), "quiet bytes drifted"
+        settling = {q for q in live if q.segment is not None and q.state.caught_up and not q.state.settled}
+        assert set(self._settling) == settling, "the settling index differs from the walk"
+        assert self._settling_bytes == sum(q.segment.size for q in settling), "settling bytes drifted"
         headroom = max((x.nbytes for x in live if not x.lookahead), default=0)
         assert self._lookahead_headroom() == headroom, "the largest current epoch's slots drifted"
         assert len(self._due) + len(self._later) <= 64 + 4 * len(self._quiet), "stale quiet entries pile up"
@@ -364,6 +373,8 @@ class BatchMemory:
         self._reserve.clear()
         self._segment_bytes = self._reserve_bytes = 0
         self._quiet.clear()
+        self._settling.clear()
+        self._settling_bytes = 0
         self._current.clear()
         self._current_sizes.clear()
         self._due, self._later, self._largest = [], [], []
@@ -386,6 +397,13 @@ class BatchMemory:
             self._current_sizes[size] -= 1
             if not self._current_sizes[size]:
                 del self._current_sizes[size]
+        settling = s.segment is not None and s.state.caught_up and not s.state.settled
+        if settling != (s in self._settling):
+            if settling:
+                self._settling[s] = s.segment.size
+                self._settling_bytes += s.segment.size
+            else:
+                self._settling_bytes -= self._settling.pop(s)
         quiet = s.segment is not None and s.state.settled
         entry = self._quiet.get(s)
         if entry is not None and (not quiet or entry.asked_at != s.asked_at):
@@ -476,9 +494,10 @@ class BatchMemory:
 
     def _will_fit(self, nbytes: int) -> bool:
         """Whether ``nbytes`` fit once the streams ending now and the quiet ones (when their quiet
-        time is up) give their slots back: then a new stream waits rather than being refused."""
+        time is up; the caught-up ones once their sends are let go of) give their slots back:
+        then a new stream waits rather than being refused."""
         ending = sum(s.segment.size for s in self.retiring if s.segment is not None)
-        quiet = self._due_bytes + self._later_bytes
+        quiet = self._due_bytes + self._later_bytes + self._settling_bytes
         return self.in_use() - self.reserved() - ending - quiet + nbytes <= self.max_bytes
 
     def _lookahead_headroom(self) -> int:

@@ -275,11 +275,16 @@ class StreamState:
         return self.done and not self.tasks and not self.sending
 
     @property
+    def caught_up(self) -> bool:
+        """Live, and every batch asked for is made and sent: at most sends still read slots
+        (libzmq lets go of a sent frame a moment later). Settled once they complete."""
+        return not self.done and not self.tasks and not self.ready and not self.isolated and self.not_started == 0
+
+    @property
     def settled(self) -> bool:
-        """Live, with no slot in use and nothing asked that has not started: its slots could be
-        lent out and taken again later without losing anything."""
-        return (not self.done and not self.tasks and not self.ready and not self.sending and not self.isolated
-                and self.not_started == 0)
+        """Caught up, with no slot in use: its slots could be lent out and taken again later
+        without losing anything."""
+        return self.caught_up and not self.sending
 
     @property
     def not_started(self) -> int:
