@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -122,4 +123,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sys.stdout.flush()  # leave without the interpreter's finalization (see train_ddp.py)
+    sys.stderr.flush()
+    os._exit(code)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import lightning as L
 import torch
@@ -126,4 +127,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sys.stdout.flush()  # leave without the interpreter's finalization (see train_ddp.py)
+    sys.stderr.flush()
+    os._exit(code)
