@@ -54,6 +54,7 @@ class EpochRun:
         self._repeat: Optional[Batch] = None  # the batch being echoed
         self._repeats = 0  # hand-overs of it still to come
         self._ended = False
+        self._told_end = False  # each service was told its stream asks for nothing more
 
     def __iter__(self) -> "EpochRun":
         return self
@@ -77,11 +78,19 @@ class EpochRun:
     def _finish(self) -> None:
         """Every batch was yielded: tell each service that its stream asks for nothing more,
         then end the run."""
-        if not self._ended:
+        self.end_streams()
+        self.close()
+
+    def end_streams(self) -> None:
+        """Tell each service that its stream asks for nothing more: it ends once the batches it
+        was asked for are sent (stale to this loader once a new stream starts) and gives its
+        batch slots back. At the epoch's end, and when the consumer leaves it part-way (a new
+        ``iter()`` on the loader). Once only; nothing after :meth:`close`."""
+        if not self._ended and not self._told_end:
+            self._told_end = True
             for r in self.conns.replicas:
                 if not r.dead and r.stream >= 0 and r.accepted:
                     r.request([], self.stats.batches, final=True)  # the stream ends; its slots are kept
-        self.close()
 
     # ------------------------------------------------------------------ the wait for the next batch
     def _next_in_order(self) -> Batch:

@@ -17,15 +17,18 @@ of a job, at any world size and batch size, continues with exactly the rest of t
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import uuid
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Iterator, List, Optional, Sequence, Union
 
 import zmq
@@ -68,15 +71,16 @@ class RemoteLoader:
         replicas join and leave as the name's records change (``dns_refresh_s``; see
         :mod:`client.membership`)."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
-        if not options.get("job"):
-            options["job"] = default_job()
         if not endpoints:
             raise ValueError("endpoint: give at least one tcp://host:port")
         self.endpoints = endpoints
-        self.config = LoaderConfig.of(endpoints[0], batch_size=batch_size, rank=rank, world_size=world_size,
-                                      seed=seed, shuffle=shuffle, shuffle_window=shuffle_window,
-                                      drop_last=drop_last, image_size=image_size,
-                                      train=train, prefetch=prefetch, device=str(device), **options)
+        config = LoaderConfig.of(endpoints[0], batch_size=batch_size, rank=rank, world_size=world_size,
+                                 seed=seed, shuffle=shuffle, shuffle_window=shuffle_window,
+                                 drop_last=drop_last, image_size=image_size,
+                                 train=train, prefetch=prefetch, device=str(device), **options)
+        if not config.job:  # the launcher's id and what tells this loader from the rank's others
+            config = replace(config, job=default_job(config.spec))
+        self.config = config
         for e in endpoints[1:]:
             LoaderConfig(endpoint=e, spec=self.config.spec)  # validates the address
         self._fleet = Fleet(endpoints, self.config)
@@ -100,7 +104,7 @@ class RemoteLoader:
         self._epoch_set = False  # set_epoch since the last iteration: no auto-advance (see __iter__)
         self._resume = False  # the next iteration resumes at a cursor from load_state_dict
         self._pending_epoch: Optional[int] = None  # set_epoch during an epoch: for the next iteration
-        self._live: Optional["weakref.ref"] = None  # the iterator of the epoch in progress
+        self._live: Optional["weakref.ref"] = None  # the _Pass of the epoch in progress
         self._iter_lock = threading.Lock()
         self._dataset_length: Optional[int] = None
         self._stats = LoaderStats()
@@ -130,7 +134,7 @@ class RemoteLoader:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         with self._iter_lock:
-            if self._live_iterator() is not None:
+            if self._live_pass() is not None:
                 self._pending_epoch = epoch
                 return
             self._select_epoch(epoch)
@@ -144,16 +148,17 @@ class RemoteLoader:
     def __iter__(self) -> Iterator[Batch]:
         """One epoch, DataLoader-style: the current epoch from its first batch, except the first
         iteration after :meth:`load_state_dict`, which resumes at the loaded cursor. Iterating
-        again without :meth:`set_epoch` once an epoch is complete starts the next one. One live
-        iterator at a time: a second one is an error at once."""
+        again without :meth:`set_epoch` once an epoch is complete starts the next one.
+
+        As with a DataLoader, a new ``iter()`` ends this loader's previous iterator if it was
+        made in the same thread (a ``break``, a peek, a framework's ``limit_*_batches`` or
+        sanity check): its streams are told to end, and using it afterwards is an error that
+        says so. An iterator made in another thread that is still alive is not taken from it:
+        a second consumer is refused at once (use one loader per consumer)."""
         if self._closed:
             raise RuntimeError("this RemoteLoader is closed")
         with self._iter_lock:
-            self._close_if_taken()
-            if self._live_iterator() is not None:
-                raise RuntimeError("this RemoteLoader already has a live iterator (another thread, or an "
-                                   "earlier iter() still referenced): finish or close it first; use one "
-                                   "loader per consumer")
+            self._end_live_pass("iter()")
             if self._dataset_length is None:
                 self._describe()
             if self._pending_epoch is not None:
@@ -167,24 +172,46 @@ class RemoteLoader:
             elif self._saved_shape is not None:
                 self._say_reshard()
             self._epoch_set = False
-            gen = self._iterate(self._epoch, self._origin, self._next_batch)
-            self._live = weakref.ref(gen)
-            return gen
+            started: dict = {}  # the pass's EpochRun, once its streams start
+            gen = self._iterate(self._epoch, self._origin, self._next_batch, started)
+            live = _Pass(gen, started, threading.current_thread(), self._epoch, resumed=resume)
+            self._live = weakref.ref(live)
+            return live
 
-    def _close_if_taken(self) -> None:
-        """Close a live iterator whose epoch was taken to its last batch: all it has left is the
-        StopIteration, which a consumer that stops at ``len()`` (Lightning's fetcher) never asks for."""
-        gen = self._live_iterator()
-        if gen is None or self._dataset_length is None or self._next_batch < self._batches(self._origin):
+    def _end_live_pass(self, by: str) -> None:
+        """End the live pass of this loader, if any, for ``by`` (a new ``iter()``, a
+        ``load_state_dict``) the way a DataLoader's new iterator replaces the old one: a pass
+        taken to its last batch (Lightning's fetcher stops at ``len()`` and never asks for the
+        StopIteration) from any thread, any other from its own thread or once that thread is
+        gone. A pass another live thread still uses is refused, naming the thread."""
+        live = self._live_pass()
+        if live is None:
             return
+        taken = self._dataset_length is not None and self._next_batch >= self._batches(self._origin)
+        here = threading.current_thread()
+        if live.running or (not taken and live.thread is not here and live.thread.is_alive()):
+            raise RuntimeError(
+                f"this RemoteLoader already has a live iterator, made in thread {live.thread.name!r}, which is "
+                f"{'in next() right now' if live.running else 'still running'}: {by} from thread {here.name!r} "
+                "cannot take it over. Finish that iterator (or leave its loop) in its own thread first, or use "
+                "one loader per consumer. (In the thread that made it, a new iter() ends it, as with a DataLoader.)")
+        if not taken:
+            total = self._batches(self._origin)
+            (log.warning if live.resumed else log.debug)(
+                "%s ends this loader's iterator of epoch %d after %d of its %d batches%s", by, live.epoch,
+                self._next_batch, total, " (the resumed epoch: the rest of it is not trained on in this pass; the "
+                "next iter() starts the epoch again from its first batch)" if live.resumed else
+                " (a break, a peek or a framework's batch limit); the next pass starts the epoch again")
         try:
-            gen.close()
-        except ValueError:  # running in another thread right now: the error below says so
-            pass
+            live.end(finished=taken)
+        except ValueError:  # it entered next() in another thread just now
+            raise RuntimeError(f"this RemoteLoader already has a live iterator, in next() in thread "
+                               f"{live.thread.name!r} right now: {by} cannot take it over; use one loader per "
+                               "consumer") from None
 
-    def _live_iterator(self):
-        gen = self._live() if self._live is not None else None
-        return gen if gen is not None and gen.gi_frame is not None else None
+    def _live_pass(self) -> Optional["_Pass"]:
+        live = self._live() if self._live is not None else None
+        return live if live is not None and live.alive else None
 
     def state_dict(self) -> dict:
         """The job's position: where the next iteration starts, the same on every rank at the same
@@ -209,8 +236,7 @@ class RemoteLoader:
             detail = ", ".join(f"{k}: saved {a!r} vs loader {b!r}" for k, (a, b) in mismatched.items())
             raise ValueError(f"loader state does not match this loader's plan ({detail})")
         with self._iter_lock:
-            if self._live_iterator() is not None:
-                raise RuntimeError("load_state_dict while an epoch is being iterated: finish or close it first")
+            self._end_live_pass("load_state_dict()")  # the loaded cursor is the next pass's
             step = c.spec.batch_size * c.spec.world_size
             if state["position"] % step == 0:  # on a step of this shape: the whole epoch's plan, from that batch
                 self._origin, self._next_batch = 0, state["position"] // step
@@ -224,6 +250,10 @@ class RemoteLoader:
                                     if state["dataset_length"] is not None else None)
             if self._dataset_length is not None:
                 self._check_saved_identity()
+        if "lightning.pytorch" in sys.modules:  # Lightning's fit loop may be the caller: see client.lightning
+            from client.lightning import ensure_elastic_resume
+
+            ensure_elastic_resume(self)
 
     def replicas(self) -> List[str]:
         """The service replicas this loader streams from now (a followed name's addresses as
@@ -291,16 +321,18 @@ class RemoteLoader:
         c, (world, batch) = self.config, self._saved_shape
         assert self._dataset_length is not None
         origin = min(self._origin, self._dataset_length)
-        log.info("resuming epoch %d at sample %d of %d, saved at world size %d x batch %d, now %d x %d: the "
-                 "remaining %d samples are shared by %d ranks, %d batches each", self._epoch, origin,
-                 self._dataset_length, world, batch, c.spec.world_size, c.spec.batch_size,
-                 self._dataset_length - origin, c.spec.world_size, self._batches(origin))
+        log.warning("resuming epoch %d at sample %d of %d, saved at world size %d x batch %d, now %d x %d: the "
+                    "remaining %d samples are shared by %d ranks, %d batches each (a loop that counts this epoch's "
+                    "batches itself must count these: batches_left(); under Lightning the loader sees to it)",
+                    self._epoch, origin, self._dataset_length, world, batch, c.spec.world_size, c.spec.batch_size,
+                    self._dataset_length - origin, c.spec.world_size, self._batches(origin))
         self._saved_shape = None
 
-    def _iterate(self, epoch: int, origin: int, start: int) -> Iterator[Batch]:
+    def _iterate(self, epoch: int, origin: int, start: int, started: dict) -> Iterator[Batch]:
         """One epoch from ``origin`` in its global order and batch ``start`` of that plan, in
         plan order (:class:`~client.epoch.EpochRun`): the epoch streaming ahead if it is this
-        one from its start, else new streams on the current set of connections."""
+        one from its start, else new streams on the current set of connections. The run is put
+        in ``started["run"]`` once it exists (for the pass to end it)."""
         if self._dataset_length is None:
             self._describe()
         origin = min(origin, self._dataset_length)
@@ -316,6 +348,7 @@ class RemoteLoader:
             flow = conns.start_epoch(epoch, start, total, origin=origin, entry=self._position())
         run = EpochRun(self._conns, flow, self._sink, self.config, self._stats, epoch,
                        self._lookahead if self.config.epoch_lookahead else None, fleet=self._fleet)
+        started["run"] = run
         try:
             for batch in run:
                 self._next_batch = flow.next_yield
@@ -397,16 +430,87 @@ class RemoteLoader:
                            stats=self._stats)
 
 
-def default_job() -> str:
+class _Pass:
+    """One pass over an epoch: what ``iter(loader)`` returns. It ends when its epoch does, or
+    when its loader ends it (:meth:`RemoteLoader._end_live_pass`); ended part-way, using it is
+    an error that says why, never a silently short epoch."""
+
+    def __init__(self, gen: Iterator[Batch], started: dict, thread: threading.Thread, epoch: int, resumed: bool):
+        self._gen, self._started = gen, started
+        self.thread, self.epoch, self.resumed = thread, epoch, resumed  # made in thread, serving epoch
+        self._ended_part_way = False
+
+    def __iter__(self) -> "_Pass":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._ended_part_way:
+            raise RuntimeError(f"this iterator of epoch {self.epoch} was ended part-way by a later iter() or "
+                               "load_state_dict() on its RemoteLoader, which starts a new pass (as a DataLoader's "
+                               "new iterator does): iterate the newest one")
+        return next(self._gen)
+
+    @property
+    def alive(self) -> bool:
+        """Not ended: it may yield again (or owes its consumer a StopIteration)."""
+        return self._gen.gi_frame is not None
+
+    @property
+    def running(self) -> bool:
+        """In ``next()`` right now (in its thread)."""
+        return self._gen.gi_running
+
+    def end(self, finished: bool) -> None:
+        """End it; ``finished``: every batch of its epoch was taken (what is left of it is the
+        StopIteration). Each service is told its stream asks for nothing more, so the batches
+        it was asked for are its last and its batch slots go back; then the run's memory is
+        released. Raises ValueError if it is in ``next()`` in another thread."""
+        if self.running:
+            raise ValueError("generator already executing")
+        run = self._started.get("run")
+        if run is not None:
+            run.end_streams()
+        self._ended_part_way = not finished
+        self._gen.close()
+
+
+def default_job(spec: Optional[JobSpec] = None) -> str:
     """The job name a loader uses when given none: the launcher's id of this training, so that
     the ranks of one training share it and unrelated trainings on one service never do:
     ``TORCHELASTIC_RUN_ID`` (torchrun), else ``MASTER_ADDR:MASTER_PORT``; empty (no job rules)
-    outside a launcher."""
+    outside a launcher. With ``spec`` (the loader's :class:`JobSpec`), followed by what tells
+    this loader from the others of its rank: ``/train-<digest>`` or ``/eval-<digest>``, a digest
+    of every field of the spec (what the service compares across a job's ranks), so a training
+    loader and a validation loader in one rank are two jobs, while every rank of one loader
+    (same settings) derives the same name."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
-        return f"torchelastic:{run_id}"[:256]
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    return f"{addr}:{port}"[:256] if addr and port else ""
+        launcher = f"torchelastic:{run_id}"
+    else:
+        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        launcher = f"{addr}:{port}" if addr and port else ""
+    if not launcher or spec is None:
+        return launcher[:256]
+    suffix = f"/{'train' if spec.train else 'eval'}-{spec_digest(spec)}"
+    return launcher[:256 - len(suffix)] + suffix
+
+
+def spec_digest(spec: JobSpec) -> str:
+    """12 hex digits that differ between any two specs the service would tell apart (every field;
+    ``scale``/``ratio`` as floats, ``pipeline_args`` by value), the same in every process."""
+    fields = spec.on(spec.dataset).as_dict()
+    try:
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=_plain)
+    except TypeError:  # a nested map with keys of mixed types (msgpack allows them): in the order given
+        text = repr(fields)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _plain(value: object) -> object:
+    """A JSON stand-in for what a pipeline argument may hold beyond JSON (bytes, tuples in msgpack)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"bytes": bytes(value).hex()}
+    return repr(value)
 
 
 def resolve_endpoints(endpoint: str) -> List[str]:
@@ -474,5 +578,5 @@ def _from_version_1(state: dict) -> dict:
     return out
 
 
-__all__ = ["RemoteLoader", "LoaderStats", "default_job", "resolve_endpoints"]
+__all__ = ["RemoteLoader", "LoaderStats", "default_job", "resolve_endpoints", "spec_digest"]
 

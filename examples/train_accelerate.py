@@ -26,6 +26,11 @@ object's ``load_state_dict`` on every process. The loader state is job-level (is
 rank of the resumed job, at any world size, loads rank 0's state and the rest of the epoch is
 dealt out across them, each sample once. ``progress`` (the step and epoch) is registered the
 same way.
+
+``--validate``: a second loader in each process, for validation at each epoch's end
+(``train=False, shuffle=False``), not registered for checkpointing (each validation starts its
+pass again). Its default job is the launcher's id followed by a digest of its settings, another
+job than the training loader's.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from framework_common import IndexLog, TinyNet, add_common_args, hang_if_asked, loss_of, make_loader
+from framework_common import IndexLog, TinyNet, add_common_args, hang_if_asked, loss_of, make_loader, \
+    make_val_loader, validate
 
 
 class Progress:
@@ -69,6 +75,8 @@ def main() -> int:
     model, optimizer = accelerator.prepare(model, optimizer)  # not the loader (see above)
     device = accelerator.device
     loader = make_loader(args, rank, world, "cpu" if device.type == "cpu" else str(device))  # <-
+    val_loader = (make_val_loader(args, rank, world, "cpu" if device.type == "cpu" else str(device))
+                  if args.validate else None)  # <- a second loader, its own job
     progress = Progress()
     accelerator.register_for_checkpointing(loader, progress)  # <- saved/loaded by save_state/load_state
 
@@ -94,7 +102,8 @@ def main() -> int:
                 f.write(name)
             os.replace(latest + ".tmp", latest)
     log = IndexLog(args.log_indices, rank)
-    log.start(resumed_from, world_size=world, job=loader.config.job)
+    log.start(resumed_from, world_size=world, job=loader.config.job,
+              val_job=val_loader.config.job if val_loader is not None else None)
 
     loss = None
     try:
@@ -111,6 +120,9 @@ def main() -> int:
                 if progress.step % args.checkpoint_every == 0:
                     save()
                 hang_if_asked(args, progress.step, log, rank)
+            if val_loader is not None:
+                val_loss = validate(accelerator.unwrap_model(model), val_loader, args, log, epoch, progress.step)
+                print(f"rank {rank}: epoch {epoch} validation loss {val_loss:.3f}", flush=True)
             if progress.step % args.checkpoint_every:  # else just saved
                 save()
             if accelerator.is_main_process:
@@ -118,6 +130,8 @@ def main() -> int:
                                                                        if loss is not None else ""), flush=True)
     finally:
         loader.close()
+        if val_loader is not None:
+            val_loader.close()
     accelerator.end_training()
     return 0
 

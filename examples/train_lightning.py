@@ -26,12 +26,22 @@ sampler); the epoch numbers stay the same as Lightning's because every epoch run
 It does not inject a DistributedSampler (it does so only for torch DataLoaders): the ranks'
 shares come from ``rank=trainer.global_rank, world_size=trainer.world_size``.
 
-Resumed on more devices, one callback is needed: Lightning counts a resumed epoch's batches from
-the ones trained before the checkpoint, in the *old* world size's batches, against a limit it
-takes from ``len()`` before it loads the loader's state, so it would end the epoch early (2 ranks
-checkpointed after 6 of 15 batches, 3 ranks resume: 10 - 6 = 4 more batches per rank where 6
-are left). ``client.lightning.ElasticResume`` sets that count from ``loader.batches_left()``
-once the state is loaded (docs/frameworks.md).
+Resumed on another device count, Lightning counts a resumed epoch's batches from the ones
+trained before the checkpoint, in the *old* world size's batches, against a limit it takes
+from ``len()`` before it loads the loader's state: on more devices it would end the epoch early
+(2 ranks checkpointed after 6 of 15 batches, 3 ranks resume: 10 - 6 = 4 more batches per rank
+where 6 are left), on fewer the loader would end it before Lightning's count and the epoch-end
+validation would never run. The loader sees to it itself: when Lightning's fit loop loads its
+state it adds ``client.lightning.ElasticResume`` to the trainer's callbacks, which sets that
+count from ``loader.batches_left()`` (docs/frameworks.md). Nothing here asks for it.
+
+``--validate``: ``val_dataloader()`` returns a second ``RemoteLoader`` (``train=False,
+shuffle=False``), with the sanity check on (``--sanity-val-steps``, Lightning's 2 by default
+then) and ``limit_val_batches=--val-batches``; ``--val-check-interval`` validates mid-epoch
+too. Lightning leaves each validation pass after its limit, and iterates the loader again for
+the next: the new ``iter()`` ends the old pass and starts the epoch again, as a DataLoader's
+would. Both loaders take the default job, ``MASTER_ADDR:MASTER_PORT`` followed by a digest of
+each loader's settings: two jobs, each met by every rank.
 
 ``--devices N`` CPU processes with ``strategy="ddp"`` (gloo). A checkpoint every
 ``--checkpoint-every`` steps through Lightning's ``ModelCheckpoint(every_n_train_steps=...)``,
@@ -48,24 +58,30 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from client.lightning import ElasticResume  # <- a resume on any number of devices
-from framework_common import IndexLog, TinyNet, add_common_args, hang_if_asked, loss_of, make_loader
+from framework_common import IndexLog, TinyNet, add_common_args, hang_if_asked, loss_of, make_loader, make_val_loader
 
 
 class RemoteDataModule(L.LightningDataModule):
     def __init__(self, args: argparse.Namespace):
         super().__init__()
         self.args = args
-        self.loader = None
+        self.loader = self.val_loader = None
 
     def train_dataloader(self):
         # one loader per rank; Lightning sets up the process group before it asks for it
         self.loader = make_loader(self.args, self.trainer.global_rank, self.trainer.world_size)  # <-
         return self.loader
 
+    def val_dataloader(self):
+        if not self.args.validate:
+            return []
+        self.val_loader = make_val_loader(self.args, self.trainer.global_rank, self.trainer.world_size)  # <-
+        return self.val_loader
+
     def teardown(self, stage: str) -> None:
-        if self.loader is not None:
-            self.loader.close()
+        for loader in (self.loader, self.val_loader):
+            if loader is not None:
+                loader.close()
 
 
 class LitTinyNet(L.LightningModule):
@@ -75,11 +91,14 @@ class LitTinyNet(L.LightningModule):
         self.net = TinyNet()
         self.log_file = None
 
+    def setup(self, stage: str) -> None:
+        self.log_file = IndexLog(self.args.log_indices, self.global_rank)  # before the sanity check
+
     def on_train_start(self) -> None:
         resumed = self.global_step if self.trainer.ckpt_path else None
-        self.log_file = IndexLog(self.args.log_indices, self.global_rank)
-        self.log_file.start(resumed, world_size=self.trainer.world_size,
-                            job=self.trainer.datamodule.loader.config.job)
+        data = self.trainer.datamodule
+        self.log_file.start(resumed, world_size=self.trainer.world_size, job=data.loader.config.job,
+                            val_job=data.val_loader.config.job if data.val_loader is not None else None)
         if resumed is not None and self.global_rank == 0:
             print(f"resumed from {self.trainer.ckpt_path}: epoch {self.current_epoch}, step {resumed}, "
                   f"{self.trainer.world_size} rank(s)", flush=True)
@@ -89,6 +108,16 @@ class LitTinyNet(L.LightningModule):
         # this step's number once it is done (global_step counts the optimizer steps taken)
         self.log_file.step(self.current_epoch, self.global_step + 1, batch)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log_file.val(self.current_epoch, self.global_step, batch, sanity=self.trainer.sanity_checking)
+        keep = len(batch.indices) - batch.padding  # padding repeats samples: left out of the metric
+        images, labels = batch
+        loss = torch.nn.functional.cross_entropy(self.net(images[:keep]), labels[:keep])
+        self.log("val_loss", loss, sync_dist=True, batch_size=keep)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_file.end_val()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.args.lr, momentum=0.9)
@@ -110,14 +139,22 @@ def main() -> int:
     p.add_argument("--devices", type=int, default=2, help="CPU processes (DDP ranks)")
     p.add_argument("--ckpt-dir", required=True, help="ModelCheckpoint's folder (last.ckpt is the latest)")
     p.add_argument("--resume", action="store_true", help="continue from CKPT_DIR/last.ckpt if it exists")
+    p.add_argument("--sanity-val-steps", type=int, default=None,
+                   help="Lightning's num_sanity_val_steps (default: 2 with --validate, else 0)")
+    p.add_argument("--val-check-interval", type=float, default=1.0,
+                   help="Lightning's val_check_interval: a fraction of the epoch, or (>= 1, whole) every N steps")
     args = p.parse_args()
 
     L.seed_everything(args.seed, verbose=False)
     checkpoints = ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.checkpoint_every,
                                   save_top_k=-1, save_last=True)
+    sanity = args.sanity_val_steps if args.sanity_val_steps is not None else (2 if args.validate else 0)
+    interval = int(args.val_check_interval) if args.val_check_interval > 1 else args.val_check_interval
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_epochs=args.epochs,
-                        callbacks=[HangAfter(args), checkpoints, ElasticResume()], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=args.ckpt_dir, num_sanity_val_steps=0)
+                        callbacks=[HangAfter(args), checkpoints], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=args.ckpt_dir, num_sanity_val_steps=sanity,
+                        limit_val_batches=(args.val_batches or 1.0) if args.validate else 0,
+                        val_check_interval=interval)
     last = os.path.join(args.ckpt_dir, "last.ckpt")
     ckpt_path = last if args.resume and os.path.exists(last) else None
     trainer.fit(LitTinyNet(args), datamodule=RemoteDataModule(args), ckpt_path=ckpt_path)  # <- resume

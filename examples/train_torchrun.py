@@ -21,6 +21,11 @@ gloo, run torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` when it may res
 the restarted ranks share the rendezvous store with the previous attempt and can read its
 gloo addresses ("Gloo connectFullMesh failed ... Connection refused", pytorch/pytorch#135712).
 See framework_common.py for the options shared with the Lightning and accelerate examples.
+
+``--validate``: a second loader in each rank, for validation at each epoch's end
+(``train=False, shuffle=False``; ``--val-batches N``: its first N batches only). Both loaders
+take the default job, torchrun's run id followed by a digest of each loader's settings, so they
+are two jobs to the service and every rank's validation loader meets the others in one.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from framework_common import IndexLog, TinyNet, add_common_args, attempt, hang_if_asked, loss_of, make_loader
+from framework_common import IndexLog, TinyNet, add_common_args, attempt, hang_if_asked, loss_of, make_loader, \
+    make_val_loader, validate
 
 
 def main() -> int:
@@ -58,7 +64,10 @@ def main() -> int:
         model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loader = make_loader(args, rank, world)  # <- instead of DataLoader(..., sampler=DistributedSampler(...))
+    val_loader = make_val_loader(args, rank, world) if args.validate else None  # <- a second loader, its own job
     print(f"rank {rank}/{world}: job {loader.config.job!r}, attempt {attempt()}", flush=True)
+    if val_loader is not None:
+        print(f"rank {rank}/{world}: validation job {val_loader.config.job!r}", flush=True)
 
     start_epoch, step, resumed_from = 0, 0, None
     if args.checkpoint and os.path.exists(args.checkpoint):
@@ -79,7 +88,8 @@ def main() -> int:
             print(f"resumed from {args.checkpoint}: epoch {start_epoch}, step {step} (saved by "
                   f"{ckpt['world_size']} rank(s), resumed by {world})", flush=True)
     log = IndexLog(args.log_indices, rank)
-    log.start(resumed_from, world_size=world, job=loader.config.job)
+    log.start(resumed_from, world_size=world, job=loader.config.job,
+              val_job=val_loader.config.job if val_loader is not None else None)
 
     def save(epoch: int) -> None:
         if args.loader_state == "rank0":
@@ -115,6 +125,9 @@ def main() -> int:
                     print(f"rank {rank}: crashing after step {step} (--crash-after)", flush=True)
                     os._exit(17)
                 hang_if_asked(args, step, log, rank)
+            if val_loader is not None:
+                val_loss = validate(model.module if distributed else model, val_loader, args, log, epoch, step)
+                print(f"rank {rank}: epoch {epoch} validation loss {val_loss:.3f}", flush=True)
             if args.checkpoint:
                 save(epoch)
             if rank == 0:
@@ -123,6 +136,8 @@ def main() -> int:
         finished = True
     finally:
         loader.close()
+        if val_loader is not None:
+            val_loader.close()
         if distributed:
             if finished:
                 dist.barrier()  # leave together (see train_ddp.py)

@@ -155,3 +155,81 @@ def test_closed_loader_refuses_to_iterate(service):
     ld.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         iter(ld)
+
+
+# ---------------------------------------------------------------------------------------- iter(), DataLoader-style
+
+KW = dict(batch_size=16, image_size=32, seed=3, epoch_lookahead=False)
+
+
+def test_a_new_iter_ends_the_previous_pass_and_starts_the_epoch_again(service):
+    """As a DataLoader: a framework that leaves a pass after its batch limit (Lightning's sanity
+    check, limit_val_batches) iterates the loader again. The new pass is the whole epoch from its
+    first batch; the old iterator is ended, and using it says so instead of ending silently."""
+    from tests.support.helpers import status
+
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        first = iter(ld)
+        head = [list(next(first).indices) for _ in range(3)]
+        second = iter(ld)  # no error: the first pass ends here
+        with pytest.raises(RuntimeError, match="ended part-way by a later iter"):
+            next(first)
+        epoch = [list(b.indices) for b in second]
+        third = iter(ld)  # a pass taken to its last batch and its StopIteration: the next epoch
+        nxt = [list(b.indices) for b in third]
+    assert epoch[:3] == head and sorted(i for b in epoch for i in b) == list(range(DEMO_SIZE))
+    assert sorted(i for b in nxt for i in b) == list(range(DEMO_SIZE)) and nxt != epoch
+    totals = status(service)["totals"]
+    assert totals["refused_asks"] == totals["bad_messages"] == totals["internal_errors"] == 0
+
+
+def test_a_pass_left_at_a_limit_comes_back_the_same_each_time(service):
+    """A validation loader with limit_val_batches=2, three validations: the same two batches each
+    time (the epoch is never finished, so it starts again), every pass from a fresh iter()."""
+    with RemoteLoader(service.endpoint, **dict(KW, shuffle=False, train=False)) as ld:
+        passes = []
+        for _ in range(3):
+            it = iter(ld)
+            passes.append([list(next(it).indices) for _ in range(2)])  # `it` stays referenced, as a fetcher's does
+    assert passes == [[list(range(16)), list(range(16, 32))]] * 3
+
+
+def test_an_iterator_in_use_by_another_thread_is_refused_and_taken_over_once_that_thread_ends(service):
+    import threading
+
+    took, release, errors = threading.Event(), threading.Event(), []
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        passes = []
+
+        def consumer():
+            it = iter(ld)
+            passes.append(it)  # kept alive after this thread ends
+            next(it)
+            took.set()
+            release.wait(60)
+
+        t = threading.Thread(target=consumer, name="consumer-a")
+        t.start()
+        assert took.wait(60)
+        with pytest.raises(RuntimeError, match=r"already has a live iterator, made in thread 'consumer-a'"):
+            iter(ld)
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(\) from thread .* cannot take it over"):
+            ld.load_state_dict(ld.state_dict())
+        release.set()
+        t.join(60)
+        assert not t.is_alive()
+        epoch = [list(b.indices) for b in ld]  # its thread is gone: the pass is ended, not a live consumer
+        with pytest.raises(RuntimeError, match="ended part-way"):
+            next(passes[0])
+    assert not errors and sorted(i for b in epoch for i in b) == list(range(DEMO_SIZE))
+
+
+def test_load_state_dict_in_the_consumers_thread_ends_its_pass_and_resumes(service):
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        full = [list(b.indices) for b in ld]
+        ld.set_epoch(0)
+        it = iter(ld)
+        next(it)
+        ld.load_state_dict(dict(ld.state_dict(), position=5 * 16))
+        rest = [list(b.indices) for b in ld]
+    assert rest == full[5:]

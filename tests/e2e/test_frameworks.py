@@ -226,8 +226,8 @@ def test_torchrun_killed_and_resumed_on_three_ranks_from_rank0s_state(service, t
 @pytest.mark.parametrize("first, second, epochs", [
     (1, 1, 1),  # what works without the elastic state: rank 0 of 1 saves, rank 0 of 1 resumes
     (2, 1, 1),
-    # more ranks: client.lightning.ElasticResume sets the resumed epoch's count, and gives the
-    # next epoch its whole count back
+    # more ranks: client.lightning.ElasticResume (added by the loader itself: the example does not
+    # name it) sets the resumed epoch's count, and gives the next epoch its whole count back
     (2, 3, 2),
 ])
 def test_lightning_killed_and_resumed_from_its_own_checkpoint(service, tmp_path, first, second, epochs):
@@ -245,6 +245,89 @@ def test_lightning_killed_and_resumed_from_its_own_checkpoint(service, tmp_path,
     assert f"step {CKPT_EVERY}, {second} rank(s)" in out, out
     assert_killed_after_checkpoint(tmp_path / "run1", tmp_path / "run2", ckpt["global_step"])
     assert_exactly_once(trained(tmp_path / "run1", tmp_path / "run2"), epochs)
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def val_passes(log_dir) -> dict:
+    """{(attempt, rank): [pass, ...]} from the validation logs, each pass a dict: epoch, step,
+    sanity, and its batches' indices in order (one list per batch)."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(str(log_dir), "val-attempt*-rank*.jsonl"))):
+        a, r = map(int, re.fullmatch(r"val-attempt(\d+)-rank(\d+)\.jsonl", os.path.basename(path)).groups())
+        passes = {}
+        for row in _rows(path):
+            p = passes.setdefault(row["pass"], {"epoch": row["epoch"], "step": row["step"], "sanity": row["sanity"],
+                                                "batches": []})
+            assert (p["epoch"], p["step"], p["sanity"]) == (row["epoch"], row["step"], row["sanity"]), row
+            p["batches"].append(row["indices"])
+        out[(a, r)] = [passes[k] for k in sorted(passes)]
+    return out
+
+
+def jobs_of(log_dir) -> tuple:
+    """The (training, validation) jobs every rank of every attempt logged: one pair, or fail."""
+    pairs = {(row["job"], row["val_job"]) for run in attempts(log_dir) for row in run["start"].values()}
+    assert len(pairs) == 1, f"the ranks of a run named different jobs: {pairs}"
+    return pairs.pop()
+
+
+def test_lightning_validates_on_a_remote_loader_with_a_sanity_check_and_limit_val_batches(service, tmp_path):
+    """val_dataloader() returns a RemoteLoader beside the training one (default jobs, 2 devices):
+    the sanity check (2 batches), then validations after batches 7 and 14 of each of 2 epochs
+    (val_check_interval=0.5), each the first 2 batches of the rank's share (limit_val_batches=2). Lightning
+    leaves every pass at its limit and iterates the loader again for the next one."""
+    launch(lightning(2, *common(service, tmp_path / "log", epochs=2), "--ckpt-dir", str(tmp_path / "ckpt"),
+                     "--validate", "--val-batches", "2", "--val-check-interval", "0.5"), tmp_path / "out")
+    assert_exactly_once(trained(tmp_path / "log"), epochs=2)
+    train_job, val_job = jobs_of(tmp_path / "log")
+    assert train_job != val_job and train_job.split("/")[0] == val_job.split("/")[0]  # one launcher, two loaders
+    per_rank = 240 // BATCH // 2  # 15 batches; val_check_interval 0.5: after batches 7 and 14 of each epoch
+    for rank in range(2):
+        passes = val_passes(tmp_path / "log")[(0, rank)]
+        assert [(p["sanity"], p["epoch"], p["step"]) for p in passes] == [
+            (True, 0, 0), (False, 0, 7), (False, 0, 14), (False, 1, per_rank + 7), (False, 1, per_rank + 14)]
+        # shuffle=False, 2 ranks: rank r's first two batches are samples r, r + 2, ..., r + 30; every pass
+        first_two = [list(range(rank, 16, 2)), list(range(16 + rank, 32, 2))]
+        assert all(p["batches"] == first_two for p in passes), passes
+
+
+def test_lightning_resumed_on_fewer_devices_validates_at_the_epochs_end(service, tmp_path):
+    """2 devices killed mid-epoch, 1 resumes (the example adds no callback): every sample once,
+    and the resumed epoch ends where Lightning runs its epoch-end validation: on the loader's
+    last batch of the epoch (6 steps of 2 ranks before the checkpoint, then 18 of 1)."""
+    ckpt_dir = tmp_path / "ckpt"
+    val = ["--validate", "--val-batches", "2"]
+    launch(lightning(2, *common(service, tmp_path / "run1"), "--ckpt-dir", str(ckpt_dir), *val,
+                     "--hang-after", str(HANG_AFTER)), tmp_path / "run1.out", hang_ranks=2, log_dir=tmp_path / "run1")
+    out = launch(lightning(1, *common(service, tmp_path / "run2"), "--ckpt-dir", str(ckpt_dir), *val, "--resume"),
+                 tmp_path / "run2.out")
+    assert f"step {CKPT_EVERY}, 1 rank(s)" in out, out
+    assert_exactly_once(trained(tmp_path / "run1", tmp_path / "run2"))
+    last = CKPT_EVERY + (240 - CKPT_EVERY * 2 * BATCH) // BATCH  # 6 + 18
+    assert max(row["step"] for row in attempts(tmp_path / "run2")[0]["ranks"][0]) == last
+    passes = val_passes(tmp_path / "run2").get((0, 0), [])  # (Lightning runs no sanity check when it resumes)
+    assert [(p["sanity"], p["epoch"], p["step"]) for p in passes] == [(False, 0, last)]
+    assert passes[0]["batches"] == [list(range(0, 8)), list(range(8, 16))]
+
+
+def test_torchrun_trains_and_validates_with_two_loaders_in_each_rank_under_the_default_job(service, tmp_path):
+    """Two ranks, each with a training and a validation loader, neither given a job: each takes
+    torchrun's run id with a digest of its settings, so they are two jobs (no bad_job), and the
+    ranks of each loader meet in one. Every sample trained once per epoch, and each epoch-end
+    validation sees every sample once across the ranks."""
+    launch(torchrun(2, *common(service, tmp_path / "log", epochs=2), "--validate"), tmp_path / "out")
+    assert_exactly_once(trained(tmp_path / "log"), epochs=2)
+    train_job, val_job = jobs_of(tmp_path / "log")
+    assert train_job.startswith("torchelastic:") and train_job != val_job
+    assert train_job.split("/")[0] == val_job.split("/")[0]
+    passes = val_passes(tmp_path / "log")
+    assert sorted(passes) == [(0, 0), (0, 1)]
+    for k, epoch in enumerate((0, 1)):
+        seen = [i for rank in (0, 1) for b in passes[(0, rank)][k]["batches"] for i in b]
+        assert all(passes[(0, rank)][k]["epoch"] == epoch for rank in (0, 1))
+        assert sorted(seen) == list(range(240)), f"validation {k}: not every sample once"
 
 
 # ---------------------------------------------------------------------------------------- accelerate

@@ -219,3 +219,23 @@ def test_leaving_early_ends_the_sink_and_no_stream():
     assert sink.ended == 1 and all(r.finals() == 0 for r in conns.replicas)
     with pytest.raises(StopIteration):
         next(run)
+
+
+def test_a_run_left_part_way_tells_each_service_its_stream_ends_once():
+    """What a new iter() does to the pass it ends: each accepted stream gets one final Request
+    (the service ends it once what was asked is sent, and its batch slots go back), the sink
+    drops what it holds, and nothing is sent after that, however often it is told."""
+    c = config(prefetch=2)
+    conns = FakeConnections(2, 4, Clock(), in_any_order(10, random.Random(5)))
+    run, sink = start(conns, c, 10)
+    taken = [next(run).index for _ in range(3)]
+    assert taken == [0, 1, 2] and all(r.finals() == 0 for r in conns.replicas)
+    sent = [len(r.requests) for r in conns.replicas]
+    run.end_streams()
+    run.end_streams()
+    run.close()
+    run.end_streams()
+    assert [r.finals() for r in conns.replicas] == [1, 1]
+    assert [len(r.requests) for r in conns.replicas] == [n + 1 for n in sent]
+    assert all(r.requests[-1]["batches"] == [] for r in conns.replicas)
+    assert sink.ended == 1
