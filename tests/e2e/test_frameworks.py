@@ -296,9 +296,11 @@ def test_lightning_validates_on_a_remote_loader_with_a_sanity_check_and_limit_va
 def test_lightning_resumed_on_fewer_devices_validates_at_the_epochs_end(service, tmp_path):
     """2 devices killed mid-epoch, 1 resumes (the example adds no callback): every sample once,
     and the resumed epoch ends where Lightning runs its epoch-end validation: on the loader's
-    last batch of the epoch (6 steps of 2 ranks before the checkpoint, then 18 of 1)."""
+    last batch of the epoch (6 steps of 2 ranks before the checkpoint, then 18 of 1). With
+    val_check_interval=0.5 the killed run validated after its sanity check and at step 7 (of
+    15), the resumed one at the middle and the end of its 24-batch count: steps 12 and 24."""
     ckpt_dir = tmp_path / "ckpt"
-    val = ["--validate", "--val-batches", "2"]
+    val = ["--validate", "--val-batches", "2", "--val-check-interval", "0.5"]
     launch(lightning(2, *common(service, tmp_path / "run1"), "--ckpt-dir", str(ckpt_dir), *val,
                      "--hang-after", str(HANG_AFTER)), tmp_path / "run1.out", hang_ranks=2, log_dir=tmp_path / "run1")
     out = launch(lightning(1, *common(service, tmp_path / "run2"), "--ckpt-dir", str(ckpt_dir), *val, "--resume"),
@@ -307,9 +309,11 @@ def test_lightning_resumed_on_fewer_devices_validates_at_the_epochs_end(service,
     assert_exactly_once(trained(tmp_path / "run1", tmp_path / "run2"))
     last = CKPT_EVERY + (240 - CKPT_EVERY * 2 * BATCH) // BATCH  # 6 + 18
     assert max(row["step"] for row in attempts(tmp_path / "run2")[0]["ranks"][0]) == last
+    first = val_passes(tmp_path / "run1")
+    assert [[(p["sanity"], p["step"]) for p in first[(0, r)]] for r in (0, 1)] == [[(True, 0), (False, 7)]] * 2
     passes = val_passes(tmp_path / "run2").get((0, 0), [])  # (Lightning runs no sanity check when it resumes)
-    assert [(p["sanity"], p["epoch"], p["step"]) for p in passes] == [(False, 0, last)]
-    assert passes[0]["batches"] == [list(range(0, 8)), list(range(8, 16))]
+    assert [(p["sanity"], p["epoch"], p["step"]) for p in passes] == [(False, 0, last // 2), (False, 0, last)]
+    assert all(p["batches"] == [list(range(0, 8)), list(range(8, 16))] for p in passes)
 
 
 def test_torchrun_trains_and_validates_with_two_loaders_in_each_rank_under_the_default_job(service, tmp_path):
@@ -342,17 +346,27 @@ def test_accelerate_killed_and_resumed_from_save_state(service, tmp_path, first,
     """``register_for_checkpointing(loader)``: save_state() keeps the main process's loader
     state, load_state() gives it to every process."""
     ckpt_dir = tmp_path / "ckpt"
-    launch(accelerate(first, *common(service, tmp_path / "run1"), "--ckpt-dir", str(ckpt_dir),
+    launch(accelerate(first, *common(service, tmp_path / "run1"), "--ckpt-dir", str(ckpt_dir), "--validate",
                       "--hang-after", str(HANG_AFTER)),
            tmp_path / "run1.out", hang_ranks=first, log_dir=tmp_path / "run1")
     saved = ckpt_dir / (ckpt_dir / "latest").read_text()
     progress = torch.load(saved / "custom_checkpoint_1.pkl", weights_only=False)  # registered second
     assert (saved / "custom_checkpoint_0.pkl").exists()  # the loader's
-    out = launch(accelerate(second, *common(service, tmp_path / "run2"), "--ckpt-dir", str(ckpt_dir)),
+    out = launch(accelerate(second, *common(service, tmp_path / "run2"), "--ckpt-dir", str(ckpt_dir), "--validate"),
                  tmp_path / "run2.out")
     assert f"step {CKPT_EVERY}, {second} rank(s)" in out, out
     assert_killed_after_checkpoint(tmp_path / "run1", tmp_path / "run2", progress["step"])
     assert_exactly_once(trained(tmp_path / "run1", tmp_path / "run2"))
+    # --validate: a validation loader in each process beside the training loader, default jobs; the
+    # epoch-end validation of the resumed run sees every sample once across its processes
+    train_job, val_job = jobs_of(tmp_path / "run2")
+    if second == 1:  # accelerate's plain launcher sets no MASTER_ADDR for one process: no job, no job rules
+        assert train_job == val_job == ""
+    else:
+        assert train_job != val_job and train_job.split("/")[0] == val_job.split("/")[0]
+    passes = val_passes(tmp_path / "run2")
+    assert sorted(passes) == [(0, r) for r in range(second)] and all(len(p) == 1 for p in passes.values())
+    assert sorted(i for p in passes.values() for b in p[0]["batches"] for i in b) == list(range(240))
 
 
 # ---------------------------------------------------------------------------------------- jobs
