@@ -234,17 +234,24 @@ def test_lightning_killed_and_resumed_from_its_own_checkpoint(service, tmp_path,
     """Lightning's ModelCheckpoint saves the loader's state by itself (the fit loop's
     ``combined_loader`` entry) and ``trainer.fit(ckpt_path=...)`` restores it."""
     ckpt_dir = tmp_path / "ckpt"
-    launch(lightning(first, *common(service, tmp_path / "run1"), "--ckpt-dir", str(ckpt_dir),
+    val = ["--validate", "--val-batches", "2"]  # a validation loader too, at each epoch's end
+    launch(lightning(first, *common(service, tmp_path / "run1"), "--ckpt-dir", str(ckpt_dir), *val,
                      "--hang-after", str(HANG_AFTER)),
            tmp_path / "run1.out", hang_ranks=first, log_dir=tmp_path / "run1")
     ckpt = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)
     loader_states = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert len(loader_states) == 1 and loader_states[0]["epoch"] == 0, loader_states  # found with no user code
     out = launch(lightning(second, *common(service, tmp_path / "run2", epochs), "--ckpt-dir", str(ckpt_dir),
-                           "--resume"), tmp_path / "run2.out")
+                           *val, "--resume"), tmp_path / "run2.out")
     assert f"step {CKPT_EVERY}, {second} rank(s)" in out, out
     assert_killed_after_checkpoint(tmp_path / "run1", tmp_path / "run2", ckpt["global_step"])
     assert_exactly_once(trained(tmp_path / "run1", tmp_path / "run2"), epochs)
+    # every epoch of the resumed run, the resumed one included, ends with its validation: at its last step
+    run2 = attempts(tmp_path / "run2")[0]["ranks"]
+    ends = [max(row["step"] for rows in run2.values() for row in rows if row["epoch"] == e) for e in range(epochs)]
+    for rank, passes in sorted(val_passes(tmp_path / "run2").items()):
+        assert [(p["epoch"], p["step"]) for p in passes if not p["sanity"]] == list(enumerate(ends)), (rank, ends)
+    assert sorted(val_passes(tmp_path / "run2")) == [(0, r) for r in range(second)]
 
 
 # ---------------------------------------------------------------------------------------- validation
