@@ -6,13 +6,25 @@ frames go straight into the sink's host memory), :meth:`~Connections.hello` and
 :meth:`~Connections.start_epoch` (new streams), :meth:`~Connections.poll` (every socket and
 connection monitor of the set), and the checks that every wait shares: a connection cut for
 breaking the protocol, and a timeout that says why nothing came.
+
+Two of a replica's messages change its part in the running epoch at once, here:
+
+* a **shutting-down notice** (the service got SIGTERM; its last message, after the batches it was
+  still sending): the replica drains, so what it owes is asked of the others at once and nothing
+  new goes to it until its connection comes back (a new process), never ``replica_timeout`` later;
+* a **dataset that is not the loader's** (another replica's copy, a rolling update that changed
+  the data): the replica is **quarantined**, named once (WARNING) and kept in
+  :meth:`Connections.quarantined` with the reason, its batches asked of the others; only when no
+  replica that serves the loader's dataset remains is it fatal (``replica_mismatch``, or
+  ``dataset_changed`` when the one service the loader had changed).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import zmq
 
@@ -25,6 +37,7 @@ from client.flow import EpochFlow
 from client.replica import Replica
 from client.stats import LoaderStats
 
+log = logging.getLogger("client")
 
 class Connections:
     """A connection to each of ``endpoints`` (:class:`~client.replica.Replica`, each with an
@@ -48,6 +61,11 @@ class Connections:
         self._queued = 2 * window + 16
         self._ids = itertools.count()
         self._poller = zmq.Poller()
+        self.flow: Optional[EpochFlow] = None  # the epoch streaming on this set (start_epoch)
+        # endpoint -> why its service is refused, shared with the twin set; the (endpoint,
+        # identity) pairs already named in the log, so each is named once
+        self.refused: Dict[str, str] = {}
+        self._named: Set[Tuple[str, Tuple[int, str]]] = set()
         self.replicas: List[Replica] = []
         for e in endpoints:
             self.join(e)
@@ -76,7 +94,7 @@ class Connections:
         twin = Connections(self._ctx, [r.endpoint for r in self.replicas], self.config, curve=self._curve,
                            frame_cap=self.frame_cap, window=self.window, client_id=self._client_id,
                            stream_ids=self._stream_ids, stats=self._stats)
-        twin.identity = self.identity
+        twin.identity, twin.refused, twin._named = self.identity, self.refused, self._named
         return twin
 
     def close(self) -> None:
@@ -101,15 +119,24 @@ class Connections:
         ``entry``: the job's position where this run of the epoch begins."""
         self.origin, self.entry = origin, entry
         flow = EpochFlow(start, total, self.window, self.window, [r.index for r in self.replicas])
-        initial = flow.assign((r.index for r in self.replicas if not r.draining), time.monotonic())
+        # a quarantined replica is asked for nothing up front: its stream's Accept says whether
+        # it serves the loader's dataset again (then it takes batches on demand); nor is one that
+        # said it shuts down and has not come back (its record may stay listed)
+        initial = flow.assign((r.index for r in self.replicas
+                               if not r.draining and not r.refused and r.shutdown_at is None), time.monotonic())
         for r in self.replicas:
             r.dead = False
             self.hello(r, epoch, initial.get(r.index, []), lookahead=lookahead)
+        self.flow = flow
         return flow
 
     def healthy(self) -> bool:
-        """Every replica is connected, none was given up on and none drains."""
-        return not any(r.dead or r.draining or r.down_since is not None for r in self.replicas)
+        """Every replica is connected, none was given up on, quarantined, or drains."""
+        return not any(r.dead or r.draining or r.refused or r.down_since is not None for r in self.replicas)
+
+    def quarantined(self) -> Dict[str, str]:
+        """The replicas refused for serving other data than the loader's: endpoint -> why."""
+        return {r.endpoint: r.refused for r in self.replicas if r.refused}
 
     # ------------------------------------------------------------------ receiving
     def poll(self, timeout_ms: float) -> List[Tuple[Replica, bool, bool]]:
@@ -142,28 +169,79 @@ class Connections:
             r.drain()
         if isinstance(msg, P.EndOfEpoch):
             return None, None  # the stream we ended with a final Request is done
-        if isinstance(msg, (P.Accept, P.DatasetInfo)):
-            self._check_identity(r, msg)
+        if isinstance(msg, (P.Accept, P.DatasetInfo)) and not self._check_identity(r, msg):
+            return None, None  # quarantined: its stream's batches are stale from now on
         if isinstance(msg, P.Error):
             if msg.code == P.ErrorCode.SHUTTING_DOWN:  # the reconnect that follows restarts the stream
                 r.shutdown_at, r.shutdown_wall = time.monotonic(), time.time()  # said if it never comes back
+                self._stopping(r)
                 return None, None
             if msg.code != P.ErrorCode.UNKNOWN_CLIENT:
                 raise LoaderError(msg.code, f"{msg.message} (from {r.endpoint})" if len(self.replicas) > 1
                                   else msg.message, msg.traceback)
         return msg, payload
 
-    def _check_identity(self, r: Replica, msg) -> None:
-        """A service that serves another dataset than the one this loader's epochs were planned
-        on (restarted on a changed folder, another replica's copy) is refused, never mixed in."""
-        length = msg.dataset_length if isinstance(msg, P.Accept) else msg.length
-        if self.identity is None or (length, msg.fingerprint) == self.identity:
+    def _usable(self, r: Replica) -> bool:
+        """``r`` may take this epoch's batches now (what :class:`~client.epoch.EpochRun` asks of)."""
+        return not r.dead and not r.draining and not r.refused and r.down_since is None
+
+    def _stopping(self, r: Replica) -> None:
+        """``r``'s service said it is shutting down (after the batches it was still sending, so
+        every one of them is here): what it still owes is asked of the others at once, and it
+        takes nothing new until its connection comes back (a new process restarts the stream). A
+        lone replica is waited for instead, up to the timeout."""
+        flow = self.flow
+        if r.dead or flow is None or r.index not in flow.outstanding:
             return
-        why = describe_change(f"the service at {r.endpoint}", msg.dataset, (length, msg.fingerprint), self.identity,
-                              "this loader's epochs were planned on")
-        if len(self.replicas) > 1:
-            why += " (do all replicas serve the same dataset?)"
-        raise LoaderError(P.ErrorCode.DATASET_CHANGED, why)
+        others = [x for x in self.replicas if x is not r and self._usable(x)]
+        if not others:
+            log.info("service replica %s is shutting down; no other replica takes its batches, so the loader "
+                     "waits for it to come back (up to its timeout)", r.endpoint)
+            return
+        orphans = flow.lose(r.index)
+        r.dead = True
+        log.warning("service replica %s is shutting down; it drains: its %d batches%s go to %s", r.endpoint,
+                    len(orphans), _listed(orphans), ", ".join(x.endpoint for x in others))
+
+    def _check_identity(self, r: Replica, msg) -> bool:
+        """Whether ``r``'s service serves the dataset this loader's epochs were planned on. One that
+        serves another (restarted on a changed folder, another replica's copy) is never mixed in:
+        it is quarantined while replicas that serve the loader's remain, else refused for good."""
+        length = msg.dataset_length if isinstance(msg, P.Accept) else msg.length
+        got = (length, msg.fingerprint)
+        if self.identity is None or got == self.identity:
+            if r.refused:
+                log.warning("service replica %s serves this loader's dataset again; it takes batches again",
+                            r.endpoint)
+                r.refused = ""
+                self.refused.pop(r.endpoint, None)
+            return True
+        if len(self.replicas) == 1:  # the one service this loader had changed
+            raise LoaderError(P.ErrorCode.DATASET_CHANGED, describe_change(
+                f"the service at {r.endpoint}", msg.dataset, got, self.identity, "this loader's epochs were planned on"))
+        n0, fp0 = self.identity
+        r.refused = self.refused[r.endpoint] = (
+            f"serves {msg.dataset!r} with {length} samples (fingerprint {msg.fingerprint}), not the dataset this "
+            f"loader's epochs were planned on ({n0} samples, fingerprint {fp0})")
+        good = [x for x in self.replicas if not x.refused]
+        if not good:
+            raise LoaderError(P.ErrorCode.REPLICA_MISMATCH, (
+                "no replica serves the dataset this loader's epochs were planned on: "
+                + "; ".join(f"{x.endpoint} {x.refused}" for x in self.replicas)
+                + ". Samples would be missed or doubled, so none is used: deploy every replica on the same data, "
+                  "or start a new loader (a new epoch) on the new one"))
+        if (r.endpoint, got) not in self._named:
+            self._named.add((r.endpoint, got))
+            log.warning("service replica %s is quarantined: it %s; the epoch goes on with %s (do all replicas "
+                        "serve the same dataset? a rolling update that changes the data mixes two)", r.endpoint,
+                        r.refused, ", ".join(x.endpoint for x in good))
+        flow = self.flow
+        if flow is not None and r.index in flow.outstanding:
+            flow.lose(r.index)
+        if r.stream >= 0 and isinstance(msg, P.Accept):
+            r.request([], self._stats.batches, final=True)  # its stream sends what it was asked, then ends
+        r.stream, r.accepted, r.dead = -1, False, True  # what that stream still sends is stale
+        return False
 
     def describe(self, sink) -> Tuple[str, P.DatasetInfo]:
         """Ask every replica to describe the dataset: the first answer, and who gave it."""
@@ -243,6 +321,14 @@ class Connections:
             raise LoaderTimeout(f"no batch for {c.timeout:g}s: " + "; ".join(said))
         raise LoaderTimeout(f"the loader service at {where} is connected but has answered nothing for "
                             f"{c.timeout:g}s (is its process stopped or stuck? its /healthz and log say more)")
+
+
+def _listed(batches: List[int], most: int = 16) -> str:
+    """`` (3, 4, 9)``: the batches named in a log line (the first ``most``), or ''."""
+    if not batches:
+        return ""
+    more = f", ... {len(batches) - most} more" if len(batches) > most else ""
+    return f" ({', '.join(map(str, batches[:most]))}{more})"
 
 
 def describe_change(who: str, dataset: str, now: Tuple[int, str], then: Tuple[int, str], planned: str) -> str:

@@ -66,7 +66,9 @@ class Fleet:
             if left <= MAX_S / 20:  # no time left for another lookup
                 names = ", ".join(self.membership.names)
                 raise LoaderTimeout(f"{names} resolved to no address within {timeout:g}s (is the service "
-                                    "deployed, and is its name right? a Kubernetes headless Service lists ready pods only)")
+                                    "deployed and ready, and is its name right? the shipped headless Service "
+                                    "(deploy/k8s, deploy/helm) lists ready pods only: a pod is listed once its "
+                                    "/readyz answers 200, and no longer once it is terminating)")
             if answers is not None:
                 time.sleep(min(MAX_S, left / 2))  # the next try; half the time left, so a last one fits
 

@@ -73,6 +73,7 @@ class Replica:
         # protocol (a frame over MAXMSGSIZE): lost and not retried means the peer was refused
         self.retried = True
         self.dead = False  # given up on for the rest of this epoch
+        self.refused = ""  # why its service is quarantined (it serves other data); "" while it is not
         self.draining = False  # no longer resolved: takes no new batch, leaves once it owes nothing
         self.stream = -1
         self.epoch = 0  # of the current stream

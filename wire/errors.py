@@ -16,6 +16,7 @@ class ErrorCode:
     SHUTTING_DOWN = "shutting_down"
     REPLACED = "replaced"  # a newer client took over this (job, rank)
     DATASET_CHANGED = "dataset_changed"  # the dataset is not the one the epoch (or a loaded state) was planned on
+    REPLICA_MISMATCH = "replica_mismatch"  # the replicas serve different data: none left serves the loader's
     REVOKED = "revoked"  # the client's CURVE key was removed from the service's keys directory
     INTERNAL = "internal"
 

@@ -112,6 +112,8 @@ def test_workload_fits_together(rendered):
     # headless Service for per-pod DNS, a regular one for the REST API
     headless = _named(docs, "Service", sts["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
+    # ready pods only: a terminating pod (a scale-down, a rolling update) leaves the name at once
+    assert headless["spec"]["publishNotReadyAddresses"] is False
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert {"data", "http"} <= set(ports)
     for svc in [d for (k, _, _), d in docs.items() if k == "Service"]:

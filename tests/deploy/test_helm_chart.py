@@ -74,6 +74,10 @@ def test_stall_modes_render_the_stall_overlays(mode, overlay, kind):
             meta["query"] = " ".join(meta["query"].split())
     assert mine == other
     assert sum(k == "HorizontalPodAutoscaler" for k, _ in ours) == (mode == "external")
+    # the scrape the query needs, for the Prometheus Operator: the overlay's PodMonitor
+    assert ours[("PodMonitor", "loader")] == kustomize(K8S / "overlays" / "stall-keda")[("PodMonitor", "loader")]
+    off = chart({**EXAMPLE, "scaling": {"mode": mode, "podMonitor": {"enabled": False}}})
+    assert ("PodMonitor", "loader") not in off
 
 
 def test_scaling_mode_none_and_a_bad_mode():
@@ -87,7 +91,7 @@ def test_scaling_mode_none_and_a_bad_mode():
 def test_rendered_objects_are_valid(mode, version):
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (dev extra) missing")
     for (kind, _), doc in chart({**EXAMPLE, "scaling": {"mode": mode}}).items():
-        if kind != "ScaledObject":
+        if kind not in ("ScaledObject", "PodMonitor"):  # custom resources: compared with the overlays'
             kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -99,3 +103,5 @@ def test_keys_name_the_rendered_objects():
     assert volumes["api-token"]["secret"]["secretName"] == "tok"
     assert volumes["curve-keys"]["secret"]["secretName"] == "curve"
     assert sts["serviceName"] == "feed-headless"
+    # ready pods only: a terminating pod leaves the name at once (the base's headless Service too)
+    assert docs[("Service", "feed-headless")]["spec"]["publishNotReadyAddresses"] is False

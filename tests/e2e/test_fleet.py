@@ -7,16 +7,20 @@ loader service is refused like any stranger."""
 from __future__ import annotations
 
 import logging
+import re
+import signal
 import time
 
 import pytest
 
 from client import LoaderTimeout, RemoteLoader
+from client.replica import Replica
 
 from tests.conftest import DEMO_SIZE
 from tests.support.dns import DnsServer, port_free_on
 from tests.support.helpers import collect, status
 from tests.support.proxy import Stranger
+from tests.support.service import ServiceProcess
 
 NAME = "loader-fleet"
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
@@ -144,3 +148,127 @@ def test_a_name_that_never_resolves_is_a_clear_timeout(dns):
     with follow(dns, 5555, timeout=1) as ld:
         with pytest.raises(LoaderTimeout, match=f"tcp://{NAME}:5555 resolved to no address within 1s"):
             len(ld)
+
+
+class Told(logging.Handler):
+    """The client's log lines, in ``events`` beside what the loader asked (see ``asks``)."""
+
+    def __init__(self, events: list):
+        super().__init__(logging.INFO)
+        self.events = events
+
+    def emit(self, record) -> None:
+        self.events.append(("log", record.getMessage()))
+
+
+@pytest.fixture
+def asks(monkeypatch):
+    """Every Request with batches the loader sends, as ("ask", endpoint, batches), and every line
+    of the client's log as ("log", text), in the order they happen."""
+    events: list = []
+    real = Replica.request
+
+    def request(self, batches, *args, **kw):
+        if batches:
+            events.append(("ask", self.endpoint, list(batches)))
+        return real(self, batches, *args, **kw)
+
+    monkeypatch.setattr(Replica, "request", request)
+    handler = Told(events)
+    logger = logging.getLogger("client")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    yield events
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+def test_a_replica_sigtermed_with_its_record_kept_drains_at_once_exactly_once(dns, make_service, asks):
+    """Scale-down (or a rolling update) with the pod's record still listed: its SIGTERM notice, not
+    its record's going nor ``replica_timeout``, moves what it owes to the other replica."""
+    port = port_free_on_every_host()
+    kw = dict(KW, batch_size=4, image_size=96, prefetch=4)  # the services, not the trainer, set the pace
+    a = make_service(host=HOSTS[0], data_port=port, workers=1)
+    b = ServiceProcess(port, ["--host", HOSTS[1], "--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1"])
+    try:
+        with RemoteLoader(a.endpoint, **{**kw, "prefetch": 2}) as one:
+            ref = [collect(one) for _ in range(2)]
+        dns.set({NAME: HOSTS[:2]})  # and so it stays: the record outlives the process
+        a_ep, b_ep = endpoints(HOSTS[0], port=port).pop(), endpoints(HOSTS[1], port=port).pop()
+        waits, got = [], []
+        with RemoteLoader(f"tcp://{NAME}:{port}", **kw, dns_server=dns.server, dns_refresh_s=0.1,
+                          replica_timeout=30.0, timeout=60) as ld:
+            it = iter(ld)
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                waits.append(time.perf_counter() - t0)
+                got.append(record(batch))
+                if len(got) == 10:
+                    asks.append(("sigterm", len(got)))
+                    b.proc.send_signal(signal.SIGTERM)
+            epoch1 = [record(x) for x in ld]  # the next epoch: the record still lists it
+        assert b.proc.wait(30) == 0
+    finally:
+        b.stop()
+    for mine, theirs in ((got, ref[0]), (epoch1, ref[1])):
+        assert sorted(i for x in mine for i in x["indices"]) == list(range(DEMO_SIZE))
+        assert [x["images"] for x in mine] == [x["images"] for x in theirs]
+    lines = [e[1] for e in asks if e[0] == "log"]
+    assert not [t for t in lines if "unreachable" in t], lines  # nothing waited for replica_timeout
+    at = [i for i, e in enumerate(asks) if e[0] == "log" and e[1].startswith(f"service replica {b_ep} is shutting")]
+    assert len(at) == 1, lines
+    said = re.fullmatch(rf"service replica {re.escape(b_ep)} is shutting down; it drains: its (\d+) batches"
+                        rf"(?: \(([\d, ]+)\))? go to {re.escape(a_ep)}", asks[at[0]][1])
+    assert said, asks[at[0]][1]
+    owed = [int(x) for x in said.group(2).split(", ")] if said.group(2) else []
+    assert len(owed) == int(said.group(1)) >= 1, "b owed nothing when it stopped: the test proves nothing"
+    after = [e for e in asks[at[0]:] if e[0] == "ask"]
+    assert not [e for e in after if e[1] == b_ep], "a batch was asked of the replica that said it stops"
+    # its batches are the very next asked, of a, lowest first (before any batch never asked of anyone)
+    assert after and after[0][1] == a_ep and after[0][2][0] == owed[0]
+    asked_of_a = [b for e in after for b in e[2]]
+    assert asked_of_a[:len(owed)] == owed
+    sigterm = next(i for i, e in enumerate(asks) if e[0] == "sigterm")
+    assert sigterm < at[0]
+    asked_of_b = {x for e in asks[:at[0]] if e[0] == "ask" and e[1] == b_ep for x in e[2]}
+    assert set(owed) <= asked_of_b  # what it was asked and never sent: asked once more, of a
+    print(f"longest wait {max(waits) * 1000:.0f} ms; after the SIGTERM {max(waits[10:]) * 1000:.0f} ms "
+          f"(batches {len(waits)}, {len(owed)} moved)")
+
+
+def test_a_replica_serving_other_data_mid_epoch_is_quarantined_and_the_epoch_completes_exactly_once(
+        dns, make_service, caplog):
+    port = port_free_on_every_host()
+    a, b = (make_service(host=h, data_port=port, workers=1) for h in HOSTS[:2])
+    other = make_service(host=HOSTS[2], data_port=port, workers=1, demo_size=DEMO_SIZE + 16)  # another dataset
+    with RemoteLoader(a.endpoint, **KW) as one:
+        ref = [collect(one) for _ in range(2)]
+    caplog.set_level(logging.INFO, logger="client")
+    dns.set({NAME: HOSTS[:2]})
+    with follow(dns, port) as ld:
+        it = iter(ld)
+        got = [record(next(it)) for _ in range(5)]
+        dns.set({NAME: HOSTS})  # a rolling update brings a pod on other data
+        take_until(it, ld, lambda: [r for r in caplog.records if "quarantined" in r.getMessage()], got,
+                   "the replica on other data was refused")
+        assert set(ld.replicas()) == endpoints(*HOSTS, port=port)
+        got += [record(x) for x in it]
+        epoch1 = [record(x) for x in ld]  # it stays listed: asked again at the epoch's start, refused again
+        quarantined = ld._conns.quarantined()
+    for mine, theirs in ((got, ref[0]), (epoch1, ref[1])):
+        assert sorted(i for x in mine for i in x["indices"]) == list(range(DEMO_SIZE))
+        assert [x["images"] for x in mine] == [x["images"] for x in theirs]
+    bad = f"tcp://{HOSTS[2]}:{port}"
+    said = [r for r in caplog.records if "quarantined" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    why = (f"serves 'demo' with {DEMO_SIZE + 16} samples (fingerprint {status(other)['datasets']['demo']['fingerprint']}), "
+           f"not the dataset this loader's epochs were planned on ({DEMO_SIZE} samples, fingerprint "
+           f"{status(a)['datasets']['demo']['fingerprint']})")
+    assert said[0].getMessage().startswith(f"service replica {bad} is quarantined: it {why}; the epoch goes on with ")
+    assert quarantined == {bad: why}
+    assert status(other)["totals"]["samples"] == 0  # nothing of it was ever used

@@ -33,6 +33,8 @@ class FakeReplica:
     def __init__(self, index: int, endpoint: str = ""):
         self.index, self.endpoint = index, endpoint or f"tcp://replica-{index}:5555"
         self.dead = self.accepted = self.was_connected = self.draining = False
+        self.refused = ""  # quarantined: why (client/connections.py)
+        self.shutdown_at: Optional[float] = None  # when its service said it shuts down
         self.down_since: Optional[float] = None
         self.retry_at: Optional[float] = None
         self.stream, self.epoch = -1, 0

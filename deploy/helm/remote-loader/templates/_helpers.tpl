@@ -20,7 +20,8 @@ or on() (
     {{ $stall | replace "\n" "\n  " }}
   ) >= {{ $s.low }}
 ) * 0 + {{ $s.up }}
-or on() vector({{ $s.down }})
+or on() count(loader_clients{ {{- $m -}} }) * 0 + {{ $s.down }}
+or on() vector({{ $s.up }})
 {{- end -}}
 
 {{- define "loader.behavior" -}}

@@ -1,0 +1,194 @@
+"""What a replica's own messages do to its part in the running epoch (client/connections.py),
+over real sockets: a ZeroMQ ROUTER per replica plays its service. A shutting-down notice drains
+the replica at once (its batches go to the others, nothing new goes to it); a replica that serves
+other data is quarantined and named once, and only when no replica that serves the loader's
+dataset remains is it fatal."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import pytest
+import zmq
+
+from wire import protocol as P
+
+from client.config import LoaderConfig
+from client.connections import Connections
+from client.errors import LoaderError
+from client.stats import LoaderStats
+
+IDENTITY = (40, "fp-good")
+DEADLINE_S = 10.0
+
+
+class Services:
+    """One ROUTER per replica on 127.0.0.1, and a Connections set (window 4) to them."""
+
+    def __init__(self, n: int):
+        self.ctx = zmq.Context()
+        self.routers, endpoints = [], []
+        for _ in range(n):
+            s = self.ctx.socket(zmq.ROUTER)
+            s.setsockopt(zmq.LINGER, 0)
+            port = s.bind_to_random_port("tcp://127.0.0.1")
+            self.routers.append(s)
+            endpoints.append(f"tcp://127.0.0.1:{port}")
+        self.conns = Connections(self.ctx, endpoints, LoaderConfig.of(endpoints[0], batch_size=2), curve=None,
+                                 frame_cap=1 << 20, window=4, client_id="c" * 32, stream_ids=itertools.count(1),
+                                 stats=LoaderStats())
+        self.conns.identity = IDENTITY
+        self.peers = {}
+
+    def start_epoch(self, total: int = 20):
+        flow = self.conns.start_epoch(0, 0, total)
+        for i in range(len(self.routers)):  # each service reads up to its Hello (and learns who we are)
+            hello = None
+            while not isinstance(hello, P.Hello):
+                self.peers[i], hello = self.read(i)
+        for r in self.conns.replicas:  # the handshakes are done (a Hello came through)
+            r.down_since = None
+        return flow
+
+    def read(self, i: int):
+        s = self.routers[i]
+        assert s.poll(DEADLINE_S * 1000), f"replica {i} heard nothing within {DEADLINE_S}s"
+        ident, *frames = s.recv_multipart()
+        msg, _ = P.decode(frames)
+        return ident, msg
+
+    def send(self, i: int, msg: P.Message, *data: bytes) -> None:
+        self.routers[i].send_multipart([self.peers[i], *P.encode(msg, *data)])
+
+    def receive(self, i: int):
+        """What the loader makes of the next message of replica ``i``."""
+        r, deadline = self.conns.replicas[i], time.monotonic() + DEADLINE_S
+        while not r.has_message():
+            assert time.monotonic() < deadline, f"nothing from replica {i} within {DEADLINE_S}s"
+            if r.has_event():
+                r.on_monitor()  # the handshake's events
+            r.wait(100)
+        return self.conns.recv(r, sink=None)
+
+    def accept(self, i: int, identity=IDENTITY, total: int = 20) -> P.Accept:
+        r = self.conns.replicas[i]
+        return P.Accept(stream=r.stream, epoch=0, num_batches=total, num_samples=2 * total,
+                        dataset_length=identity[0], dataset="data", fingerprint=identity[1])
+
+    def close(self) -> None:
+        self.conns.close()
+        for s in self.routers:
+            s.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def services():
+    made = []
+
+    def make(n: int) -> Services:
+        made.append(Services(n))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_shutting_down_notice_hands_what_the_replica_owes_to_the_others_at_once(services, caplog):
+    caplog.set_level(logging.INFO, logger="client")
+    s = services(2)
+    flow = s.start_epoch()
+    a, b = s.conns.replicas
+    owed = sorted(flow.outstanding[b.index])
+    assert owed, "the first assignment gives both replicas batches"
+    s.send(1, P.Error(code=P.ErrorCode.SHUTTING_DOWN, fatal=False, message="the service is stopping"))
+    assert s.receive(1) == (None, None)
+    assert b.dead and b.shutdown_at is not None
+    assert flow.outstanding[b.index] == set()
+    # what the run asks next (EpochRun._ask: replicas neither dead, draining nor down) goes to a,
+    # lowest first, and b's batches come before any new one
+    live = [r.index for r in s.conns.replicas if not r.dead and not r.draining and r.down_since is None]
+    assert live == [a.index]
+    flow.outstanding[a.index].clear()  # a delivered what it had (its credit is free again)
+    assert flow.assign(live)[a.index][:len(owed)] == owed
+    said = [r.getMessage() for r in caplog.records if "shutting down" in r.getMessage()]
+    assert said == [f"service replica {b.endpoint} is shutting down; it drains: its {len(owed)} batches "
+                    f"({', '.join(map(str, owed))}) go to {a.endpoint}"]
+    assert [r.levelno for r in caplog.records if "shutting down" in r.getMessage()] == [logging.WARNING]
+
+
+def test_a_lone_replica_that_shuts_down_is_waited_for_not_given_up(services):
+    s = services(1)
+    flow = s.start_epoch()
+    (r,) = s.conns.replicas
+    owed = set(flow.outstanding[r.index])
+    s.send(0, P.Error(code=P.ErrorCode.SHUTTING_DOWN, fatal=False, message="stopping"))
+    assert s.receive(0) == (None, None)
+    assert not r.dead and flow.outstanding[r.index] == owed  # its reconnect restarts the stream with them
+
+
+def test_a_replica_that_serves_other_data_is_quarantined_named_once_and_its_batches_go_to_the_others(
+        services, caplog):
+    caplog.set_level(logging.WARNING, logger="client")
+    s = services(3)
+    flow = s.start_epoch()
+    a, b, c = s.conns.replicas
+    s.send(0, s.accept(0))
+    assert isinstance(s.receive(0)[0], P.Accept)
+    owed = sorted(flow.outstanding[b.index])
+    s.send(1, s.accept(1, identity=(48, "fp-other")))
+    assert s.receive(1) == (None, None)  # never handed to the run: no batch count is checked against it
+    why = ("serves 'data' with 48 samples (fingerprint fp-other), not the dataset this loader's epochs were "
+           "planned on (40 samples, fingerprint fp-good)")
+    assert s.conns.quarantined() == {b.endpoint: why}
+    assert b.dead and not b.accepted and b.stream == -1 and flow.outstanding[b.index] == set()
+    assert not s.conns.healthy()  # so no epoch starts ahead on it
+    # its stream is told to end, and what it still sends is stale: dropped, never a batch
+    ident, ended = s.read(1)
+    assert isinstance(ended, P.Request) and ended.final and ended.batches == []
+    s.send(1, P.Batch(stream=ended.stream, epoch=0, index=owed[0], indices=[0, 1], shape=[2, 1, 1, 3]),
+           bytes(6), bytes(16))
+    assert s.receive(1) == (None, None)
+    # a second refusal of the same data is not said again; a new epoch asks it for nothing up front
+    flow = s.start_epoch()
+    assert flow.outstanding[b.index] == set() and flow.outstanding[a.index] and flow.outstanding[c.index]
+    s.send(1, s.accept(1, identity=(48, "fp-other")))
+    assert s.receive(1) == (None, None)
+    said = [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()]
+    assert said == [f"service replica {b.endpoint} is quarantined: it {why}; the epoch goes on with {a.endpoint}, "
+                    f"{c.endpoint} (do all replicas serve the same dataset? a rolling update that changes the data "
+                    "mixes two)"]
+    # back on the loader's data (its pod replaced again): it takes batches again
+    flow = s.start_epoch()
+    s.send(1, s.accept(1))
+    assert isinstance(s.receive(1)[0], P.Accept)
+    assert s.conns.quarantined() == {} and not b.dead
+
+
+def test_mismatch_is_fatal_only_when_no_replica_serves_the_loaders_dataset(services):
+    s = services(2)
+    s.start_epoch()
+    a, b = s.conns.replicas
+    s.send(1, s.accept(1, identity=(48, "fp-other")))
+    assert s.receive(1) == (None, None)
+    s.send(0, s.accept(0, identity=(40, "fp-new")))
+    with pytest.raises(LoaderError) as info:
+        s.receive(0)
+    assert info.value.code == P.ErrorCode.REPLICA_MISMATCH == "replica_mismatch"
+    assert info.value.message == (
+        f"no replica serves the dataset this loader's epochs were planned on: {a.endpoint} serves 'data' with 40 "
+        "samples (fingerprint fp-new), not the dataset this loader's epochs were planned on (40 samples, fingerprint "
+        f"fp-good); {b.endpoint} serves 'data' with 48 samples (fingerprint fp-other), not the dataset this "
+        "loader's epochs were planned on (40 samples, fingerprint fp-good). Samples would be missed or doubled, so "
+        "none is used: deploy every replica on the same data, or start a new loader (a new epoch) on the new one")
+
+
+def test_the_one_service_a_loader_has_that_changed_is_still_dataset_changed(services):
+    s = services(1)
+    s.start_epoch()
+    s.send(0, s.accept(0, identity=(48, "fp-other")))
+    with pytest.raises(LoaderError, match=r"^\[dataset_changed\] the dataset changed: the service at "):
+        s.receive(0)
