@@ -11,10 +11,12 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from loader_service.control.auth import resolve_token
+from loader_service.control.autoscale import Autoscaler, make_autoscaler
 from loader_service.config import ServiceConfig
 from loader_service.dispatch.loop import Dispatcher, cannot_bind
 from loader_service.decode.jpeg import decode_path
 from loader_service.control.http_limits import Counters
+from loader_service.control.operate import autoscale_step, first_workers, status_json
 from loader_service.shm import sweep_stale
 from loader_service.sources import Source, open_path
 from loader_service.sources.demo import ensure_demo
@@ -54,6 +56,7 @@ class Service:
         default they are opened from ``config``. The service closes them when it stops."""
         self.config = config
         self.dispatcher: Optional[Dispatcher] = None
+        self.autoscaler: Optional[Autoscaler] = None  # owns the worker count when --autoscale is set
         self._given_sources = sources
         self.sources: Dict[str, Source] = {}
         self._thread: Optional[threading.Thread] = None
@@ -90,11 +93,12 @@ class Service:
         self.sources = self._given_sources if self._given_sources is not None else open_datasets(self.config)
         log.info("JPEG decode: %s; images above %d pixels are refused", decode_path(), self.config.max_image_pixels)
         try:
-            self.dispatcher = Dispatcher(self.config, self.sources)
+            self.autoscaler = make_autoscaler(self.config)
+            self.dispatcher = Dispatcher(self.config, self.sources, first_workers(self.config.workers, self.autoscaler))
             self._start_http()
-            d = self.dispatcher
-            if d.autoscaler is not None:
-                self._every(d.autoscaler.policy.interval_s, lambda: d.call(d.autoscale_step).result(timeout=30),
+            d, scaler = self.dispatcher, self.autoscaler
+            if scaler is not None:
+                self._every(scaler.policy.interval_s, lambda: d.call(autoscale_step, d, scaler).result(timeout=30),
                             "loader-autoscale")
             if self.config.status_log_s > 0:
                 self._every(self.config.status_log_s, self._log_progress, "loader-status-log")
@@ -168,7 +172,7 @@ class Service:
         """One log line of what the service did since the last one, while it has work."""
         d = self.dispatcher
         assert d is not None
-        st = d.call(d.status).result(timeout=30)
+        st = d.call(status_json, d, self.autoscaler).result(timeout=30)
         t, now = st["totals"], time.monotonic()
         last, self._progress = self._progress, (now, t["samples"], t["bytes"])
         streaming = st["clients_streaming"]
@@ -205,7 +209,7 @@ class Service:
         d = self.dispatcher
         # backlog = the cap: asyncio accepts up to `backlog` connections per wake-up before any is
         # looked at, so a larger one lets a burst take that many descriptors at once
-        cfg = uvicorn.Config(make_app(d, lambda: self.api_token, self.problem), log_level="warning", lifespan="off",
+        cfg = uvicorn.Config(make_app(d, lambda: self.api_token, self.problem, self.autoscaler), log_level="warning", lifespan="off",
                              access_log=False, backlog=c.max_http_connections,
                              http=guarded_protocol(c.max_http_connections, c.http_receipt_s, self.http_counters))
         self._http = uvicorn.Server(cfg)

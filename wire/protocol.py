@@ -23,10 +23,13 @@ from wire.jobspec import JobSpec, check_pipeline
 
 # 2: on-demand streams, stall figures as deltas; 3: Hello carries the job as one JobSpec map;
 # 4: augmentation draws from a counter-based hash (decode.transforms.SampleRandom): the same sample
-# gives other bytes than under 3, so a client or replica of 3 is refused, never mixed in
-PROTOCOL_VERSION = 4
+# gives other bytes than under 3, so a client or replica of 3 is refused, never mixed in;
+# 5: Hello.window, what a stream may have asked and not been sent (the service refuses more), so a
+# client of 4, which says none, is refused at once rather than mid-epoch
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
+MAX_WINDOW = 1 << 14  # the most batches a stream may have asked and not yet been sent (Hello.window)
 MAX_ERROR_MESSAGE = 2048  # characters of an Error's message (its traceback is the worker's own, kept whole)
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, zmq copying is cheaper than tracking a buffer
 
@@ -98,9 +101,13 @@ class Hello(Message):
     lookahead: bool = False  # the next epoch, started early: served only when nothing else waits
     on_demand: bool = False
     client: str = ""  # the loader instance (all its connections): one (job, rank) belongs to one client
+    # the most batches the client may have asked of this stream and not yet received (0: prefetch);
+    # the service refuses a Request past it, so a stream's asks cost bounded memory in any state
+    window: int = 0
 
     def check(self) -> None:
         _range(self, "stream", 0)
+        _range(self, "window", 0, MAX_WINDOW)
         self.spec.check()
         _check_batches(self.batches)
         _range(self, "epoch", 0, (1 << 31) - 1)
@@ -344,8 +351,7 @@ class Done(Message):
     worker: int
     ok: bool
     read_s: float = 0.0
-    decode_s: float = 0.0
-    augment_s: float = 0.0
+    decode_s: float = 0.0  # decoding and augmenting
     skipped: list = field(default_factory=list)  # [[position in task, dataset index, reason], ...]
     error: str = ""
     traceback: str = ""
@@ -380,7 +386,9 @@ def encode_header(msg: Message) -> bytes:
     their default are not written (the receiver fills them in), so a message that uses no newer
     field still decodes on a peer that predates it."""
     header = {"v": PROTOCOL_VERSION, "t": int(msg.TYPE), **_changed(msg)}
-    return msgpack.packb(header, use_bin_type=True)
+    # a str that is not UTF-8 (a file name with undecodable bytes, kept as surrogates) goes as its
+    # escaped text ("\\udcff"), never as a failed send
+    return msgpack.packb(header, use_bin_type=True, unicode_errors="backslashreplace")
 
 
 def _changed(obj: Any) -> dict:

@@ -13,8 +13,8 @@ hill-climbs the worker count:
 
 Each decision, with its measurements and reason, is logged, counted in metrics and kept in
 status. It reads nothing but a :class:`~loader_service.dispatch.status.ServiceStatus` snapshot;
-``Dispatcher.autoscale_step`` builds that snapshot and applies the decision on the dispatcher
-thread, like every other state change.
+:func:`loader_service.control.operate.autoscale_step` builds that snapshot and applies the
+decision on the dispatcher thread, like every other state change.
 """
 
 from __future__ import annotations
@@ -130,3 +130,10 @@ class Autoscaler:
         p = self.policy
         return {"enabled": True, "min": p.min_workers, "max": p.max_workers, "interval_s": p.interval_s,
                 "counts": dict(self.counts), "decisions": list(self.decisions)[-20:]}
+
+
+def make_autoscaler(config) -> Optional["Autoscaler"]:
+    """The autoscaler ``config.autoscale`` asks for (``MIN:MAX``), or None when it is off."""
+    if not config.autoscale:
+        return None
+    return Autoscaler(AutoscalePolicy.parse(config.autoscale, config.autoscale_interval_s))

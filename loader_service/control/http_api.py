@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from typing import Callable, Dict, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Optional
 
 from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.encoders import jsonable_encoder
@@ -25,10 +25,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from loader_service.control.auth import check_bearer
-from loader_service.dispatch.loop import AutoscaleConflict, Dispatcher
 from loader_service.control.http_limits import BodyLimit
 from loader_service.control.metrics import make_registry
+from loader_service.control import operate
+from loader_service.control.operate import AutoscaleConflict
 from loader_service.dispatch.status import ServiceStatus
+
+if TYPE_CHECKING:
+    from loader_service.control.autoscale import Autoscaler
+    from loader_service.dispatch.loop import Dispatcher
 
 log = logging.getLogger(__name__)
 STUCK_LOG_EVERY_S = 60.0  # a probe every few seconds must not flood the log with the same stack
@@ -93,9 +98,11 @@ class AuthFirst:
         await self.app(scope, receive, send)
 
 
-def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]) -> FastAPI:
+def make_app(d: "Dispatcher", token: Callable[[], str], problem: Callable[[], str],
+             autoscaler: Optional["Autoscaler"] = None) -> FastAPI:
     """The REST app for one service: ``d`` is its dispatcher (every read and change goes through
-    ``d.call``), ``token()`` the bearer token, ``problem()`` why the service is failing ("" if not)."""
+    ``d.call``), ``token()`` the bearer token, ``problem()`` why the service is failing ("" if not),
+    ``autoscaler`` the one that owns the worker count (None: scaled by hand)."""
     app = FastAPI(title="loader-service", version=_version(),
                   description="Control plane of the disaggregated data-loading service: health, status, "
                               "metrics, and live scaling of the decode worker pool.")
@@ -178,7 +185,7 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
     async def status() -> ServiceStatus:
         """Workers with their state, clients with their epoch progress, throughput, per-stage
         seconds, client stall, and the autoscaler's recent decisions."""
-        return await on_dispatcher(d.snapshot)
+        return await on_dispatcher(operate.snapshot, d, autoscaler)
 
     ScaleRequest = scale_request_model(d.config.max_workers)
 
@@ -189,7 +196,7 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
         """Scale the worker pool live. New workers take tasks at once; surplus workers finish
         their task before they exit, so no sample is lost or doubled."""
         try:
-            return ScaleResponse(**await on_dispatcher(d.scale, body.count))
+            return ScaleResponse(**await on_dispatcher(operate.scale, d, body.count, autoscaler))
         except AutoscaleConflict as exc:
             raise HTTPException(409, str(exc)) from None
         except ValueError as exc:
@@ -197,7 +204,7 @@ def make_app(d: Dispatcher, token: Callable[[], str], problem: Callable[[], str]
 
     mount_status_page(app)
 
-    registry = make_registry(lambda: d.call(d.status).result(timeout=10))
+    registry = make_registry(lambda: d.call(operate.status_json, d, autoscaler).result(timeout=10))
 
     @app.get("/metrics", tags=["status"], response_class=Response)
     async def metrics() -> Response:

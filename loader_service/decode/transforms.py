@@ -374,13 +374,3 @@ def center_crop_params(h: int, w: int, fraction: float) -> Tuple[int, int, int, 
     """The square region that Resize(size/fraction) + CenterCrop(size) keeps, in source pixels."""
     side = max(1, int(round(min(h, w) * fraction)))
     return (h - side) // 2, (w - side) // 2, side, side
-
-
-def transform_batch(samples, spec: TransformSpec, seed: int, epoch: int, indices, out: np.ndarray,
-                    read=None) -> Optional[list]:
-    """Process a whole batch (used by the benchmark baselines): ``samples[i]`` (or ``read(idx)``)
-    are samples as a source's ``read`` returns them: bytes or arrays."""
-    for j, idx in enumerate(indices):
-        data = samples[j] if read is None else read(int(idx))
-        process_sample(data, spec, sample_rng(seed, epoch, int(idx)), out[j])
-    return None

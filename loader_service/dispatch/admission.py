@@ -8,7 +8,8 @@ A Hello is checked in this order, and the first failure is the refusal:
 2. the dataset is one this service serves;
 3. the job rules (:mod:`jobs`): a rank whose spec differs from its job's is refused naming
    the fields; a (job, rank) held by an older client is taken over;
-4. workers can start; the plan can be made; ``start_batch`` and ``batches`` are in the epoch;
+4. workers can start; the plan can be made; ``start_batch`` and ``batches`` are in the epoch, and
+   an on-demand stream asks for no more than its window at once (:mod:`door`);
 5. the pipeline is one the service can run.
 
 What passes is an :class:`~loader_service.dispatch.streams.Opening` with its
@@ -25,6 +26,7 @@ from wire import protocol as P
 from wire.jobspec import JobSpec
 from wire.plan import PlanSpec, RankPlan, make_plan
 from loader_service.decode.pipelines import PipelineError, Registry, job_pipeline, named_pipeline
+from loader_service.dispatch.door import past_the_end, window_of
 from loader_service.dispatch.jobs import rank_rules, taken_over
 from loader_service.dispatch.sending import BatchLayout
 from loader_service.dispatch.sessions import Session
@@ -139,6 +141,10 @@ class Admission:
         if hello.batches and max(hello.batches) >= nb:
             return Refuse(P.ErrorCode.BAD_JOB, past_the_end(max(hello.batches), nb))
         if hello.on_demand:
+            if len(hello.batches) > window_of(hello):
+                return Refuse(P.ErrorCode.BAD_MESSAGE, (
+                    f"Hello asks for {len(hello.batches)} batches at once, more than its window of "
+                    f"{window_of(hello)} (Hello.window, or its prefetch)"))
             order, granted, final = list(hello.batches), len(hello.batches), False
             nslots = max(1, min(hello.prefetch, nb))
         else:
@@ -151,9 +157,3 @@ class Admission:
             return Refuse(P.ErrorCode.BAD_JOB, str(exc))
         layout = BatchLayout.of(pipe, hello.spec.batch_size)
         return Opening(session, hello, source, plan, pipe, layout, self.limits, order, granted, final, nslots)
-
-
-def past_the_end(batch: int, num_batches: int) -> str:
-    """The refusal of a batch asked for past the epoch's end (at Hello, or in a Request)."""
-    return (f"batch {batch} is past the end of the epoch ({num_batches} batches here); does the client's plan "
-            "come from another dataset (replicas serving different data)?")

@@ -27,7 +27,7 @@ which makes ``/healthz`` fail and ``serve`` exit non-zero.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import errno
 import logging
 import os
@@ -48,17 +48,16 @@ import zmq
 
 from wire import protocol as P
 from loader_service.config import ServiceConfig
-from loader_service.decode.jpeg import decode_path
 from loader_service.decode.pipelines import Registry
-from loader_service.dispatch import heap, sending, status
-from loader_service.dispatch.admission import Admission, Refuse, past_the_end
+from loader_service.dispatch import door, heap, sending, status
+from loader_service.dispatch.admission import Admission, Refuse
 from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
 from loader_service.dispatch.deadlines import TaskDeadlines
 from loader_service.dispatch.mailbox import Mailbox
-from loader_service.dispatch.memory import BatchMemory, Refused, slot_cap
+from loader_service.dispatch.memory import BatchMemory, Broke, NoSlots, slot_cap
 from loader_service.dispatch.scheduler import Scheduler
 from loader_service.dispatch.sessions import Session, Sessions
-from loader_service.dispatch.status import SKIPS_SHOWN, ServiceStatus, SkippedSample, Totals
+from loader_service.dispatch.status import SKIPS_SHOWN, SkippedSample, Totals
 from loader_service.dispatch.stream_state import Effect, Fail, Finish, SendBatch, StreamLimits
 from loader_service.dispatch.streams import Opening, Stream
 from loader_service.dispatch.tasks import Tasks
@@ -72,12 +71,9 @@ ACCEPT_REPORT_GRACE_S = 10.0  # how late a connection's accept may be reported a
 CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued may take to leave
 
 
-class AutoscaleConflict(RuntimeError):
-    """A manual scale request while autoscaling is on."""
-
-
 class Dispatcher:
-    def __init__(self, config: ServiceConfig, sources: Dict[str, Source]):
+    def __init__(self, config: ServiceConfig, sources: Dict[str, Source], workers: Optional[int] = None):
+        """``workers``: the pool's size at start (default: the configured count)."""
         if not sources:
             raise ValueError("the service needs at least one dataset")
         self.config, self.sources = config, sources
@@ -107,7 +103,7 @@ class Dispatcher:
         self.recent_skips: Deque[SkippedSample] = deque(maxlen=SKIPS_SHOWN)  # for the status page
         # dataset name -> DiskChange: written whole by the service's watch thread, read by snapshot
         self.disk_changes: Dict[str, DiskChange] = {}
-        self._rate = status.Rate()
+        self.rate = status.Rate()  # samples delivered lately (the status reads it)
         self.loop_thread: Optional[int] = None  # the thread running :meth:`run`
         self._running_loop = False
         self._closed = False
@@ -116,11 +112,7 @@ class Dispatcher:
         self.failure = ""  # why the loop died ("" while it is fine)
         self.ready = threading.Event()  # set once a worker has said Ready
         self.started = time.time()
-        self.autoscaler = None
-        if config.autoscale:
-            from loader_service.control.autoscale import AutoscalePolicy, Autoscaler
-
-            self.autoscaler = Autoscaler(AutoscalePolicy.parse(config.autoscale, config.autoscale_interval_s))
+        self.first_workers = config.workers if workers is None else workers
 
     # ------------------------------------------------------------------ other threads
     def call(self, fn: Callable, *args) -> Future:
@@ -169,12 +161,8 @@ class Dispatcher:
         poller.register(self.mailbox.fileno(), zmq.POLLIN)
         sentinels: Dict[int, int] = {}
         pool_version = -1
-        workers = self.config.workers
-        if self.autoscaler is not None:
-            p = self.autoscaler.policy
-            workers = min(max(workers, p.min_workers), p.max_workers)
         try:
-            self.pool.scale(workers)
+            self.pool.scale(self.first_workers)
             while self._running_loop:
                 if pool_version != self.pool.version:
                     for fd in sentinels:
@@ -250,15 +238,36 @@ class Dispatcher:
                     self._internal_error(frames[0].bytes, exc, tb)
 
     def _internal_error(self, ident: bytes, exc: Exception, tb: str) -> None:
+        """The last resort: a bug met while acting for one client fails that client alone. Its
+        stream ends with ``[internal]`` and the traceback, and its session closes (counted as
+        ``internal_errors``; the tests assert it never happens)."""
         session = self.sessions.get(ident)
         msg = f"internal error in the service: {type(exc).__name__}: {exc}"
         try:
+            waiting = self.memory.waiting.pop(ident, None)
             if session is not None and session.stream is not None:
                 self._end_stream(session.stream, Fail(P.ErrorCode.INTERNAL, msg, tb))
             else:
-                self._send(ident, P.Error(code=P.ErrorCode.INTERNAL, message=msg, traceback=tb))
+                stream = waiting.hello.stream if waiting is not None else -1
+                self._send(ident, P.Error(code=P.ErrorCode.INTERNAL, message=msg, traceback=tb, stream=stream))
         except Exception:
             log.exception("could not report an internal error to client %s", ident.hex()[:12])
+        try:
+            self._drop_client(ident, "was closed after an internal error")
+        except Exception:
+            log.exception("could not close client %s after an internal error", ident.hex()[:12])
+
+    @contextlib.contextmanager
+    def _for_client(self, ident: bytes, what: str) -> Iterator[None]:
+        """Act for one client outside its own message (a task done, a send let go of, slots that
+        came back): a bug met there fails that client alone (:meth:`_internal_error`)."""
+        try:
+            yield
+        except Exception as exc:
+            tb = traceback.format_exc()
+            self.totals.internal_errors += 1
+            log.error("error while %s for client %s: %s\n%s", what, ident.hex()[:12], exc, tb)
+            self._internal_error(ident, exc, tb)
 
     def _send(self, ident: bytes, msg: P.Message) -> None:
         self._send_frames(ident, P.encode(msg))
@@ -376,7 +385,7 @@ class Dispatcher:
         for other in self.sessions.bind(session, fd):
             self._drop_client(other, "connection replaced")
 
-    def _refuse(self, ident: bytes, hello: P.Hello, r: Union[Refuse, Refused]) -> None:
+    def _refuse(self, ident: bytes, hello: P.Hello, r: Union[Refuse, NoSlots]) -> None:
         code = r.code if isinstance(r, Refuse) else P.ErrorCode.NO_CAPACITY
         self._send(ident, P.Error(code=code, stream=hello.stream, message=r.message, fatal=r.fatal))
 
@@ -415,13 +424,20 @@ class Dispatcher:
         else:
             self._opened([(opening, result)])
 
-    def _opened(self, results: List[Tuple[Opening, Union[Stream, Refused]]]) -> None:
+    def _opened(self, results: List[Tuple[Opening, Union[Stream, NoSlots, Broke]]]) -> None:
         """Start serving the streams that have their slots now; refuse those that cannot have them."""
         for o, result in results:
-            if isinstance(result, Refused):
-                self._refuse(o.ident, o.hello, result)
-            else:
-                self._start(o.session, result)
+            if isinstance(result, Broke):  # opening it raised: a bug, its client alone is failed
+                self.totals.internal_errors += 1
+                log.error("error while opening stream %d for client %s: %s\n%s", o.hello.stream, o.ident.hex()[:12],
+                          result.error, result.traceback)
+                self._internal_error(o.ident, RuntimeError(result.error), result.traceback)
+                continue
+            with self._for_client(o.ident, "starting its stream"):
+                if isinstance(result, NoSlots):
+                    self._refuse(o.ident, o.hello, result)
+                else:
+                    self._start(o.session, result)
 
     def _start(self, session: Session, s: Stream) -> None:
         hello, plan = s.hello, s.plan
@@ -438,7 +454,8 @@ class Dispatcher:
         self._apply(s, s.state.start())
 
     def _on_credit(self, ident: bytes, session: Optional[Session], msg: Union[P.Credit, P.Request]) -> None:
-        """A Credit (more of a plain stream) or a Request (batches of an on-demand stream)."""
+        """A Credit (more of a plain stream) or a Request (batches of an on-demand stream), let in
+        by the door (:mod:`.door`) whatever the stream's life: waiting for its slots or served."""
         if session is None or msg.stream > session.stream_id:
             # the service restarted or forgot this client: it will start again from its cursor
             self._send(ident, P.Error(code=P.ErrorCode.UNKNOWN_CLIENT, stream=msg.stream, fatal=False,
@@ -448,6 +465,14 @@ class Dispatcher:
         o = self.memory.waiting.get(ident) if s is None else None  # a stream still waiting for its slots
         if (o is None or o.hello.stream != msg.stream) and (s is None or s.id != msg.stream):
             return  # for a stream that already ended or was replaced
+        target: Union[Stream, Opening] = s if s is not None else o
+        asks = target.asks()
+        refusal = door.check_request(msg, asks) if isinstance(msg, P.Request) else door.check_credit(msg, asks)
+        if refusal is not None:
+            self.totals.refused_asks += 1
+            log.warning("client %s stream %d: refused %s: %s", session.name, msg.stream, type(msg).__name__,
+                        refusal.message)
+            return self._end_stream(target, Fail(refusal.code, refusal.message))
         # the stall figures are deltas since the connection's previous message: add, keep no baseline
         self.totals.wait_s += msg.wait_s
         self.totals.h2d_s += msg.h2d_s
@@ -468,21 +493,9 @@ class Dispatcher:
             s.lookahead = False
             self._may_take_task(s)  # its place in the scheduler's line changes
         if isinstance(msg, P.Credit):
-            if s.hello.on_demand:
-                return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Credit on an on_demand stream; send Request"))
             s.state.grant(msg.n)
-            self.memory.wake(s, now)
-            return self._may_take_task(s)
-        if not s.hello.on_demand:
-            return self._end_stream(s, Fail(P.ErrorCode.BAD_MESSAGE, "Request on a stream that is not on_demand"))
-        bad = [b for b in msg.batches if b >= s.plan.num_batches]
-        if bad:
-            return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, past_the_end(max(bad), s.plan.num_batches)))
-        try:
-            effects = s.state.extend(msg.batches, final=msg.final)
-        except ValueError as exc:  # a batch asked for twice
-            return self._end_stream(s, Fail(P.ErrorCode.BAD_JOB, str(exc)))
-        self._apply(s, effects)
+        else:
+            self._apply(s, s.state.extend(msg.batches, final=msg.final))
         self.memory.wake(s, now)
         self._may_take_task(s)
 
@@ -525,8 +538,17 @@ class Dispatcher:
         if not s.state.done:
             self.scheduler.ready(s, s.tier)
 
-    def _end_stream(self, s: Stream, e: Effect) -> None:
-        """Tell the client how its stream ended (``Finish`` or ``Fail``), then retire it."""
+    def _end_stream(self, s: Union[Stream, Opening], e: Effect) -> None:
+        """Tell the client how its stream ended (``Finish`` or ``Fail``), then retire it (a
+        stream still waiting for its slots stops waiting)."""
+        if isinstance(s, Opening):
+            assert isinstance(e, Fail)
+            if self.memory.waiting.get(s.ident) is s:
+                del self.memory.waiting[s.ident]
+            log.error("stream %d of client %s failed while waiting for slots: %s", s.hello.stream, s.ident.hex()[:12],
+                      e.message)
+            self._send(s.ident, P.Error(code=e.code, message=e.message, stream=s.hello.stream, fatal=True))
+            return
         if isinstance(e, Finish):
             self._send(s.ident, P.EndOfEpoch(stream=s.id, epoch=s.hello.epoch, num_batches=s.plan.num_batches))
         elif isinstance(e, Fail):
@@ -589,13 +611,14 @@ class Dispatcher:
         self.totals.samples += n
         self.totals.batches += 1
         self.totals.bytes += nbytes
-        self._rate.add(time.monotonic(), self.totals.samples)
+        self.rate.add(time.monotonic(), self.totals.samples)
 
     def _send_complete(self, s: Stream, slot: int) -> None:
         # runs as a post, so the loop schedules right after: a stream that waited for this slot
         # can take an idle worker at once
-        s.state.send_complete(slot)
-        self._may_take_task(s)
+        with self._for_client(s.ident, "letting go of a sent batch"):
+            s.state.send_complete(slot)
+            self._may_take_task(s)
 
     def _fail_all(self, why: str) -> None:
         for stream in self.sessions.streams():
@@ -607,8 +630,14 @@ class Dispatcher:
         if not places or self._stop_by is not None:
             return
         places.reverse()  # popped from the end: idle workers first
+
+        def take(s: Stream) -> None:
+            with self._for_client(s.ident, "handing its batch to a worker"):
+                self._dispatch(s, places[-1])
+                places.pop()
+
         self.scheduler.pick(len(places), lambda s: s.segment is not None and s.state.dispatchable(),
-                            lambda s: s.tier, lambda s: self._dispatch(s, places.pop()))
+                            lambda s: s.tier, take)
 
     def _dispatch(self, s: Stream, worker) -> None:
         t = s.state.next_task(self.tasks.next_id())
@@ -638,9 +667,10 @@ class Dispatcher:
         if not done.ok:
             self.totals.failed_tasks += 1
         skipped = [(int(p), int(i), str(why)) for p, i, why in done.skipped]
-        effects = r.stream.state.task_done(done.task, skipped, "" if done.ok else done.error,
-                                           "" if done.ok else done.traceback)
-        self._apply(r.stream, effects)
+        with self._for_client(r.stream.ident, "taking a finished batch"):
+            effects = r.stream.state.task_done(done.task, skipped, "" if done.ok else done.error,
+                                               "" if done.ok else done.traceback)
+            self._apply(r.stream, effects)
 
     def _on_worker_exit(self, wid: int) -> None:
         held, died_on, exitcode = self.pool.reap(wid)
@@ -649,11 +679,12 @@ class Dispatcher:
             if r is None:
                 continue
             self.totals.redone_tasks += 1
-            if task_id != died_on:  # finished (its Done lost with the worker) or never began: not its fault
-                r.stream.state.task_returned(task_id)
-                self._may_take_task(r.stream)  # it has a batch to redo: back in the scheduler's line
-            else:
-                self._apply(r.stream, r.stream.state.task_lost(task_id, r.lost_because(describe_exit(exitcode))))
+            with self._for_client(r.stream.ident, "redoing a task its worker lost"):
+                if task_id != died_on:  # finished (its Done lost with the worker) or never began: not its fault
+                    r.stream.state.task_returned(task_id)
+                    self._may_take_task(r.stream)  # it has a batch to redo: back in the scheduler's line
+                else:
+                    self._apply(r.stream, r.stream.state.task_lost(task_id, r.lost_because(describe_exit(exitcode))))
 
     def _expire_tasks(self) -> None:
         """Kill the worker of every task past its deadline; its loss is handled when it is reaped."""
@@ -671,58 +702,6 @@ class Dispatcher:
                 os.kill(w.pid, signal.SIGKILL)  # works on a stopped (SIGSTOP) process too
             except (ProcessLookupError, PermissionError):
                 pass  # already gone: its sentinel reports it
-
-    # ------------------------------------------------------------------ status and control
-    def snapshot(self) -> ServiceStatus:
-        """A consistent, typed snapshot (call it through :meth:`call`)."""
-        now = time.monotonic()
-        t, pool = self.totals, self.pool
-        problem = self.failure or pool.broken
-        sizes = [s.hello.spec.batch_size for s in self.sessions.streams()] or [1]
-        listed = status.clients(self.sessions.values(), self.memory, now)
-        return ServiceStatus(
-            instance=self.instance, uptime_s=round(time.time() - self.started, 1), healthy=not problem,
-            problem=problem, data_port=self.data_port, data_port_curve=self.guard.curve,
-            datasets={n: status.dataset(s, self.disk_changes.get(n)) for n, s in self.sources.items()},
-            shard_cache={n: s.cache_status() for n, s in self.sources.items() if hasattr(s, "cache_status")},
-            workers=status.workers(pool, t.hung_tasks, now),
-            clients=listed.shown, clients_total=listed.total, clients_listed=len(listed.shown),
-            clients_streaming=listed.streaming,
-            throughput={"samples_per_s": round(self._rate.per_s(now, t.samples), 1)},
-            totals=dataclasses.replace(t), stage_s=t.stage_seconds(),
-            shm_bytes=self.memory.in_use(),
-            task_deadline_s=round(self.tasks.deadlines.deadline_s(sorted(sizes)[len(sizes) // 2]), 3),
-            autoscaler=self.autoscaler.status() if self.autoscaler else {"enabled": False},
-            decode_path=decode_path(),
-            shm_limit_bytes=self.memory.max_bytes, skipped_recent=list(self.recent_skips),
-            connections={"open": self.sessions.connections, "sessions": len(self.sessions),
-                         "pending": self.sessions.pending, "waiting": len(self.memory.waiting)},
-        )
-
-    def status(self) -> dict:
-        """:meth:`snapshot` as plain JSON-ready data."""
-        return self.snapshot().model_dump(mode="json")
-
-    def scale(self, n: int) -> dict:
-        """Set the worker count (REST). Refused while the autoscaler owns the count."""
-        if self.autoscaler is not None:
-            p = self.autoscaler.policy
-            raise AutoscaleConflict(f"the autoscaler manages the worker count ({p.min_workers}:{p.max_workers}); "
-                                    "restart without --autoscale to set it by hand")
-        if not 0 <= n <= self.config.max_workers:
-            raise ValueError(f"worker count must be in [0, {self.config.max_workers}], got {n}")
-        before = self.pool.target
-        self.pool.scale(n)
-        log.info("worker pool scaled %d -> %d by request", before, n)
-        return {"previous": before, "target": n, "workers": self.pool.counts()}
-
-    def autoscale_step(self) -> Optional[dict]:
-        """One autoscaler decision from a fresh snapshot, applied to the pool."""
-        assert self.autoscaler is not None
-        decision = self.autoscaler.step(self.snapshot())
-        if decision is not None and decision["to"] != decision["from"]:
-            self.pool.scale(decision["to"])
-        return decision
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:

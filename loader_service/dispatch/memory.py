@@ -37,10 +37,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from loader_service import shm
+from loader_service.dispatch.door import Life
 from loader_service.dispatch.streams import Opening, Stream
 from loader_service.shm import NoSpace, Segment
 
@@ -67,11 +69,23 @@ class _Quiet:
 
 
 @dataclass(frozen=True)
-class Refused:
+class NoSlots:
     """A stream that cannot have its slots: the ``no_capacity`` error's message."""
 
     message: str
     fatal: bool = True
+
+
+@dataclass(frozen=True)
+class Broke:
+    """Opening a stream that waited raised (a bug): its slots went back, and its client alone
+    is failed with this (the others that waited are still retried)."""
+
+    error: str
+    traceback: str
+
+
+Opened = Union[Stream, NoSlots, Broke]
 
 
 class BatchMemory:
@@ -248,7 +262,7 @@ class BatchMemory:
             self._drop(seg)
 
     # ------------------------------------------------------------------ streams
-    def open(self, o: Opening, now: float) -> Union[Stream, Refused, None]:
+    def open(self, o: Opening, now: float) -> Union[Stream, NoSlots, None]:
         """Slots for a new stream: the :class:`Stream` on them, a refusal, or None: it waits in
         :attr:`waiting` for memory that ending or quiet streams hold, and :meth:`retry` opens it."""
         try:
@@ -258,14 +272,18 @@ class BatchMemory:
                 segment = self._acquire_lending(o.ident, o.nbytes, o.what, now)
         except NoCapacity as exc:
             if o.hello.lookahead:  # the client starts the epoch plainly when it comes
-                return Refused(f"lookahead refused: {exc}", fatal=False)
+                return NoSlots(f"lookahead refused: {exc}", fatal=False)
             if isinstance(exc, NoShmSpace):  # the filesystem is full: streams that end would not help
-                return Refused(f"{exc}; or lower prefetch or batch size")
+                return NoSlots(f"{exc}; or lower prefetch or batch size")
             if self._will_fit(o.nbytes):
                 self.waiting[o.ident] = o
                 return None
-            return Refused(f"{exc}; lower prefetch or batch size, or {self.hint}")
-        return o.open(segment, now)
+            return NoSlots(f"{exc}; lower prefetch or batch size, or {self.hint}")
+        try:
+            return o.open(segment, now)
+        except BaseException:
+            self.release(segment, None)  # never leak the slots of a stream that did not open
+            raise
 
     def wake(self, s: Stream, now: float) -> None:
         """``s`` was asked for work: if it lent its slots, slots again, or it waits for them."""
@@ -284,7 +302,7 @@ class BatchMemory:
         self.changed(s)
         self._slots_back(s)
 
-    def retire(self, s: Stream, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+    def retire(self, s: Stream, now: float) -> List[Tuple[Opening, Opened]]:
         """``s`` is no longer served: its state retires, and its slots go back once no task or
         send still uses them (at once if none does: then what waits is retried, see :meth:`retry`)."""
         if s in self.retiring:
@@ -294,7 +312,7 @@ class BatchMemory:
         self.retiring.append(s)
         return self.release_idle(now)
 
-    def release_idle(self, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+    def release_idle(self, now: float) -> List[Tuple[Opening, Opened]]:
         """Give back the slots of retired streams that nothing reads any more (as their
         connection's reserve while it is connected); if any came back, :meth:`retry`."""
         if self._closing:
@@ -312,7 +330,7 @@ class BatchMemory:
         self.retiring = keep
         return self.retry(now) if released else []
 
-    def leave(self, ident: bytes, s: Optional[Stream], now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+    def leave(self, ident: bytes, s: Optional[Stream], now: float) -> List[Tuple[Opening, Opened]]:
         """Connection ``ident`` is gone, ``s`` the stream it was served: nothing of it waits any
         more, its stream retires, its reserve goes back; then what waits is retried."""
         self.waiting.pop(ident, None)
@@ -320,14 +338,17 @@ class BatchMemory:
         self.forget(ident)
         return opened + self.retry(now)
 
-    def retry(self, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+    def retry(self, now: float) -> List[Tuple[Opening, Opened]]:
         """Retry whatever waits for slots: new streams first (oldest first), then lent ones.
         Returns the new streams that stopped waiting: opened, or refused now that they no
         longer fit even once the ending and quiet streams give their slots back."""
-        out: List[Tuple[Opening, Union[Stream, Refused]]] = []
+        out: List[Tuple[Opening, Opened]] = []
         for ident, o in list(self.waiting.items()):
             del self.waiting[ident]
-            result = self.open(o, now)
+            try:
+                result: Optional[Opened] = self.open(o, now)
+            except Exception as exc:
+                result = Broke(f"{type(exc).__name__}: {exc}", traceback.format_exc())
             if result is not None:
                 out.append((o, result))
         for s in list(self.starved):
@@ -347,7 +368,7 @@ class BatchMemory:
             self._lend_due = None if s is None else self._quiet[s].asked_at + self.reclaim_idle_s
         return self._lend_due
 
-    def lend_if_due(self, now: float) -> List[Tuple[Opening, Union[Stream, Refused]]]:
+    def lend_if_due(self, now: float) -> List[Tuple[Opening, Opened]]:
         """While something waits for slots: :meth:`retry` it when a quiet stream's slots may be
         lent (its quiet time is up, or it went quiet after its time was up)."""
         if not self.waiting and not self.starved:
@@ -453,6 +474,21 @@ class BatchMemory:
         return None
 
     # ------------------------------------------------------------------ status
+    def life(self, s: Union[Stream, Opening]) -> Life:
+        """Where ``s`` is in its life (:class:`~loader_service.dispatch.door.Life`), from the one
+        place each part of it is kept: this memory's lists and the stream's state."""
+        if isinstance(s, Opening):
+            return Life.WAITING if self.waiting.get(s.ident) is s else Life.ENDED
+        if s.state.done:
+            return Life.ENDING if s in self.retiring else Life.ENDED
+        if s in self.starved:
+            return Life.STARVED
+        if s.segment is None:
+            return Life.LENT
+        if s.state.settled:
+            return Life.QUIET
+        return Life.CAUGHT_UP if s.state.caught_up else Life.RUNNING
+
     def slots_word(self, ident: bytes, s: Optional[Stream]) -> str:
         """The ``slots`` field of ClientStatus for connection ``ident`` serving ``s`` (see there)."""
         if ident in self.waiting or (s is not None and s in self.starved):

@@ -107,6 +107,8 @@ class Scheduler(Generic[T]):
                 continue  # out of the line until the caller says it may be ready again
             take(s)
             given += 1
+            if s not in self._served:
+                continue  # ``take`` ended it (forget): it leaves the line
             self._tick += 1
             self._served[s] = self._tick
             if dispatchable(s):

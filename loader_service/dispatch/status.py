@@ -100,7 +100,8 @@ class Totals:
     redone_tasks: int = 0
     hung_tasks: int = 0
     streams: int = 0
-    internal_errors: int = 0
+    internal_errors: int = 0  # bugs met while acting for one client: that client was failed (never expected)
+    refused_asks: int = 0  # Requests and Credits the door refused (outside the plan, repeated, past the window)
     refused_handshakes: int = 0  # on the data port: unknown keys, no keys, wrong server key
     refused_sessions: int = 0  # Hellos past --max-sessions or --max-waiting
     early_messages: int = 0  # messages read before their connection's accept was reported (or after it was gone)

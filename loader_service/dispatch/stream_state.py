@@ -171,6 +171,10 @@ class StreamState:
         self.final = self.final or final
         return self._flush()
 
+    def has(self, batch: int) -> bool:
+        """Whether ``batch`` is part of the order already."""
+        return batch in self.order if self._pos is None else batch in self._pos
+
     def dispatchable(self) -> bool:
         """Whether :meth:`next_task` would return a task now."""
         if self.done:

@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Union
+from dataclasses import dataclass, field
+from typing import List, Optional, Set, Union
 
 from wire import protocol as P
 from wire.plan import RankPlan
 from loader_service.decode.pipelines import JobPipeline
 from loader_service.dispatch import scheduler
+from loader_service.dispatch.door import Asked, window_of
 from loader_service.dispatch.sending import BatchLayout
 from loader_service.dispatch.sessions import Session
 from loader_service.dispatch.stream_state import StreamLimits, StreamState
@@ -63,6 +64,12 @@ class Stream:
         """Its slots, for messages."""
         return _what(self.state.num_slots, self.layout)
 
+    def asks(self) -> Asked:
+        """What it has been asked so far (what the door checks a new ask against)."""
+        st = self.state
+        return Asked(self.id, self.plan.num_batches, window_of(self.hello), len(st.order), st.next_send, st.granted,
+                     st.final, self.hello.on_demand, st.has)
+
 
 @dataclass(eq=False)
 class Opening:
@@ -79,6 +86,7 @@ class Opening:
     granted: int  # of those, how many may be computed now (credit)
     final: bool  # no batch will be added to ``order``
     nslots: int
+    _has: Set[int] = field(default_factory=set, repr=False)  # the batches of a list ``order``: the door's repeat check
 
     @property
     def ident(self) -> bytes:
@@ -92,13 +100,25 @@ class Opening:
     def what(self) -> str:
         return _what(self.nslots, self.layout)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.order, range):
+            self._has = set(self.order)
+
+    def asks(self) -> Asked:
+        """What it has been asked so far (what the door checks a new ask against)."""
+        has = self.order.__contains__ if isinstance(self.order, range) else self._has.__contains__
+        return Asked(self.hello.stream, self.plan.num_batches, window_of(self.hello), len(self.order), 0, self.granted,
+                     self.final, self.hello.on_demand, has)
+
     def asked(self, msg: Union[P.Credit, P.Request]) -> None:
-        """A Credit or Request that came while it waited for slots: it counts when it opens
-        (a Request's batches are checked, range and repeats, by the stream then)."""
-        if isinstance(msg, P.Credit) and not self.hello.on_demand:
+        """A Credit or Request that came while it waited for slots, let in by the door
+        (:mod:`~loader_service.dispatch.door`): it counts when it opens."""
+        if isinstance(msg, P.Credit):
             self.granted += msg.n
-        elif isinstance(msg, P.Request) and self.hello.on_demand:
+        else:
+            assert isinstance(self.order, list), "an on-demand stream's order is a list"
             self.order.extend(msg.batches)
+            self._has.update(msg.batches)
             self.final = self.final or msg.final
             self.granted = len(self.order)
 

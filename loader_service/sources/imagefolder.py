@@ -26,7 +26,7 @@ import numpy as np
 from loader_service.shm import Segment
 from loader_service.sources.base import IMAGE_EXTENSIONS, DiskChange, Source, SourceSpec, register
 from loader_service.sources.files import DEFAULT_MAX_SAMPLE_BYTES, ScanProgress, log, read_regular, walk_once
-from loader_service.sources.index import PackedStrings
+from loader_service.sources.index import PackedStrings, printable
 
 EXTENSIONS = IMAGE_EXTENSIONS
 EXAMPLES = 3  # paths a DiskChange names
@@ -169,7 +169,7 @@ class ImageFolderSource(Source):
                             expect=(size, mtime_ns) if size >= 0 else None)
 
     def describe(self, i: int) -> str:
-        return os.path.join(self.root, self.paths[i])
+        return printable(os.path.join(self.root, self.paths[i]))
 
     def spec(self) -> SourceSpec:
         return SourceSpec(self.name, "imagefolder", self.root, self._segment.name if self._segment else "",
@@ -197,7 +197,8 @@ class ImageFolderSource(Source):
         if not (added or removed or relabelled):
             return None  # folders touched, the images the same
         return DiskChange(len(added), len(removed), relabelled,
-                          tuple([f"+ {p}" for p in added[:EXAMPLES]] + [f"- {p}" for p in removed[:EXAMPLES]]))
+                          tuple([f"+ {printable(p)}" for p in added[:EXAMPLES]]
+                                + [f"- {printable(p)}" for p in removed[:EXAMPLES]]))
 
     def index_parts(self):
         return self.paths.blob, self.paths.offsets, self.stats[:, 0], self.labels

@@ -12,8 +12,18 @@ from typing import Iterable, Sequence
 import numpy as np
 
 
+def printable(name: str) -> str:
+    """``name`` for a message: a file name's bytes that are not UTF-8 (kept as surrogates, as
+    Python's file system functions do) shown as ``\\xff`` escapes."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 class PackedStrings:
-    """Immutable sequence of str stored as ``blob[offsets[i]:offsets[i+1]]`` (UTF-8)."""
+    """Immutable sequence of str stored as ``blob[offsets[i]:offsets[i+1]]`` (UTF-8).
+
+    A name whose bytes are not UTF-8 (a file named on an old Latin-1 file system) is kept
+    byte for byte (``surrogateescape``, as ``os.fsencode`` does), so it can still be opened;
+    :func:`printable` shows it in messages."""
 
     __slots__ = ("blob", "offsets")
 
@@ -24,7 +34,7 @@ class PackedStrings:
 
     @classmethod
     def from_strings(cls, items: Iterable[str]) -> "PackedStrings":
-        encoded = [s.encode("utf-8") for s in items]
+        encoded = [s.encode("utf-8", "surrogateescape") for s in items]
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(b) for b in encoded], out=offsets[1:])
         blob = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
@@ -37,7 +47,7 @@ class PackedStrings:
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
-        return self.blob[self.offsets[i] : self.offsets[i + 1]].tobytes().decode("utf-8")
+        return self.blob[self.offsets[i] : self.offsets[i + 1]].tobytes().decode("utf-8", "surrogateescape")
 
     def tolist(self) -> Sequence[str]:
         return [self[i] for i in range(len(self))]

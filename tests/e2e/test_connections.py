@@ -21,6 +21,7 @@ from wire import protocol as P
 from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
 
+from loader_service.control.operate import status_json
 from tests.support.dispatcher import FD, close, deliver, loopless, sent_to
 
 @pytest.fixture
@@ -94,7 +95,7 @@ def test_a_stream_waits_for_the_slots_of_a_stream_that_is_still_ending(tight_dis
     deliver(d, first, P.Bye(), fd=21)
     assert d.memory.retiring == [ending]  # gone, but its slots are still read by the task
 
-    deliver(d, second, _big_hello(on_demand=True, batches=[0]), fd=22)
+    deliver(d, second, _big_hello(on_demand=True, batches=[0], window=3), fd=22)
     deliver(d, second, P.Request(stream=1, batches=[1, 2], final=True), fd=22)
     assert d.sessions.get(second).stream is None
     assert second in d.memory.waiting and sent_to(d, second) == []  # no Accept yet, and no refusal
@@ -224,7 +225,7 @@ def test_a_hello_past_the_session_cap_is_refused_naming_the_cap(demo_source):
         (refusal,) = [m for i, m in d.sent if i == idents[2]]
         assert refusal.code == P.ErrorCode.NO_CAPACITY and refusal.fatal
         assert refusal.message.startswith("the service holds 2 sessions, its cap (--max-sessions 2)")
-        assert d.status()["connections"] == {"open": 3, "sessions": 2, "pending": 1, "waiting": 0}
+        assert status_json(d)["connections"] == {"open": 3, "sessions": 2, "pending": 1, "waiting": 0}
     finally:
         close(d)
 

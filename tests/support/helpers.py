@@ -64,7 +64,9 @@ def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condi
 
 
 def status(svc) -> dict:
-    return svc.dispatcher.call(svc.dispatcher.status).result(timeout=10)
+    from loader_service.control.operate import status_json
+
+    return svc.dispatcher.call(status_json, svc.dispatcher, svc.autoscaler).result(timeout=10)
 
 
 def image_array(batch: dict) -> np.ndarray:

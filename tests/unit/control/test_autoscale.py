@@ -1,6 +1,6 @@
 """Autoscaler decisions for given measurements.
 
-``Dispatcher.autoscale_step`` hands ``Autoscaler.step`` a fresh ServiceStatus every interval
+``loader_service.control.operate.autoscale_step`` hands ``Autoscaler.step`` a fresh ServiceStatus every interval
 and scales the pool to ``decision["to"]`` when it differs from ``decision["from"]``. The
 autoscaler reads the interval's length from ``time.monotonic()`` itself; these tests do not
 patch the clock. Instead each interval's measurements are chosen so that the decision does not

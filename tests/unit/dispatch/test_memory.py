@@ -26,7 +26,7 @@ from wire import protocol as P
 from wire.jobspec import JobSpec
 from wire.plan import make_plan
 from loader_service.decode.pipelines import Registry, job_pipeline
-from loader_service.dispatch.memory import BatchMemory, NoCapacity, Refused
+from loader_service.dispatch.memory import BatchMemory, NoCapacity, NoSlots
 from loader_service.dispatch.sending import BatchLayout
 from loader_service.dispatch.sessions import Session
 from loader_service.dispatch.stream_state import SendBatch, StreamLimits
@@ -87,7 +87,7 @@ class Loop:
     def __init__(self, max_bytes: int, reclaim_idle_s: float = 0.0, held_sends: bool = False):
         self.sessions: Dict[bytes, Session] = {}
         self.now = 0.0
-        self.refused: List[Tuple[bytes, Refused]] = []
+        self.refused: List[Tuple[bytes, NoSlots]] = []
         self.held_sends = held_sends
         self.sends: List[Tuple[Stream, int]] = []  # (stream, slot) of sends libzmq still holds
         self.memory = BatchMemory(max_bytes, reclaim_idle_s, live=self.live, connected=self.sessions.__contains__)
@@ -104,7 +104,7 @@ class Loop:
         o = opening(session, session.stream_id, nslots, first, lookahead)
         could_free = self.could_free()
         result = self.memory.open(o, self.now)
-        if isinstance(result, Refused) and result.fatal:
+        if isinstance(result, NoSlots) and result.fatal:
             assert o.nbytes > could_free, (
                 f"refused {o.nbytes} bytes while {could_free} would be free once the streams that ask for "
                 f"nothing and those ending give their slots back")
@@ -154,7 +154,7 @@ class Loop:
 
     def opened(self, results) -> None:
         for o, result in results:
-            if isinstance(result, Refused):
+            if isinstance(result, NoSlots):
                 self.refused.append((o.ident, result))
             else:
                 o.session.stream = result
@@ -389,7 +389,7 @@ def test_a_hello_that_comes_while_a_caught_up_stream_s_last_send_is_held_waits_f
 def test_a_stream_that_cannot_fit_even_after_lending_is_refused_at_once_with_what_raises_the_cap(loop):
     loop.hello(b"busy", 48, first=1)
     refused = loop.hello(b"big", 48)
-    assert isinstance(refused, Refused) and refused.fatal and b"big" not in loop.memory.waiting
+    assert isinstance(refused, NoSlots) and refused.fatal and b"big" not in loop.memory.waiting
     assert refused.message.startswith("this job needs 0.6 MiB of batch slots (prefetch 48 x 0.0 MiB) but 0.6 of 1 MiB")
     assert refused.message.endswith("; lower prefetch or batch size, or raise --max-shm-mb")
 
@@ -397,7 +397,7 @@ def test_a_stream_that_cannot_fit_even_after_lending_is_refused_at_once_with_wha
 def test_a_lookahead_leaves_room_for_a_current_epoch_and_never_waits(loop):
     loop.hello(b"now", 32, first=1)  # 384 KiB live
     ahead = loop.hello(b"next", 48, lookahead=True)  # 576 + 384 headroom > 1024 - 384
-    assert isinstance(ahead, Refused) and not ahead.fatal and b"next" not in loop.memory.waiting
+    assert isinstance(ahead, NoSlots) and not ahead.fatal and b"next" not in loop.memory.waiting
     assert ahead.message.startswith("lookahead refused: ") and "for a current epoch" in ahead.message
     small = loop.hello(b"next", 16, lookahead=True)  # 192, and 384 left for a current epoch
     assert isinstance(small, Stream) and small.segment is not None

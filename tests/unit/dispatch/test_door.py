@@ -1,0 +1,316 @@
+"""The door (issue 37): every client message, in every life of its stream, with hostile values.
+
+The pure checks first; then a hypothesis state machine that drives the real dispatcher (no
+loop, no workers: tests/support/dispatcher.py) with every message type a client can send,
+well-formed or not, while streams wait for memory, run, are caught up, lend their slots, starve
+and end; workers finish and lose tasks at random. After every step: nothing escaped, the
+last-resort guard never fired, what a connection holds stays within its window, no batch left
+twice, the bystander was never failed by what others sent, and each stream's life moved only as
+:data:`~loader_service.dispatch.door.MAY_BECOME` allows.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Dict, List, Optional, Set, Tuple
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from wire import protocol as P
+from wire.jobspec import JobSpec
+from loader_service.config import ServiceConfig
+from loader_service.dispatch import door
+from loader_service.dispatch.door import MAY_BECOME, Asked, Life
+from loader_service.dispatch.streams import Opening, Stream
+from tests.support.dispatcher import Frame, close, deliver, loopless
+
+
+def _asked(**kw) -> Asked:
+    base = dict(stream=3, num_batches=10, window=4, count=2, sent=1, granted=2, final=False, on_demand=True,
+                has=lambda b: b in (0, 1))
+    base.update(kw)
+    return Asked(**base)
+
+
+@pytest.mark.parametrize("batches, code, words", [
+    ([2, 3, 4], None, ""),  # 1 unsent + 3 = 4: the whole window
+    ([2, 3, 4, 5], P.ErrorCode.BAD_MESSAGE, "Request takes stream 3 to 5 batches asked and not yet sent, more than "
+                                            "its window of 4"),
+    ([10], P.ErrorCode.BAD_JOB, "batch 10 is past the end of the epoch (10 batches here)"),
+    ([3, 1], P.ErrorCode.BAD_JOB, "batch 1 is already part of stream 3"),
+])
+def test_a_request_is_checked_against_the_plan_what_was_asked_and_the_window(batches, code, words):
+    r = door.check_request(P.Request(stream=3, batches=batches), _asked())
+    assert (r is None) if code is None else (r.code == code and words in r.message)
+
+
+def test_nothing_may_be_asked_after_final_and_a_plain_stream_takes_no_request():
+    r = door.check_request(P.Request(stream=3, batches=[5]), _asked(final=True))
+    assert r.code == P.ErrorCode.BAD_MESSAGE and "after its final Request" in r.message
+    assert door.check_request(P.Request(stream=3, probe=True), _asked(final=True)) is None  # stall figures: fine
+    r = door.check_request(P.Request(stream=3, batches=[5]), _asked(on_demand=False))
+    assert r.code == P.ErrorCode.BAD_MESSAGE and "not on_demand" in r.message
+
+
+def test_a_credit_may_not_grant_past_the_window_and_an_on_demand_stream_takes_none():
+    plain = _asked(on_demand=False, granted=4, sent=1, count=10)
+    assert door.check_credit(P.Credit(stream=3, n=1), plain) is None  # 4 granted, 1 sent, +1 = 4
+    r = door.check_credit(P.Credit(stream=3, n=2), plain)
+    assert r.code == P.ErrorCode.BAD_MESSAGE and "more than its window of 4" in r.message
+    assert door.check_credit(P.Credit(stream=3, n=1), _asked()).code == P.ErrorCode.BAD_MESSAGE
+
+
+def test_the_window_is_what_the_client_says_else_its_prefetch_and_never_past_the_cap():
+    spec = JobSpec(batch_size=4, image_size=32)
+    assert door.window_of(P.Hello(stream=1, spec=spec, prefetch=3)) == 3
+    assert door.window_of(P.Hello(stream=1, spec=spec, prefetch=3, window=12)) == 12
+    with pytest.raises(P.ProtocolError, match="Hello.window must be"):
+        P.Hello(stream=1, spec=spec, window=P.MAX_WINDOW + 1).check()
+
+
+def test_every_life_may_end_and_none_comes_back_from_its_end():
+    for life, after in MAY_BECOME.items():
+        assert life is Life.ENDED or Life.ENDED in after
+    assert MAY_BECOME[Life.ENDED] == frozenset() and MAY_BECOME[Life.ENDING] == {Life.ENDED}
+
+
+def _reachable() -> Dict[Life, Set[Life]]:
+    """Lives reachable in one or more steps (a rule of the machine below may take several)."""
+    out = {life: set(after) for life, after in MAY_BECOME.items()}
+    changed = True
+    while changed:
+        changed = False
+        for life, after in out.items():
+            more = set().union(*(out[a] for a in after)) - after if after else set()
+            if more:
+                after |= more
+                changed = True
+    return out
+
+
+REACHABLE = _reachable()
+SPEC = JobSpec(batch_size=4, image_size=64)  # 48 KiB a slot, 16 of them for a whole epoch: two do not fit in 1 MiB;
+# frames under 64 KiB are copied, so sends complete at once
+CLIENTS = ["a", "b", "c"]  # "c" is the bystander: it only ever sends what a good client sends
+NUM_BATCHES = 16  # the demo set of 64 images in batches of 4
+IN_PLAN = st.integers(0, NUM_BATCHES - 1)
+HOSTILE_INTS = st.one_of(IN_PLAN, IN_PLAN, st.integers(0, 80), st.integers(0, 2**31), st.integers(-5, -1))
+
+
+class DoorMachine(RuleBasedStateMachine):
+    """A small batch memory (two streams of 48 slots do not fit), three clients, no loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = None
+
+    @initialize(reclaim=st.sampled_from([3600.0, 0.0]))
+    def start(self, reclaim):
+        from loader_service.sources.demo import ensure_demo
+
+        self.source = ensure_demo(64, quiet=True)
+        self.d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0,
+                                        max_shm_mb=1, reclaim_idle_s=reclaim), self.source)
+        self.sent_batches: List[Tuple[bytes, int, int]] = []
+        self.d._send_frames = self._record  # batches are recorded as sent (and their copied frames let go)
+        self.idents = {c: uuid.uuid4().bytes for c in CLIENTS}
+        self.fds = {c: 40 + i for i, c in enumerate(CLIENTS)}
+        self.stream_ids = {c: 0 for c in CLIENTS}
+        self.tasks: List[Tuple[Stream, int]] = []
+        self.next_task = 1000
+        self.lives: Dict[int, Life] = {}  # id() of a stream or opening seen -> its last life
+        self.held: Dict[int, object] = {}  # keeps the objects behind those ids alive
+
+    def teardown(self):
+        if self.d is not None:
+            close(self.d)
+            self.source.close()
+
+    def _record(self, ident: bytes, frames: list, copy: bool = True) -> bool:
+        header = P.decode_header(frames[0])
+        if isinstance(header, P.Batch):
+            self.sent_batches.append((ident, header.stream, header.index))
+        return True
+
+    # ------------------------------------------------------------------ what the loop does after events
+    def _round(self) -> None:
+        self.d.mailbox.run_all()
+        self.d._release_idle_streams()
+        self.d._lend_if_due()
+        self.d._drop_unreachable()
+
+    def _send(self, client: str, msg) -> None:
+        if isinstance(msg, dict):  # a raw header: any values at all
+            frames = [msgpack.packb({"v": P.PROTOCOL_VERSION, **msg}, use_bin_type=True)]
+            fd = self.fds[client]
+            if fd not in self.d.fds_seen:
+                self.d.event(zmq.EVENT_ACCEPTED, fd)
+            self.d._on_client([Frame(self.idents[client], fd)] + [Frame(f, fd) for f in frames])
+        else:
+            deliver(self.d, self.idents[client], msg, fd=self.fds[client])
+        self._round()
+
+    def _current(self, client: str) -> Optional[object]:
+        ident = self.idents[client]
+        session = self.d.sessions.get(ident)
+        if session is not None and session.stream is not None:
+            return session.stream
+        return self.d.memory.waiting.get(ident)
+
+    # ------------------------------------------------------------------ client messages
+    @rule(client=st.sampled_from(CLIENTS), prefetch=st.sampled_from([48, 16, 2, 1]),
+          on_demand=st.sampled_from([True, True, False]), window=st.sampled_from([0, 2, 5, P.MAX_WINDOW]),
+          batches=st.one_of(st.lists(IN_PLAN, max_size=3, unique=True), st.lists(HOSTILE_INTS, max_size=6, unique=True)),
+          stale=st.sampled_from([False, False, False, True]))
+    def hello(self, client, prefetch, on_demand, window, batches, stale):
+        if client == "c":  # the bystander: a good client's Hello
+            on_demand, window, stale = True, 4, False
+            batches = list(range(min(prefetch, 4)))
+        if not stale:
+            self.stream_ids[client] += 1
+        msg = P.Hello(stream=max(self.stream_ids[client], 1), spec=SPEC, prefetch=prefetch, on_demand=on_demand,
+                      window=window, batches=[b for b in batches if b >= 0], job=f"job-{client}")
+        self._send(client, msg)
+
+    @rule(client=st.sampled_from(["a", "b"]), prefetch=st.sampled_from([48, 16]))
+    def big_hello(self, client, prefetch):
+        """A stream whose slots take most of the memory and that asks for nothing yet: the next
+        one like it waits (or lends, with reclaim 0)."""
+        self.stream_ids[client] += 1
+        self._send(client, P.Hello(stream=self.stream_ids[client], spec=SPEC, prefetch=prefetch, on_demand=True,
+                                   job=f"job-{client}"))
+
+    @rule(client=st.sampled_from(["a", "b"]), past=st.booleans())
+    def ask_again(self, client, past):
+        """Two Requests for the same batch, or one past the end: in whatever life the stream is."""
+        batch = NUM_BATCHES + 7 if past else 3
+        for _ in range(1 if past else 2):
+            self._send(client, P.Request(stream=max(self.stream_ids[client], 0), batches=[batch]))
+
+    @rule(client=st.sampled_from(["a", "b"]), batches=st.lists(HOSTILE_INTS, max_size=8),
+          final=st.sampled_from([False, False, True]), probe=st.booleans(), which=st.sampled_from([0, 0, 0, -1, 1]),
+          huge=st.sampled_from([False, False, False, True]))
+    def request(self, client, batches, final, probe, which, huge):
+        stream = max(self.stream_ids[client] + which, 0)
+        if huge:
+            batches = list(range(5000)) + batches  # a flood of asks in one message
+        batches = [b for b in batches if b >= 0]
+        if len(set(batches)) != len(batches) or len(batches) > 1 << 16:
+            self._send(client, {"t": int(P.MsgType.REQUEST), "stream": stream, "batches": batches})
+        else:
+            self._send(client, P.Request(stream=stream, batches=batches, final=final, probe=probe))
+
+    @rule(client=st.sampled_from(["a", "b", "a", "b", "c"]), kind=st.sampled_from(["credit", "malformed", "malformed", "bye", "describe"]),
+          n=st.integers(1, 1 << 16), which=st.sampled_from([0, -1, 1]),
+          field=st.sampled_from(["wait_s", "n", "batches", "stream", "final"]),
+          value=st.one_of(st.just(math.nan), st.just(math.inf), st.just("x"), st.just([1, "2"]), st.just(None),
+                          st.just({"k": 1}), st.just(-1.5), st.just(2**64 - 1)),
+          mtype=st.sampled_from([P.MsgType.REQUEST, P.MsgType.CREDIT, P.MsgType.HELLO, P.MsgType.BYE, 99]))
+    def other_message(self, client, kind, n, which, field, value, mtype):
+        """A Credit, a malformed header, a Bye or a Describe (the bystander only says Bye)."""
+        if client == "c" or kind == "bye":
+            return self._send(client, P.Bye())
+        if kind == "describe":
+            return self._send(client, P.Describe())
+        stream = max(self.stream_ids[client] + which, 0)
+        if kind == "credit":
+            return self._send(client, P.Credit(stream=stream, n=n))
+        header = {"t": int(mtype), "stream": stream, "n": 1, "batches": [0]}
+        header[field] = value
+        self._send(client, header)
+
+    @rule(client=st.sampled_from(["a", "b"]))
+    def disconnect(self, client):
+        fd = self.fds[client]
+        if fd in self.d.fds_seen:
+            self.d.event(zmq.EVENT_DISCONNECTED, fd)
+            self.d._read_monitor()
+            self.d.fds_seen.discard(fd)
+            self.fds[client] = fd + 100  # its next connection
+        self._round()
+
+    @rule(data=st.data())
+    def bystander_asks(self, data):
+        s = self._current("c")
+        if not isinstance(s, Stream) or s.state.final:
+            return
+        unsent = len(s.state.order) - s.state.next_send
+        nxt = [b for b in range(s.plan.num_batches) if not s.state.has(b)][: max(0, 4 - unsent)]
+        take = data.draw(st.integers(0, len(nxt)))
+        last = take == len(nxt) and data.draw(st.booleans())
+        self._send("c", P.Request(stream=s.id, batches=nxt[:take], final=last))
+
+    # ------------------------------------------------------------------ workers
+    @rule(data=st.data())
+    def a_worker_takes_a_task(self, data):
+        live = [s for s in self.d.sessions.streams() if s.segment is not None and s.state.dispatchable()]
+        if not live:
+            return
+        s = data.draw(st.sampled_from(live))
+        self.next_task += 1
+        if s.state.next_task(self.next_task) is not None:
+            self.tasks.append((s, self.next_task))
+
+    @precondition(lambda self: self.d is not None and self.tasks)
+    @rule(data=st.data(), lost=st.booleans())
+    def a_worker_ends_a_task(self, data, lost):
+        s, task = self.tasks.pop(data.draw(st.integers(0, len(self.tasks) - 1)))
+        effects = s.state.task_lost(task, "worker died") if lost else s.state.task_done(task)
+        self.d._apply(s, effects)
+        self._round()
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def no_guard_fired(self):
+        if self.d is not None:
+            assert self.d.totals.internal_errors == 0
+
+    @invariant()
+    def what_a_connection_holds_stays_within_its_window(self):
+        if self.d is None:
+            return
+        for o in self.d.memory.waiting.values():
+            assert len(o.order) <= door.window_of(o.hello) or not o.hello.on_demand
+        for s in self.d.sessions.streams():
+            if s.hello.on_demand:
+                assert len(s.state.order) - s.state.next_send <= door.window_of(s.hello)
+            assert len(s.state.tasks) <= s.state.num_slots
+
+    @invariant()
+    def no_batch_leaves_twice(self):
+        if self.d is not None:
+            assert len(set(self.sent_batches)) == len(self.sent_batches)
+
+    @invariant()
+    def the_bystander_is_never_failed_by_what_others_send(self):
+        if self.d is None:
+            return
+        for ident, m in self.d.sent:
+            if ident == self.idents["c"] and isinstance(m, P.Error):
+                assert m.code == P.ErrorCode.NO_CAPACITY or not m.fatal, m
+
+    @invariant()
+    def the_memory_s_counts_and_each_life_move_are_right(self):
+        if self.d is None:
+            return
+        self.d.memory.check_counts()
+        seen = list(self.d.sessions.streams()) + list(self.d.memory.waiting.values()) + list(self.d.memory.retiring)
+        for x in seen:
+            self.held[id(x)] = x
+        for key, x in self.held.items():
+            life = self.d.memory.life(x)
+            before = self.lives.get(key)
+            if before is not None and before != life:
+                assert life in REACHABLE[before], f"{before} -> {life}"
+            self.lives[key] = life
+
+
+TestDoor = DoorMachine.TestCase
+TestDoor.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
