@@ -39,6 +39,8 @@ from client.stats import LoaderStats
 
 log = logging.getLogger("client")
 
+DESCRIBE_GRACE_S = 1.0  # after the first replica describes the dataset, how long the others may take
+
 class Connections:
     """A connection to each of ``endpoints`` (:class:`~client.replica.Replica`, each with an
     ``index`` never reused in this set), all on behalf of the one loader ``client_id``. Replicas
@@ -219,10 +221,7 @@ class Connections:
         if len(self.replicas) == 1:  # the one service this loader had changed
             raise LoaderError(P.ErrorCode.DATASET_CHANGED, describe_change(
                 f"the service at {r.endpoint}", msg.dataset, got, self.identity, "this loader's epochs were planned on"))
-        n0, fp0 = self.identity
-        r.refused = self.refused[r.endpoint] = (
-            f"serves {msg.dataset!r} with {length} samples (fingerprint {msg.fingerprint}), not the dataset this "
-            f"loader's epochs were planned on ({n0} samples, fingerprint {fp0})")
+        self._quarantine(r, msg.dataset, got, self.identity)
         good = [x for x in self.replicas if not x.refused]
         if not good:
             raise LoaderError(P.ErrorCode.REPLICA_MISMATCH, (
@@ -230,11 +229,6 @@ class Connections:
                 + "; ".join(f"{x.endpoint} {x.refused}" for x in self.replicas)
                 + ". Samples would be missed or doubled, so none is used: deploy every replica on the same data, "
                   "or start a new loader (a new epoch) on the new one"))
-        if (r.endpoint, got) not in self._named:
-            self._named.add((r.endpoint, got))
-            log.warning("service replica %s is quarantined: it %s; the epoch goes on with %s (do all replicas "
-                        "serve the same dataset? a rolling update that changes the data mixes two)", r.endpoint,
-                        r.refused, ", ".join(x.endpoint for x in good))
         flow = self.flow
         if flow is not None and r.index in flow.outstanding:
             flow.lose(r.index)
@@ -243,26 +237,68 @@ class Connections:
         r.stream, r.accepted, r.dead = -1, False, True  # what that stream still sends is stale
         return False
 
+    def _quarantine(self, r: Replica, dataset: str, got: Tuple[int, str], identity: Tuple[int, str]) -> None:
+        """Refuse ``r``, whose service serves ``got`` (length, fingerprint) instead of ``identity``:
+        its reason kept, and said once per (replica, dataset) with who serves on."""
+        (n, fp), (n0, fp0) = got, identity
+        r.refused = self.refused[r.endpoint] = (
+            f"serves {dataset!r} with {n} samples (fingerprint {fp}), not the dataset this loader's epochs were "
+            f"planned on ({n0} samples, fingerprint {fp0})")
+        good = [x for x in self.replicas if not x.refused]
+        if good and (r.endpoint, got) not in self._named:
+            self._named.add((r.endpoint, got))
+            log.warning("service replica %s is quarantined: it %s; the epoch goes on with %s (do all replicas "
+                        "serve the same dataset? a rolling update that changes the data mixes two)", r.endpoint,
+                        r.refused, ", ".join(x.endpoint for x in good))
+
     def describe(self, sink) -> Tuple[str, P.DatasetInfo]:
-        """Ask every replica to describe the dataset: the first answer, and who gave it."""
+        """Ask every replica to describe the dataset; the answer the loader follows, and who gave
+        it. That is the dataset most replicas serve, among those that answered within
+        :data:`DESCRIBE_GRACE_S` of the first (a replica that is down does not hold the start up
+        longer); the others are quarantined. Replicas split evenly between datasets are refused
+        (``replica_mismatch``): which one is right is not the loader's to guess."""
         c = self.config
         describe = P.Describe(dataset=c.spec.dataset, pipeline=c.spec.pipeline, pipeline_args=c.spec.pipeline_args)
         for r in self.replicas:
             r.send(describe)
         deadline = time.monotonic() + c.timeout
+        answers: Dict[int, Tuple[Replica, P.DatasetInfo]] = {}
+        grace_end = float("inf")
         while True:
-            left = min([deadline, *self.due_times()]) - time.monotonic()
+            now = time.monotonic()
+            if answers and (len(answers) == len(self.replicas) or now >= grace_end):
+                return self._most_served(list(answers.values()))
+            left = min([deadline, grace_end, *self.due_times()]) - now
             events = self.poll(max(0, left) * 1000) if left > 0 else []
             self.check_connections(time.monotonic())
-            if not events and time.monotonic() >= deadline:
+            if not events and not answers and time.monotonic() >= deadline:
                 self.raise_timeout()
             for r, changed, readable in events:
                 if changed and r.on_monitor():
                     r.send(describe)
                 if readable:
                     msg, _ = self.recv(r, sink)
-                    if isinstance(msg, P.DatasetInfo):
-                        return r.endpoint, msg
+                    if isinstance(msg, P.DatasetInfo) and r.index not in answers:
+                        answers[r.index] = (r, msg)
+                        grace_end = min(grace_end, time.monotonic() + DESCRIBE_GRACE_S)
+
+    def _most_served(self, answers: List[Tuple[Replica, P.DatasetInfo]]) -> Tuple[str, P.DatasetInfo]:
+        groups: Dict[Tuple[int, str], List[Tuple[Replica, P.DatasetInfo]]] = {}
+        for r, info in answers:
+            groups.setdefault((info.length, info.fingerprint), []).append((r, info))
+        ranked = sorted(groups.items(), key=lambda g: -len(g[1]))
+        if len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1]):
+            raise LoaderError(P.ErrorCode.REPLICA_MISMATCH, (
+                "the replicas serve different data and none is served by most of them: "
+                + "; ".join(f"{r.endpoint} serves {info.dataset!r} with {info.length} samples (fingerprint "
+                            f"{info.fingerprint})" for r, info in answers)
+                + ". Samples would be missed or doubled, so none is used: do all replicas serve the same dataset? "
+                  "Deploy every replica on the same data"))
+        identity, chosen = ranked[0]
+        for got, members in ranked[1:]:
+            for r, info in members:
+                self._quarantine(r, info.dataset, got, identity)
+        return chosen[0][0].endpoint, chosen[0][1]
 
     # ------------------------------------------------------------------ what every wait checks
     def due_times(self) -> List[float]:

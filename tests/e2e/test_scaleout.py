@@ -1,5 +1,6 @@
 """One trainer rank drawing from several service replicas."""
 
+import logging
 import os
 import signal
 import socket
@@ -66,11 +67,37 @@ def test_a_replica_that_dies_mid_epoch_loses_its_batches_to_the_others(demo_sour
     assert shm.list_segments(b.proc.pid) == []
 
 
-def test_replicas_serving_different_datasets_are_refused(make_service):
+def test_replicas_split_evenly_between_datasets_are_refused_naming_each(make_service):
     a, b = make_service(), make_service(demo_size=DEMO_SIZE // 2)
     with RemoteLoader([a.endpoint, b.endpoint], **KW) as ld:
-        with pytest.raises(LoaderError, match="do all replicas serve the same dataset|replicas serving different data"):
+        with pytest.raises(LoaderError) as info:
             collect(ld)
+    assert info.value.code == "replica_mismatch"
+    assert info.value.message.startswith("the replicas serve different data and none is served by most of them: ")
+    for svc, n in ((a, DEMO_SIZE), (b, DEMO_SIZE // 2)):
+        assert f"{svc.endpoint} serves 'demo' with {n} samples (fingerprint " in info.value.message
+    assert "do all replicas serve the same dataset?" in info.value.message
+
+
+def test_the_dataset_most_replicas_serve_is_followed_and_the_odd_one_quarantined(make_service, caplog):
+    """Whichever replica answers first: the odd one out is named once and never used, and every
+    epoch is exactly once from the others (before: the first answer won, and the other replicas'
+    Accepts ended the loader with [dataset_changed])."""
+    a, b = make_service(workers=1), make_service(workers=1)
+    odd = make_service(workers=1, demo_size=DEMO_SIZE + 8)
+    with RemoteLoader(a.endpoint, **KW) as one:
+        ref = [collect(one) for _ in range(2)]
+    caplog.set_level(logging.WARNING, logger="client")
+    with RemoteLoader([odd.endpoint, a.endpoint, b.endpoint], **KW) as ld:
+        assert len(ld) == DEMO_SIZE // 8
+        got = [collect(ld) for _ in range(2)]
+    for mine, theirs in zip(got, ref):
+        assert [x["images"] for x in mine] == [x["images"] for x in theirs]
+        assert sorted(indices_of(mine)) == list(range(DEMO_SIZE))
+    said = [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"service replica {odd.endpoint} is quarantined: it serves 'demo' "
+                                                 f"with {DEMO_SIZE + 8} samples")
+    assert status(odd)["totals"]["samples"] == 0
 
 
 def test_resolve_endpoints():
