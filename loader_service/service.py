@@ -88,7 +88,7 @@ class Service:
         stale = sweep_stale()
         if stale:
             log.info("removed %d shared-memory segments left by dead services", len(stale))
-        token = resolve_token(self.config.api_token, self.config.api_token_file)
+        token = resolve_token(self.config.api_token, self.config.api_token_file, self.config.http_port, self.config.host)
         self.api_token, self._token_file = token.value, token.generated_file
         self.sources = self._given_sources if self._given_sources is not None else open_datasets(self.config)
         log.info("JPEG decode: %s; images above %d pixels are refused", decode_path(), self.config.max_image_pixels)
@@ -270,7 +270,7 @@ class Service:
             self._http_sock.close()
         for src in self.sources.values():
             src.close()
-        if self._token_file:
+        if self._token_file and self.http_port:  # not when another service holds the port (and the file)
             try:
                 os.unlink(self._token_file)
             except OSError:
