@@ -64,6 +64,9 @@ class Connections:
         self._ids = itertools.count()
         self._poller = zmq.Poller()
         self.flow: Optional[EpochFlow] = None  # the epoch streaming on this set (start_epoch)
+        # that epoch was started ahead (the lookahead) and no run has waited on this set since
+        # (a run's waits poll it; the lookahead's adoption reads each replica alone)
+        self.ahead = False
         # endpoint -> why its service is refused, shared with the twin set; the (endpoint,
         # identity) pairs already named in the log, so each is named once
         self.refused: Dict[str, str] = {}
@@ -129,7 +132,7 @@ class Connections:
         for r in self.replicas:
             r.dead = False
             self.hello(r, epoch, initial.get(r.index, []), lookahead=lookahead)
-        self.flow = flow
+        self.flow, self.ahead = flow, lookahead
         return flow
 
     def healthy(self) -> bool:
@@ -144,6 +147,7 @@ class Connections:
     def poll(self, timeout_ms: float) -> List[Tuple[Replica, bool, bool]]:
         """Wait up to ``timeout_ms`` for anything on the set: ``(replica, connection event,
         message)`` for each replica with either, in replica order; empty if nothing came."""
+        self.ahead = False  # a run waits on this set: its epoch is the trainer's now
         events = dict(self._poller.poll(timeout_ms))
         return [(r, r.monitor in events, r.sock in events) for r in self.replicas
                 if r.monitor in events or r.sock in events]
@@ -221,6 +225,9 @@ class Connections:
         if len(self.replicas) == 1:  # the one service this loader had changed
             raise LoaderError(P.ErrorCode.DATASET_CHANGED, describe_change(
                 f"the service at {r.endpoint}", msg.dataset, got, self.identity, "this loader's epochs were planned on"))
+        if self.ahead:  # the lookahead gives its epoch up (it starts plainly, where the replica is quarantined)
+            raise LoaderError(P.ErrorCode.REPLICA_MISMATCH, f"{r.endpoint} serves {msg.dataset!r} with {length} "
+                              f"samples (fingerprint {msg.fingerprint}), not this loader's dataset")
         self._quarantine(r, msg.dataset, got, self.identity)
         good = [x for x in self.replicas if not x.refused]
         if not good:
@@ -323,7 +330,18 @@ class Connections:
                 "handshake, is refused; is this endpoint a loader service?"))
 
     def raise_timeout(self) -> None:
-        """Nothing came within the timeout: raise LoaderTimeout with the likeliest reason."""
+        """Nothing came within the timeout: raise LoaderTimeout with the likeliest reason (and the
+        replicas quarantined for serving other data, which were asked nothing)."""
+        try:
+            self._raise_timeout()
+        except LoaderTimeout as exc:
+            refused = self.quarantined()
+            if not refused:
+                raise
+            raise LoaderTimeout(exc.message + "; not asked, as they serve other data: " + "; ".join(
+                f"{e} {why}" for e, why in refused.items())) from None
+
+    def _raise_timeout(self) -> None:
         c, reps = self.config, self.replicas
         down = [r for r in reps if r.down_since is not None]
         where = ", ".join(r.endpoint for r in reps)

@@ -17,7 +17,7 @@ from wire import protocol as P
 
 from client.config import LoaderConfig
 from client.connections import Connections
-from client.errors import LoaderError
+from client.errors import LoaderError, LoaderTimeout
 from client.stats import LoaderStats
 
 IDENTITY = (40, "fp-good")
@@ -42,8 +42,8 @@ class Services:
         self.conns.identity = IDENTITY
         self.peers = {}
 
-    def start_epoch(self, total: int = 20):
-        flow = self.conns.start_epoch(0, 0, total)
+    def start_epoch(self, total: int = 20, lookahead: bool = False):
+        flow = self.conns.start_epoch(0, 0, total, lookahead=lookahead)
         for i in range(len(self.routers)):  # each service reads up to its Hello (and learns who we are)
             hello = None
             while not isinstance(hello, P.Hello):
@@ -192,3 +192,34 @@ def test_the_one_service_a_loader_has_that_changed_is_still_dataset_changed(serv
     s.send(0, s.accept(0, identity=(48, "fp-other")))
     with pytest.raises(LoaderError, match=r"^\[dataset_changed\] the dataset changed: the service at "):
         s.receive(0)
+
+
+def test_a_timeout_names_the_quarantined_replicas_it_did_not_ask(services):
+    s = services(2)
+    s.start_epoch()
+    a, b = s.conns.replicas
+    s.send(1, s.accept(1, identity=(48, "fp-other")))
+    assert s.receive(1) == (None, None)
+    with pytest.raises(LoaderTimeout) as info:
+        s.conns.raise_timeout()  # a said nothing
+    assert info.value.message.endswith(
+        f"; not asked, as they serve other data: {b.endpoint} serves 'data' with 48 samples (fingerprint fp-other), "
+        "not the dataset this loader's epochs were planned on (40 samples, fingerprint fp-good)")
+
+
+def test_an_epoch_started_ahead_is_given_up_not_waited_for_when_a_replica_serves_other_data(services):
+    """The lookahead's adoption reads each replica's Accept itself and starts the epoch plainly on
+    a refusal (client/lookahead.py): a mismatch there is one, never a wait for an Accept that will
+    not count; once a run waits on the set, a mismatch quarantines as usual."""
+    s = services(2)
+    s.start_epoch(lookahead=True)
+    s.send(1, s.accept(1, identity=(48, "fp-other")))
+    with pytest.raises(LoaderError) as info:
+        s.receive(1)
+    assert info.value.code == "replica_mismatch"
+    assert s.conns.quarantined() == {}
+    s.start_epoch(lookahead=True)
+    s.conns.poll(0)  # a run waits on it: the trainer's epoch now
+    s.send(1, s.accept(1, identity=(48, "fp-other")))
+    assert s.receive(1) == (None, None)
+    assert list(s.conns.quarantined()) == [s.conns.replicas[1].endpoint]
