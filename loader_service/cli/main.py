@@ -9,16 +9,40 @@ import os
 import signal
 import sys
 import threading
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-from loader_service.config import Loaded, ServiceConfig
-from loader_service.cli.settings import add_config_options, config_from_args, format_config
+if TYPE_CHECKING:
+    from loader_service.config import Loaded, ServiceConfig
+
+# The operator commands talk HTTP and import nothing else: no pydantic, numpy or config module
+# (a fraction of the start-up of the other commands; docs/benchmarks.md "CLI start-up").
+OPERATOR_COMMANDS = ("status", "scale")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand's arguments (nothing runs)."""
+def add_operator_parsers(sub) -> None:
+    for name, doc in (("status", "show a running service's workers, clients and throughput"),
+                      ("scale", "set a running service's worker count (needs the API token: env LOADER_API_TOKEN "
+                                "or a file, never on the command line)")):
+        p = sub.add_parser(name, help=doc, description=doc)
+        if name == "scale":
+            p.add_argument("count", type=int)
+            from loader_service.cli.operator import add_token_options
+
+            add_token_options(p)
+        p.add_argument("--url", default=os.environ.get("LOADER_URL", "http://127.0.0.1:8080"),
+                       help="the service's REST address (env LOADER_URL)")
+        p.add_argument("--json", action="store_true", help="print the raw JSON")
+
+
+def build_parser(only_operator: bool = False) -> argparse.ArgumentParser:
+    """Every subcommand's arguments (nothing runs); ``only_operator``: just status and scale."""
     parser = argparse.ArgumentParser(prog="loader-service", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    if only_operator:
+        add_operator_parsers(sub)
+        return parser
+    from loader_service.cli.settings import add_config_options
+
 
     serve = sub.add_parser("serve", help="run the service (every option also reads LOADER_<NAME> from the environment)")
     add_config_options(serve)
@@ -34,18 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=int, default=64)
     demo.add_argument("--image-size", type=int, default=224)
 
-    for name, doc in (("status", "show a running service's workers, clients and throughput"),
-                      ("scale", "set a running service's worker count (needs the API token: env LOADER_API_TOKEN "
-                                "or a file, never on the command line)")):
-        p = sub.add_parser(name, help=doc, description=doc)
-        if name == "scale":
-            p.add_argument("count", type=int)
-            from loader_service.cli.operator import add_token_options
-
-            add_token_options(p)
-        p.add_argument("--url", default=os.environ.get("LOADER_URL", "http://127.0.0.1:8080"),
-                       help="the service's REST address (env LOADER_URL)")
-        p.add_argument("--json", action="store_true", help="print the raw JSON")
+    add_operator_parsers(sub)
 
     from loader_service.cli.keys import add_keys_parser
 
@@ -88,7 +101,8 @@ def _reexec_with_malloc(argv: Optional[List[str]]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(only_operator=bool(words) and words[0] in OPERATOR_COMMANDS)
     args = parser.parse_args(argv)
     if args.command == "serve":
         _reexec_with_malloc(argv)
@@ -110,6 +124,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from loader_service.cli.operator import run_operator
 
         return run_operator(args)
+    from loader_service.cli.settings import format_config
+
     try:
         loaded = _config(args)
     except ValueError as exc:
@@ -124,14 +140,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     return _demo(config, args)
 
 
-def _config(args) -> Loaded:
+def _config(args) -> "Loaded":
+    from loader_service.cli.settings import config_from_args
+
     if args.command != "demo":
         return config_from_args(args)
     # `demo` runs everything in one process on the demo dataset, on free ports unless told otherwise
     return config_from_args(args, demo=True, data=(), data_port=args.data_port or 0, http_port=args.http_port or 0)
 
 
-def _serve(config: ServiceConfig) -> int:
+def _serve(config: "ServiceConfig") -> int:
     """Run until SIGTERM/SIGINT. Exit code 0 after a clean stop; 1 if the service failed (its
     dispatcher died, or no worker could start); 2 if it could not start at all."""
     import time
@@ -183,7 +201,7 @@ def _serve(config: ServiceConfig) -> int:
     return 1 if problem else 0
 
 
-def _demo(config: ServiceConfig, args) -> int:
+def _demo(config: "ServiceConfig", args) -> int:
     from loader_service.cli.consumer import run  # no torch: the demo runs in the service image too
     from loader_service.service import Service
 
