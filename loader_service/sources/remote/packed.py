@@ -77,6 +77,7 @@ class RemotePackedSource(Source):
         listing = {"v": 1, "url": loc.where(),
                    "objects": {n: {"size": i.size, "etag": i.etag} for n, i in sorted(infos.items())}}
         index_dir, fp = settings.saved_index(INDEX_FOLDER, loc, listing)
+        settings.note_listing(INDEX_FOLDER, loc, {n: (i.size, i.etag) for n, i in infos.items()})
         listing["fingerprint"] = fp
         args = (name or loc.default_name(), url, settings, max_sample_bytes)
         if os.path.isfile(os.path.join(index_dir, LISTING)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import html
 import json
+import logging
 import os
 import re
 import urllib.parse
@@ -28,6 +29,7 @@ _MD5 = re.compile(r"[0-9a-f]{32}")
 _DENIED = re.compile(r"\b(401 Unauthorized|403 Forbidden)\b|<Code>(AccessDenied|InvalidAccessKeyId|ExpiredToken|"
                      r"InvalidToken|SignatureDoesNotMatch)</Code>")
 CHUNK = 1 << 20
+log = logging.getLogger("loader_service.sources.remote")
 
 
 class RemoteError(OSError):
@@ -81,6 +83,47 @@ class RemoteSettings:
         values) is saved, ``<root>/<folder>/remote-<url>-<listing>``, and the listing's fingerprint."""
         fp = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:24]
         return os.path.join(self.root(), folder, f"remote-{location.tag()}-{fp}"), fp
+
+    def note_listing(self, folder: str, location: "Location", objects: Dict[str, Tuple[int, str]]) -> List[str]:
+        """Compare ``objects`` (name -> (size, ETag), as listed now) with what the last start on
+        this URL listed (kept in ``<root>/<folder>/remote-<url>.last-listing.json``), log the
+        objects that changed, by URL, and keep this listing for the next start. Returns those lines."""
+        path = os.path.join(self.root(), folder, f"remote-{location.tag()}.last-listing.json")
+        try:
+            with open(path) as f:
+                before = {n: tuple(v) for n, v in json.load(f).items()}
+        except (OSError, ValueError, AttributeError, TypeError):
+            before = None
+        lines = [] if before is None else listing_changes(location, before, objects)
+        if lines:
+            more = f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""
+            log.warning("%s changed since the service last listed it: %s%s. It is a new dataset (a new fingerprint): "
+                        "loaders whose epochs or saved states were planned on the old one are refused with "
+                        "[dataset_changed]", location.where(), "; ".join(lines[:5]), more)
+        if lines or before is None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump({n: list(v) for n, v in objects.items()}, f)
+            os.replace(path + ".tmp", path)
+        return lines
+
+
+def listing_changes(location: "Location", before: Dict[str, Tuple[int, str]],
+                    now: Dict[str, Tuple[int, str]]) -> List[str]:
+    """One line per object added, removed or changed (size or ETag) between two listings, by URL."""
+    lines = []
+    for name in sorted(set(before) | set(now)):
+        old, new = before.get(name), now.get(name)
+        if old == new:
+            continue
+        where = location.where(name)
+        if old is None:
+            lines.append(f"{where} added")
+        elif new is None:
+            lines.append(f"{where} removed")
+        else:
+            lines.append(f"{where} changed (size {old[0]} -> {new[0]}, ETag {old[1]} -> {new[1]})")
+    return lines
 
 
 @dataclass(frozen=True)

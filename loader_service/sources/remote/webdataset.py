@@ -11,6 +11,7 @@ once for all of them; a shard stays pinned while a process keeps it open (at mos
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from typing import Optional, Sequence
@@ -71,6 +72,8 @@ class RemoteWebDatasetSource(WebDatasetSource):
         listing = {"v": INDEX_VERSION, "url": loc.where(), "files": [[i.name, i.size, i.etag] for i in infos],
                    "map": [label_info.size, label_info.etag] if label_info else None}
         index_dir, fp = settings.saved_index("wds-index", loc, listing)
+        settings.note_listing("wds-index", loc, {i.name: (i.size, i.etag) for i in
+                                                 infos + ([label_info] if label_info else [])})
         name = name or loc.default_name()
         args = (url, settings, infos)
         if os.path.isfile(os.path.join(index_dir, "meta.json")):
@@ -115,6 +118,12 @@ class RemoteWebDatasetSource(WebDatasetSource):
         objects = tuple((o.name, o.size, o.etag) for o in self.objects)
         return SourceSpec(self.name, "webdataset-remote", self.root, self.index_dir,
                           options=(("url", self.url), ("objects", objects)) + self.settings.options())
+
+    def index_parts(self):
+        """The samples (keys, sizes, labels) and every shard's name, size and ETag: a change to any
+        byte of a shard (a member replaced by one of the same length) is a new dataset."""
+        objects = json.dumps([[o.name, o.size, o.etag] for o in self.objects])
+        return (objects,) + super().index_parts()
 
     def _fd(self, s: int) -> int:
         fd = self._fds.get(s)
