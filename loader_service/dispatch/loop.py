@@ -69,6 +69,7 @@ log = logging.getLogger("loader_service.dispatch.loop")
 
 ACCEPT_REPORT_GRACE_S = 10.0  # how late a connection's accept may be reported after its first message
 CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued may take to leave
+CLIENT_QUEUE = 32  # messages of one connection queued unread at most (ZMQ_RCVHWM)
 
 
 class Dispatcher:
@@ -751,7 +752,10 @@ def _data_port(config: ServiceConfig):
     for opt, val in (
         (zmq.LINGER, CLOSE_LINGER_MS),
         (zmq.SNDHWM, 0),  # credits bound what is queued; a full ROUTER would drop batches
-        (zmq.RCVHWM, 0),
+        # what a connection has sent and the loop has not read yet: past it libzmq stops reading
+        # that connection (TCP pushes back on its client), so a client that sends faster than the
+        # service decodes costs at most this many messages here, not a growing queue (issue 37)
+        (zmq.RCVHWM, CLIENT_QUEUE),
         (zmq.MAXMSGSIZE, P.MAX_CLIENT_MESSAGE_BYTES),  # oversized: the peer is disconnected
         # a client's new connection takes over its identity at once: after a freeze or a network
         # blip its old connection may not be torn down yet, and without handover the new one's

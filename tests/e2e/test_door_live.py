@@ -10,7 +10,6 @@ grew the service by gigabytes; a name with bytes that are not UTF-8 stopped ``se
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 import zmq
@@ -20,18 +19,10 @@ from wire import protocol as P
 from wire.jobspec import JobSpec
 
 from tests.conftest import DEMO_SIZE, write_imagefolder
-from tests.support.helpers import collect, indices_of, status, wait_for
+from tests.support.helpers import collect, dealer, indices_of, status, wait_for
 
 BIG = JobSpec(batch_size=64, image_size=128)  # 3 MiB a slot
 SMALL = dict(batch_size=16, image_size=32, prefetch=2, epoch_lookahead=False)
-
-
-def _dealer(endpoint: str) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
-    s.connect(endpoint)
-    return s
 
 
 def _next(s: zmq.Socket, kinds=(P.Accept, P.Error, P.EndOfEpoch, P.Batch), timeout_ms: int = 20000):
@@ -45,7 +36,7 @@ def _next(s: zmq.Socket, kinds=(P.Accept, P.Error, P.EndOfEpoch, P.Batch), timeo
 def _hold_most_of_the_memory(endpoint: str) -> zmq.Socket:
     """A: a stream with 12 of the 16 MiB of slots; it asks for one batch and reads it, then goes
     quiet (its slots lendable only after --reclaim-idle)."""
-    a = _dealer(endpoint)
+    a = dealer(endpoint)
     a.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, prefetch=4, on_demand=True, batches=[0], job="holder")))
     assert isinstance(_next(a), P.Accept)
     assert isinstance(_next(a), P.Batch)
@@ -54,7 +45,7 @@ def _hold_most_of_the_memory(endpoint: str) -> zmq.Socket:
 
 def _waiting_stream(svc, endpoint: str) -> zmq.Socket:
     """B: a stream that needs 6 MiB more than is free: it waits for A's quiet slots."""
-    b = _dealer(endpoint)
+    b = dealer(endpoint)
     b.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, prefetch=2, on_demand=True, job="waiter")))
     wait_for(lambda: status(svc)["connections"]["waiting"] == 1, what="B's stream to wait for memory")
     return b
@@ -122,7 +113,7 @@ def test_a_flood_of_asks_from_a_waiting_stream_costs_its_window_not_gigabytes(ma
     client sends cannot pile up: past its window the stream is refused."""
     svc = make_service(max_shm_mb=16, reclaim_idle_s=3600)
     a = _hold_most_of_the_memory(svc.endpoint)
-    b = _dealer(svc.endpoint)
+    b = dealer(svc.endpoint)
     try:
         b.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, prefetch=2, window=P.MAX_WINDOW, on_demand=True,
                                           job="waiter")))

@@ -71,3 +71,17 @@ def status(svc) -> dict:
 
 def image_array(batch: dict) -> np.ndarray:
     return np.frombuffer(batch["images"], np.uint8).reshape(batch["shape"])
+
+
+def dealer(endpoint: str):
+    """A bare DEALER connected to ``endpoint`` with an identity of its own: a client speaking the
+    protocol by hand (close it with ``close(0)``)."""
+    import uuid
+
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+    s.connect(endpoint)
+    return s

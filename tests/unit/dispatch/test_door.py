@@ -27,7 +27,7 @@ from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
 from loader_service.dispatch import door
 from loader_service.dispatch.door import MAY_BECOME, Asked, Life
-from loader_service.dispatch.streams import Opening, Stream
+from loader_service.dispatch.streams import Stream
 from tests.support.dispatcher import Frame, close, deliver, loopless
 
 
@@ -280,7 +280,7 @@ class DoorMachine(RuleBasedStateMachine):
         for s in self.d.sessions.streams():
             if s.hello.on_demand:
                 assert len(s.state.order) - s.state.next_send <= door.window_of(s.hello)
-            assert len(s.state.tasks) <= s.state.num_slots
+            assert len({t.slot for t in s.state.tasks.values()}) <= s.state.num_slots
 
     @invariant()
     def no_batch_leaves_twice(self):
@@ -293,7 +293,8 @@ class DoorMachine(RuleBasedStateMachine):
             return
         for ident, m in self.d.sent:
             if ident == self.idents["c"] and isinstance(m, P.Error):
-                assert m.code == P.ErrorCode.NO_CAPACITY or not m.fatal, m
+                # memory others hold, or the workers this model kills on its samples: never a message
+                assert m.code in (P.ErrorCode.NO_CAPACITY, P.ErrorCode.SAMPLE_FAILED) or not m.fatal, m
 
     @invariant()
     def the_memory_s_counts_and_each_life_move_are_right(self):
