@@ -78,15 +78,15 @@ def rss_bytes() -> int:
         return 0
 
 
-def compact(*owners: object) -> None:
-    """Give each owner's private dicts, sets and lists storage sized to what they hold now.
-    Python's containers keep the size of their largest moment: an index that held 10,000
-    sessions keeps a table for them (hundreds of KB, each) after they are gone. Only the owner's
-    own underscore attributes: no other object holds them, so a copy changes nothing else."""
-    for owner in owners:
-        for name, value in list(vars(owner).items()):
-            if name.startswith("_") and type(value) in (dict, set, list):
-                setattr(owner, name, type(value)(value))
+def shrink(owner: object) -> None:
+    """Give ``owner``'s private dicts, sets and lists storage sized to what they hold now. Python's
+    containers keep the size of their largest moment: an index that held 10,000 sessions keeps a
+    table for them (hundreds of KB, each) after they are gone. For an owner's own ``compact()``:
+    its underscore attributes are its own, no other object holds them, so a copy changes nothing
+    else."""
+    for name, value in list(vars(owner).items()):
+        if name.startswith("_") and type(value) in (dict, set, list):
+            setattr(owner, name, type(value)(value))
 
 
 def trim() -> bool:

@@ -514,7 +514,8 @@ class Dispatcher:
         """Give the heap that departed sessions freed back to the system (see :mod:`.heap`)."""
         self._trim_due = False
         before = heap.rss_bytes()
-        heap.compact(self.sessions, self.scheduler, self.tasks, self.memory)
+        for part in (self.sessions, self.scheduler, self.tasks, self.memory):
+            part.compact()
         if heap.trim():
             self.totals.heap_trims += 1
             log.info("%d connections now: gave %.0f MiB of freed heap back to the system",

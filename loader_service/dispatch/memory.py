@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from loader_service import shm
+from loader_service.dispatch import heap
 from loader_service.dispatch.door import Life
 from loader_service.dispatch.streams import Opening, Stream
 from loader_service.shm import NoSpace, Segment
@@ -63,7 +64,7 @@ class _Quiet:
     """A quiet stream's entry in :class:`BatchMemory`'s index."""
 
     asked_at: float  # the last ask it was indexed with (a new one indexes it again)
-    seq: int  # tells its live heap entry from stale ones
+    seq: int  # tells its live queue entry from stale ones
     size: int  # its segment's bytes
     due: bool = False  # quiet for reclaim_idle_s: in ``_due`` (else ``_later``)
 
@@ -114,7 +115,7 @@ class BatchMemory:
         # a lend freed more than the stream that lent needed: retry what waits (it may fit now)
         self._lent = False
         # The quiet streams (live, holding slots, settled: see :meth:`changed`), each in one of
-        # two heaps by (asked_at, seq): ``_due`` (quiet for reclaim_idle_s already: its slots
+        # two priority queues (heapq) by (asked_at, seq): ``_due`` (quiet for reclaim_idle_s already: its slots
         # may be lent) or ``_later``. Entries of streams no longer quiet, or indexed again
         # since, are skipped when met, and dropped when they outnumber the live ones.
         self._quiet: Dict[Stream, _Quiet] = {}
@@ -127,7 +128,7 @@ class BatchMemory:
         # :meth:`_will_fit`), each with its segment's bytes
         self._settling: Dict[Stream, int] = {}
         self._settling_bytes = 0
-        # the current epochs' slot sizes (live streams, not lookahead): size -> count; a heap of
+        # the current epochs' slot sizes (live streams, not lookahead): size -> count; a priority queue of
         # the sizes (negated, each once; sizes no longer counted are popped when on top)
         self._current: Dict[Stream, int] = {}
         self._current_sizes: Dict[int, int] = {}
@@ -135,6 +136,10 @@ class BatchMemory:
         self._in_largest: Set[int] = set()
 
     # ------------------------------------------------------------------ segments and reserves
+
+    def compact(self) -> None:
+        """Size its indexes to what they hold now (after many sessions left: see :mod:`.heap`)."""
+        heap.shrink(self)
     def in_use(self) -> int:
         """Bytes of every segment in use and every reserve."""
         return self._segment_bytes + self._reserve_bytes
@@ -158,7 +163,7 @@ class BatchMemory:
         headroom = max((x.nbytes for x in live if not x.lookahead), default=0)
         assert self._lookahead_headroom() == headroom, "the largest current epoch's slots drifted"
         assert len(self._due) + len(self._later) <= 64 + 4 * len(self._quiet), "stale quiet entries pile up"
-        assert len(self._largest) == len(self._in_largest), "a size is in the heap twice"
+        assert len(self._largest) == len(self._in_largest), "a size is queued twice"
 
     def _add_segment(self, seg: Segment) -> None:
         self._segments.add(seg)
@@ -437,14 +442,14 @@ class BatchMemory:
         self._drop_stale()
 
     def _drop_stale(self) -> None:
-        """Rebuild the heaps without their stale entries once those are most of them."""
+        """Rebuild the queues without their stale entries once those are most of them."""
         if len(self._due) + len(self._later) > 64 + 4 * len(self._quiet):
-            for heap in (self._due, self._later):
-                heap[:] = [e for e in heap if self._quiet.get(e[2]) is not None and self._quiet[e[2]].seq == e[1]]
-                heapq.heapify(heap)
+            for queue in (self._due, self._later):
+                queue[:] = [e for e in queue if self._quiet.get(e[2]) is not None and self._quiet[e[2]].seq == e[1]]
+                heapq.heapify(queue)
 
     def _unquiet(self, s: Stream) -> None:
-        q = self._quiet.pop(s)  # its heap entry is stale from now on
+        q = self._quiet.pop(s)  # its queue entry is stale from now on
         if q.due:
             self._due_bytes -= q.size
         else:
@@ -463,14 +468,14 @@ class BatchMemory:
             self._due_bytes += q.size
             heapq.heappush(self._due, (asked_at, q.seq, s))
 
-    def _top(self, heap: List[Tuple[float, int, Stream]]) -> Optional[Stream]:
-        """The stream of the first live entry of ``heap`` (stale entries are popped)."""
-        while heap:
-            _, seq, s = heap[0]
+    def _top(self, queue: List[Tuple[float, int, Stream]]) -> Optional[Stream]:
+        """The stream of the first live entry of ``queue`` (stale entries are popped)."""
+        while queue:
+            _, seq, s = queue[0]
             q = self._quiet.get(s)
             if q is not None and q.seq == seq:
                 return s
-            heapq.heappop(heap)
+            heapq.heappop(queue)
         return None
 
     # ------------------------------------------------------------------ status

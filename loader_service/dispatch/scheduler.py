@@ -35,6 +35,8 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Dict, Generic, Hashable, List, Tuple, TypeVar
 
+from loader_service.dispatch import heap
+
 T = TypeVar("T", bound=Hashable)
 
 READING, LOOKAHEAD, UNREAD = 0, 1, 2  # the tiers, first served first
@@ -62,6 +64,10 @@ class Scheduler(Generic[T]):
         self._queued: Dict[T, Tuple[int, int]] = {}  # a candidate -> its live entry's (tier, place)
         self._seq = 0  # breaks ties without comparing streams
 
+
+    def compact(self) -> None:
+        """Size its indexes to what they hold now (after many sessions left: see :mod:`.heap`)."""
+        heap.shrink(self)
     def __len__(self) -> int:
         """Streams known (served or waiting for their first task)."""
         return len(self._served)

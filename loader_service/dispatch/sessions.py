@@ -31,6 +31,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 from wire.jobspec import JobSpec
 
+from loader_service.dispatch import heap
+
 
 @dataclass
 class Session:
@@ -69,6 +71,10 @@ class Sessions:
         self._jobs: Dict[str, Dict[bytes, Session]] = {}  # job -> sessions holding a rank of it
         self._job_of: Dict[bytes, str] = {}  # ident -> the job it is indexed under
 
+
+    def compact(self) -> None:
+        """Size its indexes to what they hold now (after many sessions left: see :mod:`.heap`)."""
+        heap.shrink(self)
     def __len__(self) -> int:
         return len(self._by_ident)
 

@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from wire import protocol as P
 from loader_service.dispatch.deadlines import TaskDeadlines
+from loader_service.dispatch import heap
 from loader_service.dispatch.stream_state import RunTask
 from loader_service.dispatch.streams import Stream
 
@@ -47,6 +48,10 @@ class Tasks:
         self._heap: List[Tuple[float, int]] = []  # (deadline, task id); a finished task's entry is dropped lazily
         self._ids = itertools.count()
 
+
+    def compact(self) -> None:
+        """Size its indexes to what they hold now (after many sessions left: see :mod:`.heap`)."""
+        heap.shrink(self)
     def next_id(self) -> int:
         return next(self._ids)
 

@@ -167,15 +167,15 @@ class DoorMachine(RuleBasedStateMachine):
     @rule(client=st.sampled_from(CLIENTS), prefetch=st.sampled_from([48, 16, 2, 1]),
           on_demand=st.sampled_from([True, True, False]), window=st.sampled_from([0, 2, 5, P.MAX_WINDOW]),
           batches=st.one_of(st.lists(IN_PLAN, max_size=3, unique=True), st.lists(HOSTILE_INTS, max_size=6, unique=True)),
-          stale=st.sampled_from([False, False, False, True]))
-    def hello(self, client, prefetch, on_demand, window, batches, stale):
+          stale=st.sampled_from([False, False, False, True]), lookahead=st.sampled_from([False, False, True]))
+    def hello(self, client, prefetch, on_demand, window, batches, stale, lookahead):
         if client == "c":  # the bystander: a good client's Hello
-            on_demand, window, stale = True, 4, False
+            on_demand, window, stale, lookahead = True, 4, False, False
             batches = list(range(min(prefetch, 4)))
         if not stale:
             self.stream_ids[client] += 1
         msg = P.Hello(stream=max(self.stream_ids[client], 1), spec=SPEC, prefetch=prefetch, on_demand=on_demand,
-                      window=window, batches=[b for b in batches if b >= 0], job=f"job-{client}")
+                      window=window, batches=[b for b in batches if b >= 0], job=f"job-{client}", lookahead=lookahead)
         self._send(client, msg)
 
     @rule(client=st.sampled_from(["a", "b"]), prefetch=st.sampled_from([48, 16]))
@@ -195,8 +195,8 @@ class DoorMachine(RuleBasedStateMachine):
 
     @rule(client=st.sampled_from(["a", "b"]), batches=st.lists(HOSTILE_INTS, max_size=8),
           final=st.sampled_from([False, False, True]), probe=st.booleans(), which=st.sampled_from([0, 0, 0, -1, 1]),
-          huge=st.sampled_from([False, False, False, True]))
-    def request(self, client, batches, final, probe, which, huge):
+          huge=st.sampled_from([False, False, False, True]), promote=st.booleans())
+    def request(self, client, batches, final, probe, which, huge, promote):
         stream = max(self.stream_ids[client] + which, 0)
         if huge:
             batches = list(range(5000)) + batches  # a flood of asks in one message
@@ -204,7 +204,7 @@ class DoorMachine(RuleBasedStateMachine):
         if len(set(batches)) != len(batches) or len(batches) > 1 << 16:
             self._send(client, {"t": int(P.MsgType.REQUEST), "stream": stream, "batches": batches})
         else:
-            self._send(client, P.Request(stream=stream, batches=batches, final=final, probe=probe))
+            self._send(client, P.Request(stream=stream, batches=batches, final=final, probe=probe, promote=promote))
 
     @rule(client=st.sampled_from(["a", "b", "a", "b", "c"]), kind=st.sampled_from(["credit", "malformed", "malformed", "bye", "describe"]),
           n=st.integers(1, 1 << 16), which=st.sampled_from([0, -1, 1]),
