@@ -125,8 +125,11 @@ class ServiceConfig:
         "cap on the shard cache (GB); least recently used shards not in use are evicted to stay under it; "
         "it must hold decode processes x 2 x the largest shard")] = 20.0
     remote_timeout_s: Annotated[float, opt(
-        "one request to an object store, body included (a whole shard); 5xx answers, dropped connections and "
-        "timeouts are retried 3 times with backoff, then the read fails naming the object")] = 300.0
+        "one request to an object store, body included (a whole shard); see --remote-retry-s")] = 300.0
+    remote_retry_s: Annotated[float, opt(
+        "datasets in object storage: a request that fails transiently (no answer, a dropped connection, a "
+        "timeout, 5xx, 429 throttling) is retried with backoff (0.1s doubling to 5s) for up to this many seconds, "
+        "then the read fails naming the object (0: no retries); the default rides out a minute-long outage")] = 120.0
     shard_prefetch: Annotated[int, opt(
         "datasets in object storage: download ahead the shards of each stream's next N batches into the cache's "
         "free room (never evicting for it; 0: off)", metavar="N")] = 8
@@ -210,7 +213,7 @@ class ServiceConfig:
 
         return RemoteSettings(endpoint_url=self.s3_endpoint_url, cache_dir=self.cache_dir,
                               cache_max_bytes=int(self.cache_max_gb * 1e9), timeout_s=self.remote_timeout_s,
-                              prefetch_batches=self.shard_prefetch)
+                              retry_s=self.remote_retry_s, prefetch_batches=self.shard_prefetch)
 
     @property
     def max_shm_bytes(self) -> int:

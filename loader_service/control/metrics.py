@@ -84,6 +84,8 @@ def shard_cache_metrics(caches: dict):
          CounterMetricFamily),
         ("loader_shard_cache_download_seconds", "download_s", "Seconds spent downloading shards.",
          CounterMetricFamily),
+        ("loader_remote_retries", "retries", "Requests to the object store retried after a transient failure "
+         "(no answer, dropped connection, timeout, 5xx, 429), every process.", CounterMetricFamily),
         ("loader_shard_cache_wait_seconds", "wait_s",
          "Seconds reads waited for another process's download or for room.", CounterMetricFamily),
     ):

@@ -6,7 +6,6 @@ bytes under old labels."""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 

@@ -17,7 +17,7 @@ from loader_service.sources.remote.cache import PART
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
 from loader_service.sources.remote.webdataset import OPEN_SHARDS
 from tests.support.helpers import collect, indices_of, status
-from tests.support.stores import TEST_KEY, Blackhole, MotoServer, RangeHTTPServer, write_shards
+from tests.support.stores import TEST_KEY, Blackhole, MotoServer, RangeHTTPServer, shard_set, write_shards
 
 SHARDS, PER_SHARD, PAD = 5, 8, 3000
 N = SHARDS * PER_SHARD
@@ -26,10 +26,7 @@ KW = dict(batch_size=4, image_size=16, seed=5)
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    root = tmp_path_factory.mktemp("remote")
-    want = write_shards(str(root / "data"), SHARDS, PER_SHARD, pad=PAD)
-    return {"root": str(root), "data": str(root / "data"), "want": want,
-            "size": os.path.getsize(root / "data" / "shard-000000.tar")}
+    return shard_set(str(tmp_path_factory.mktemp("remote")), SHARDS, PER_SHARD, PAD)
 
 
 @pytest.fixture

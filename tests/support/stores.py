@@ -122,6 +122,7 @@ class Faults:
         self.short: Dict[str, int] = {}  # name -> bytes to send of a body that claims its full length
         self.gets: Dict[str, int] = {}  # name -> GETs served (whole or ranged)
         self.bytes_per_s = 0  # each response's body paced to this rate (0: as fast as it goes): a distant store
+        self.down = False  # an outage (RangeHTTPServer.go_down): a kept-alive connection is dropped unanswered
 
     def take_throttle(self) -> bool:
         with self.lock:
@@ -161,6 +162,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self, body: bool) -> None:
         faults, path = self.server.faults, self._file()
+        if faults.down:
+            self.close_connection = True  # what a store that went away does to a pooled connection
+            return
         name = os.path.basename(path or "")
         forced = faults.status.get(name)
         if forced:
@@ -226,10 +230,13 @@ class RangeHTTPServer:
         block_on_close = False
 
     def __init__(self, root: str):
-        self.faults = Faults()
-        self.server = self._Server(("127.0.0.1", 0), _Handler)
-        self.server.root, self.server.faults = root, self.faults
+        self.root, self.faults = root, Faults()
+        self._listen(0)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _listen(self, port: int) -> None:
+        self.server = self._Server(("127.0.0.1", port), _Handler)  # SO_REUSEADDR: the same port again at once
+        self.server.root, self.server.faults = self.root, self.faults
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
                                        name="range-http", daemon=True)
 
@@ -237,10 +244,23 @@ class RangeHTTPServer:
         self.thread.start()
         return self
 
+    def go_down(self) -> None:
+        """An outage: the port stops listening (connections are refused) and kept-alive connections
+        are dropped at their next request, until :meth:`come_back`."""
+        self.faults.down = True
+        self.__exit__(None, None, None)
+
+    def come_back(self) -> None:
+        """The store answers again, on the same port."""
+        self._listen(int(self.url.rsplit(":", 1)[1]))
+        self.faults.down = False
+        self.thread.start()
+
     def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(STOP_TIMEOUT_S)
+        if self.thread.is_alive():
+            self.server.shutdown()
+            self.server.server_close()
+            self.thread.join(STOP_TIMEOUT_S)
 
 
 class Blackhole:
@@ -326,6 +346,14 @@ def write_shards(folder: str, n_shards: int, per_shard: int, pad: int = 0) -> di
                     tf.addfile(info, io.BytesIO(data))
                 out[key] = (image, label)
     return out
+
+
+def shard_set(root: str, n_shards: int, per_shard: int, pad: int) -> dict:
+    """:func:`write_shards` into ``<root>/data``: {"root", "data" (the folder), "want" (key -> (image,
+    label)), "size" (of the first shard)}, what the remote tests' fixtures serve."""
+    data = os.path.join(root, "data")
+    want = write_shards(data, n_shards, per_shard, pad=pad)
+    return {"root": root, "data": data, "want": want, "size": os.path.getsize(os.path.join(data, "shard-000000.tar"))}
 
 
 def same_epoch_as_local(make_service, local_path: str, url: str, s3: MotoServer, cache_dir: str, n: int,

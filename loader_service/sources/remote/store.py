@@ -15,7 +15,9 @@ import html
 import json
 import logging
 import os
+import random
 import re
+import time
 import urllib.parse
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -28,12 +30,22 @@ _MD5 = re.compile(r"[0-9a-f]{32}")
 # obstore raises a GenericError for an S3 listing refused with 403: the status and code are in its text
 _DENIED = re.compile(r"\b(401 Unauthorized|403 Forbidden)\b|<Code>(AccessDenied|InvalidAccessKeyId|ExpiredToken|"
                      r"InvalidToken|SignatureDoesNotMatch)</Code>")
+# what a retry is worth: no answer, a dropped connection or body, a timeout, a 5xx or 429 (throttling)
+_TRANSIENT = re.compile(r"error sending request|request or response body error|status code: (5\d\d|429)\b|"
+                        r"SlowDown|timed out|[Tt]imeout|[Cc]onnection (reset|closed|refused|aborted)|Interrupted|"
+                        r"[Bb]roken pipe|unexpected EOF|IncompleteMessage")
+BACKOFF_S = (0.1, 5.0)  # the first retry's wait, doubled each retry up to the second (with jitter)
 CHUNK = 1 << 20
 log = logging.getLogger("loader_service.sources.remote")
 
 
 class RemoteError(OSError):
     """An object store refused, failed or timed out; the message names the object and why."""
+
+
+class TransientError(RemoteError):
+    """A failure worth a retry (no answer, a dropped connection, a timeout, 5xx, throttling):
+    :meth:`Store._retrying` retries it until ``--remote-retry-s`` has passed."""
 
 
 def is_url(path: str) -> bool:
@@ -49,13 +61,16 @@ class RemoteSettings:
     cache_max_bytes: int = 20 << 30
     timeout_s: float = 300.0  # one request, body included (a whole shard download)
     connect_timeout_s: float = 10.0
-    max_retries: int = 3  # 5xx (503 SlowDown), dropped connections, timeouts: with backoff
+    retry_s: float = 120.0  # 5xx (503 SlowDown), 429, dropped connections, timeouts: retried with backoff this long
+    max_retries: int = 1000  # and at most this many times per read
     wait_s: float = 600.0  # the longest a read waits for a download (its own or another process's) or for room
     prefetch_batches: int = 8  # per stream: the shards of this many batches ahead are downloaded early (0: off)
 
     def __post_init__(self) -> None:
         if self.cache_max_bytes <= 0 or self.timeout_s <= 0 or self.connect_timeout_s <= 0 or self.wait_s <= 0:
             raise ValueError("cache_max_bytes, timeout_s, connect_timeout_s and wait_s must be positive")
+        if self.retry_s < 0:
+            raise ValueError(f"retry_s (--remote-retry-s) must be >= 0, got {self.retry_s}")
         if self.max_retries < 0 or self.prefetch_batches < 0:
             raise ValueError(f"max_retries and prefetch_batches must be >= 0, got {self.max_retries}, "
                              f"{self.prefetch_batches}")
@@ -83,6 +98,10 @@ class RemoteSettings:
         values) is saved, ``<root>/<folder>/remote-<url>-<listing>``, and the listing's fingerprint."""
         fp = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:24]
         return os.path.join(self.root(), folder, f"remote-{location.tag()}-{fp}"), fp
+
+    def retries_file(self, location: "Location") -> str:
+        """The counter of retries made for ``location`` by every process (int64, under ``flock``)."""
+        return os.path.join(self.root(), "remote-stats", f"{location.tag()}.retries")
 
     def note_listing(self, folder: str, location: "Location", objects: Dict[str, Tuple[int, str]]) -> List[str]:
         """Compare ``objects`` (name -> (size, ETag), as listed now) with what the last start on
@@ -210,9 +229,7 @@ class Store:
         self.obstore, self.location, self.settings = obstore, location, settings
         client = {"timeout": timedelta(seconds=settings.timeout_s),
                   "connect_timeout": timedelta(seconds=settings.connect_timeout_s)}
-        retry = {"max_retries": settings.max_retries, "retry_timeout": timedelta(seconds=settings.timeout_s),
-                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15),
-                             "base": 2}}
+        retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=settings.timeout_s)}  # ours: _retrying
         bucket = location.base.split("://", 1)[1]
         if location.scheme == "s3":
             endpoint = settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
@@ -237,7 +254,28 @@ class Store:
             cause = "access denied (check the credentials and the bucket policy)"
         else:
             cause = "failed"
-        return RemoteError(f"{where}: {what} {cause}: {type(exc).__name__}: {detail}")
+        kind = TransientError if cause == "failed" and _TRANSIENT.search(detail.split(" Debug source:")[0]) \
+            else RemoteError
+        return kind(f"{where}: {what} {cause}: {type(exc).__name__}: {detail}")
+
+    def _retrying(self, op: Callable[[], Any]) -> Any:
+        """``op()``, retried on a :class:`TransientError` with backoff (doubling, jittered) until
+        ``retry_s`` has passed since the first failure or ``max_retries`` were made; each retry
+        counted (:func:`read_retries`). The last error then says how long it was retried."""
+        first, n = 0.0, 0
+        while True:
+            try:
+                return op()
+            except TransientError as exc:
+                now = time.monotonic()
+                first = first or now
+                delay = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** n) * random.uniform(0.5, 1.0)
+                if n >= self.settings.max_retries or now + delay - first > self.settings.retry_s:
+                    raise RemoteError(f"{exc} (still failing after {n} retries over {now - first:.1f}s: "
+                                      f"--remote-retry-s {self.settings.retry_s:g})") from None
+                n += 1
+                _count_retry(self.settings.retries_file(self.location))
+                time.sleep(delay)
 
     # ------------------------------------------------------------------ listing
     def kind(self) -> str:
@@ -263,10 +301,8 @@ class Store:
         if self._top_listing is None:
             loc = self.location
             if loc.scheme in ("s3", "gs"):
-                try:
-                    listing = self.obstore.list_with_delimiter(self.store, loc.prefix or None)
-                except Exception as exc:
-                    raise self._fail(exc, "listing") from None
+                listing = self._retrying(lambda: self._call(
+                    lambda: self.obstore.list_with_delimiter(self.store, loc.prefix or None), "listing"))
                 objs: Dict[str, Optional[ObjectInfo]] = {
                     info.name: info for info in map(self._info, listing["objects"]) if info is not None}
                 folders = [p[len(loc.prefix):].strip("/") for p in listing["common_prefixes"]
@@ -309,11 +345,18 @@ class Store:
         if self.location.scheme not in ("s3", "gs"):
             raise RemoteError(f"{self.location.url}: a folder of loose images is read from s3:// or gs:// "
                               "(an HTML listing has no sizes nor ETags; pack the images into .tar shards)")
+        return self._retrying(lambda: self._call(lambda: [
+            info for batch in self.obstore.list(self.store, self.location.prefix or None, chunk_size=1000)
+            for info in map(self._info, batch) if info is not None], "listing"))
+
+    def _call(self, fn: Callable[[], Any], what: str, name: str = "") -> Any:
+        """``fn()``, its failure a :class:`RemoteError` (or :class:`TransientError`) naming ``name``."""
         try:
-            return [info for batch in self.obstore.list(self.store, self.location.prefix or None, chunk_size=1000)
-                    for info in map(self._info, batch) if info is not None]
+            return fn()
+        except RemoteError:
+            raise
         except Exception as exc:
-            raise self._fail(exc, "listing") from None
+            raise self._fail(exc, what, name) from None
 
     def listed(self, name: str) -> ObjectInfo:
         """``name`` right under the prefix as the first-level listing saw it (a HEAD where an HTML
@@ -324,26 +367,22 @@ class Store:
         return objs[name] or self.head(name)
 
     def head(self, name: str) -> ObjectInfo:
-        try:
-            meta = self.obstore.head(self.store, self.location.key(name))
-        except Exception as exc:
-            raise self._fail(exc, "HEAD", name) from None
+        meta = self._retrying(lambda: self._call(lambda: self.obstore.head(self.store, self.location.key(name)),
+                                                 "HEAD", name))
         return ObjectInfo(name, int(meta["size"]), meta.get("e_tag") or "")
 
     def _html_listing(self) -> List[str]:
         """The plain names linked from a folder's HTML listing (nginx autoindex, Apache, ``python -m
         http.server``), subfolders ending in ``/``, bounded in size."""
-        try:
-            res = self.obstore.get(self.store, "")
+        def get() -> bytearray:
             data = bytearray()
-            for chunk in res:
+            for chunk in self.obstore.get(self.store, ""):
                 data += chunk
                 if len(data) > MAX_LISTING_BYTES:
                     raise RemoteError(f"{self.location.url}: the folder listing is over {MAX_LISTING_BYTES} bytes")
-        except RemoteError:
-            raise
-        except Exception as exc:
-            raise self._fail(exc, "folder listing") from None
+            return data
+
+        data = self._retrying(lambda: self._call(get, "folder listing"))
         names = set()
         for href in _HREF.findall(data.decode("utf-8", "replace")):
             name = urllib.parse.unquote(html.unescape(href))
@@ -378,29 +417,36 @@ class Store:
         except Exception as exc:
             raise self._fail(exc, f"{what} (after {n} of {info.size} bytes)", info.name) from None
         if n != info.size:
-            raise RemoteError(f"{where}: truncated {what}: {n} of {info.size} bytes")
+            raise TransientError(f"{where}: truncated {what}: {n} of {info.size} bytes")
         if md5 is not None and md5.hexdigest() != info.md5():
             raise RemoteError(f"{where}: checksum mismatch: MD5 {md5.hexdigest()}, ETag {info.etag}")
 
-    def download(self, info: ObjectInfo, fd: int, progress: Callable[[int], None] = lambda n: None) -> None:
-        """Write the object into ``fd`` from its start, checked (see :meth:`_checked`)."""
-        for view in self._checked(info, "download"):
-            size = len(view)
-            try:
-                while view:
-                    view = view[os.write(fd, view):]
-            except OSError as exc:
-                raise RemoteError(f"{self.location.where(info.name)}: writing the download failed: {exc}") from None
-            progress(size)
+    def download(self, info: ObjectInfo, fd: int) -> None:
+        """Write the object into ``fd`` from its start, checked (see :meth:`_checked`); a transient
+        failure starts it again from byte 0 (see :meth:`_retrying`)."""
+        def once() -> None:
+            os.lseek(fd, 0, os.SEEK_SET)
+            for view in self._checked(info, "download"):
+                try:
+                    while view:
+                        view = view[os.write(fd, view):]
+                except OSError as exc:
+                    raise RemoteError(f"{self.location.where(info.name)}: writing the download failed: "
+                                      f"{exc}") from None
+
+        self._retrying(once)
 
     def read_object(self, info: ObjectInfo) -> bytes:
         """The object whole, checked (see :meth:`_checked`): the caller bounds ``info.size`` first."""
-        return b"".join(bytes(view) for view in self._checked(info, "GET"))
+        return self._retrying(lambda: b"".join(bytes(view) for view in self._checked(info, "GET")))
 
     def read_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object, one ranged GET, checked: the response must be that
         object as listed (size, and ETag where it sends one; the ETag is also sent as ``If-Match``,
         so S3 and GCS refuse a changed object themselves) and exactly the span asked for."""
+        return self._retrying(lambda: self._range(info, start, end))
+
+    def _range(self, info: ObjectInfo, start: int, end: int) -> bytes:
         where = self.location.where(info.name)
         if not 0 <= start < end <= info.size:
             raise RemoteError(f"{where}: range {start}-{end} is outside the {info.size} bytes listed")
@@ -423,7 +469,7 @@ class Store:
                                   "matches); restart the service to take the new version as a new dataset") from None
             raise self._fail(exc, f"range GET of bytes {start}-{end}", info.name) from None
         if len(data) != end - start or tuple(res.range) != (start, end):
-            raise RemoteError(f"{where}: truncated range GET: {len(data)} bytes (range {tuple(res.range)}) for "
+            raise TransientError(f"{where}: truncated range GET: {len(data)} bytes (range {tuple(res.range)}) for "
                               f"bytes {start}-{end}")
         return data
 
@@ -431,7 +477,28 @@ class Store:
         """A small object whole (a label map), refused over ``limit`` bytes."""
         if info.size > limit:
             raise RemoteError(f"{self.location.where(info.name)}: {info.size} bytes, over the {limit} allowed")
-        try:
-            return bytes(self.obstore.get(self.store, self.location.key(info.name)).bytes())
-        except Exception as exc:
-            raise self._fail(exc, "GET", info.name) from None
+        return self._retrying(lambda: self._call(
+            lambda: bytes(self.obstore.get(self.store, self.location.key(info.name)).bytes()), "GET", info.name))
+
+
+def _count_retry(path: str) -> None:
+    """Add one to the retry counter at ``path`` (shared by every process: a read-modify-write under ``flock``)."""
+    import fcntl
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        n = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\0"), "little")
+        os.pwrite(fd, (n + 1).to_bytes(8, "little"), 0)
+    finally:
+        os.close(fd)
+
+
+def read_retries(settings: RemoteSettings, location: Location) -> int:
+    """Retries made for ``location``'s objects by every process since the cache folder was made."""
+    try:
+        with open(settings.retries_file(location), "rb") as f:
+            return int.from_bytes(f.read(8).ljust(8, b"\0"), "little")
+    except FileNotFoundError:
+        return 0

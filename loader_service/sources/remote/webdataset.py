@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 from loader_service.sources.base import SourceSpec, register
 from loader_service.sources.remote.cache import ShardCache, read_stats
 from loader_service.sources.remote.prefetch import ShardPrefetcher
-from loader_service.sources.remote.store import Location, ObjectInfo, RemoteSettings, Store
+from loader_service.sources.remote.store import Location, ObjectInfo, RemoteSettings, Store, read_retries
 from loader_service.sources.webdataset import INDEX_VERSION, WebDatasetSource, _build_index, _scan_shard
 
 OPEN_SHARDS = 2  # per process: what a cap must leave room for (x decode processes)
@@ -148,7 +148,8 @@ class RemoteWebDatasetSource(WebDatasetSource):
         """The shard cache's counters and its cap (for /v1/status and /metrics)."""
         st = read_stats(self.root)
         download_s, wait_s = st.pop("download_ns") / 1e9, st.pop("wait_ns") / 1e9
-        return dict(st, max_bytes=self.settings.cache_max_bytes, download_s=round(download_s, 3),
+        return dict(st, max_bytes=self.settings.cache_max_bytes, retries=read_retries(self.settings, self.location),
+                    download_s=round(download_s, 3),
                     wait_s=round(wait_s, 3),
                     download_bytes_per_s=round(st["downloaded_bytes"] / download_s) if download_s else 0)
 
