@@ -69,13 +69,42 @@ missing_now() {
     echo "$need"
 }
 
+start_dockerd() {  # no systemd: dockerd in the background; waits (30 s at most) for its socket to answer
+    if ! command -v dockerd >/dev/null 2>&1; then
+        return 0
+    fi
+    if pgrep -x dockerd >/dev/null 2>&1; then
+        say "dockerd runs but does not answer yet"
+    else
+        say "no systemd: starting dockerd in the background (log: /var/log/dockerd.log)"
+        $SUDO sh -c 'nohup dockerd >>/var/log/dockerd.log 2>&1 </dev/null &'
+    fi
+    i=0
+    while [ $i -lt 30 ] && ! $SUDO "$DOCKER" version --format '{{.Server.Version}}' >/dev/null 2>&1; do
+        sleep 1
+        i=$((i + 1))
+    done
+    if ! $SUDO "$DOCKER" version --format '{{.Server.Version}}' >/dev/null 2>&1; then
+        say "dockerd did not answer within 30 s: see /var/log/dockerd.log (a container needs --privileged to run it)"
+    fi
+}
+
+engine_hint() {  # how to start the engine here, by hand
+    if [ -d /run/systemd/system ]; then
+        echo "sudo systemctl start docker"
+    else
+        echo "no systemd here: sudo sh -c 'nohup dockerd >>/var/log/dockerd.log 2>&1 &'"
+    fi
+}
+
 next_step() {
     case "$MODE" in
         user) say "ready: $("$DOCKER" version --format 'Docker Engine {{.Server.Version}}'), Docker Compose $(compose_version)"
               echo "next: from the repository root, docker compose run --rm trainer" \
                    "(builds the images the first time, starts the service, streams one demo epoch)" ;;
         airgap) say "ready for the air-gapped build"
-                echo "next: sudo deploy/docker/build-base.sh && deploy/docker/fetch-wheels.sh, then README \"Air-gapped hosts\"" ;;
+                echo "next: sudo deploy/docker/build-base.sh && deploy/docker/fetch-wheels.sh, then README \"Containers\"," \
+                     "\"No internet or no registry\" (docs/deployment.md \"Air-gapped build\")" ;;
         container-test) say "ready: $(dockerd --version 2>/dev/null || echo dockerd), debootstrap" \
                             "$(dpkg-query -W -f='${Version}' debootstrap 2>/dev/null || echo '?')"
                         echo "next: python -m pytest tests/container -q -m container   (as root)" ;;
@@ -90,7 +119,7 @@ fi
 say "missing:$need"
 if [ -n "$CHECK_ONLY" ]; then
     case "$need" in
-        *engine-running*) echo "hint: the engine is installed but not reachable: start it (sudo systemctl start docker)" \
+        *engine-running*) echo "hint: the engine is installed but not reachable: start it ($(engine_hint))" \
                                "or add yourself to the docker group (sudo usermod -aG docker \$USER; log in again)" ;;
     esac
     echo "next: deploy/install-prerequisites.sh$([ "$MODE" = user ] || echo " --$MODE")   (installs them)"
@@ -172,9 +201,14 @@ EOF
         $SUDO install -D -m 755 "$tmp/docker-compose" /usr/local/lib/docker/cli-plugins/docker-compose
         rm -rf "$tmp"
     fi
-    # the engine: started now and at boot, where systemd runs it
-    if ! "$DOCKER" version --format '{{.Server.Version}}' >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
-        $SUDO systemctl enable --now docker >/dev/null 2>&1 || true
+    # the engine: started now and at boot where systemd runs it; without systemd (a container,
+    # WSL, a minimal VM) dockerd is started in the background here, its log in /var/log/dockerd.log
+    if ! "$DOCKER" version --format '{{.Server.Version}}' >/dev/null 2>&1; then
+        if [ -d /run/systemd/system ]; then
+            $SUDO systemctl enable --now docker >/dev/null 2>&1 || true
+        else
+            start_dockerd
+        fi
     fi
 fi
 
@@ -182,7 +216,7 @@ need=$(missing_now)
 if [ -n "$need" ]; then
     say "still missing:$need"
     case "$need" in
-        *engine-running*) echo "next: start the engine (sudo systemctl start docker), or if it runs: add yourself to" \
+        *engine-running*) echo "next: start the engine ($(engine_hint)), or if it runs: add yourself to" \
                                "the docker group (sudo usermod -aG docker \$USER; log in again), then run this again" ;;
     esac
     exit 1

@@ -207,7 +207,8 @@ def _demo(config: "ServiceConfig", args) -> int:
 
     with Service(config) as svc:
         print(f"demo: service on {svc.endpoint} with {config.workers} workers, {len(svc.sources['demo'])} demo "
-              f"images; status page: {svc.http_url}/", flush=True)
+              f"images; status page: {svc.http_url}/ (up while the demo runs: it closes when the demo ends; "
+              f"`loader-service serve --demo` keeps one up until stopped)", flush=True)
         return run(svc.endpoint, args.epochs, args.batch_size, args.image_size, name="loader-service demo")
 
 

@@ -41,7 +41,8 @@ def add_token_options(p: argparse.ArgumentParser) -> None:
 
 
 def token_of(args) -> str:
-    """The API token for ``scale``: LOADER_API_TOKEN, else the token file."""
+    """The API token for ``scale``: LOADER_API_TOKEN, else the token file, else the token a service
+    on this machine generated for that port (its file, when this user owns it)."""
     if args.token is not None:
         raise SystemExit("loader-service scale: --token is not accepted (the command line shows in ps); "
                          "set LOADER_API_TOKEN or use --token-file FILE")
@@ -57,8 +58,28 @@ def token_of(args) -> str:
         if token:
             return token
         raise SystemExit(f"loader-service scale: the token file {args.token_file} is empty")
+    generated = _generated_token(args.url)
+    if generated:
+        return generated
     raise SystemExit("loader-service scale: needs the API token: set LOADER_API_TOKEN or use --token-file FILE "
                      "(a service that generated its token logs the file it wrote it to)")
+
+
+def _generated_token(url: str) -> str:
+    """The token a service on this machine generated for the REST port of ``url`` (its
+    loader-api-token-PORT file, if this user owns it), or ''."""
+    from urllib.parse import urlsplit
+
+    from loader_service.control.auth import read_own_token, token_file_name
+
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return ""
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        return ""
+    return read_own_token(token_file_name(port, ""))
 
 
 def run_operator(args) -> int:

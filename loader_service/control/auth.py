@@ -63,7 +63,7 @@ def token_file_name(port: int = 0, host: str = "") -> str:
 def _generated(path: str) -> Tuple[str, str, str]:
     """(token, its file, what was done): the token in ``path`` if that is this user's 0600 file, else a new one."""
     if path:
-        value = _reusable(path)
+        value = read_own_token(path)
         if value:
             return value, path, "reusing the generated token in"
         value = secrets.token_urlsafe(24)
@@ -83,7 +83,7 @@ def _generated(path: str) -> Tuple[str, str, str]:
     return value, path, "generated one for this service and wrote it to"
 
 
-def _reusable(path: str) -> str:
+def read_own_token(path: str) -> str:
     """The token in ``path`` if it is a regular 0600 file owned by this user (never through a link), else ''."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -108,15 +108,16 @@ def in_container() -> str:
 
 
 def scale_hint(path: str) -> str:
-    """A ``scale`` command that works where the operator is: here, or on the host of this container."""
-    here = f"LOADER_API_TOKEN_FILE={path} loader-service scale N"
+    """A ``scale`` command that works where the operator is: here, or on the host of this container.
+    ``loader-service scale`` on this machine, as this user, finds the file by itself (by the port
+    of its --url); elsewhere LOADER_API_TOKEN_FILE names it."""
+    here = "loader-service scale N (as this user on this machine; elsewhere with LOADER_API_TOKEN_FILE=%s)" % path
     name = in_container()
     if not name:
         return here
-    return (f"{here}; from the host of this container: docker exec -e LOADER_API_TOKEN_FILE={path} {name} "
-            f"loader-service scale N "
-            f"(with Compose: docker compose exec -e LOADER_API_TOKEN_FILE={path} loader loader-service scale N); "
-            f"to scale with loader-service on the host instead, start the container with LOADER_API_TOKEN set")
+    return (f"{here}; from the host of this container: docker exec {name} loader-service scale N "
+            f"(with Compose: docker compose exec loader loader-service scale N); to scale with loader-service "
+            f"on the host itself, start the container with LOADER_API_TOKEN set and export it there too")
 
 
 def check_bearer(header: Optional[str], token: str) -> Optional[Tuple[int, str]]:

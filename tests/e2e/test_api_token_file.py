@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
+import sys
 import tempfile
 
 import pytest
 
 from loader_service.control import auth
 from loader_service.control.auth import resolve_token
+from tests.support.paths import REPO_ROOT
 from tests.support.service import ServiceProcess, free_port
 
 
@@ -28,7 +31,8 @@ def test_generated_token_is_kept_per_port_and_reused(tmpdir_only, caplog):
     path = str(tmpdir_only / "loader-api-token-8123")
     assert first.source == "generated" and first.generated_file == path
     assert open(path).read() == first.value + "\n" and stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert f"LOADER_API_TOKEN_FILE={path} loader-service scale N" in caplog.text and first.value not in caplog.text
+    assert f"loader-service scale N (as this user on this machine; elsewhere with LOADER_API_TOKEN_FILE={path})" \
+        in caplog.text and first.value not in caplog.text
     again = resolve_token("", "", 8123, "0.0.0.0")
     assert again == first  # the next service on the port takes the same token over
     assert resolve_token("", "", 8123, "127.0.0.1") == first  # loopback and every address: one service per port
@@ -68,10 +72,11 @@ def test_port_chosen_at_start_gets_a_fresh_file(tmpdir_only):
 def test_container_hint_names_a_command_for_the_host(monkeypatch):
     monkeypatch.setattr(auth, "in_container", lambda: "3f2a9c1b7d0e")
     hint = auth.scale_hint("/tmp/loader-api-token-8080")
-    assert "docker exec -e LOADER_API_TOKEN_FILE=/tmp/loader-api-token-8080 3f2a9c1b7d0e loader-service scale N" in hint
-    assert "docker compose exec -e LOADER_API_TOKEN_FILE=/tmp/loader-api-token-8080 loader loader-service" in hint
+    assert "from the host of this container: docker exec 3f2a9c1b7d0e loader-service scale N" in hint
+    assert "(with Compose: docker compose exec loader loader-service scale N)" in hint
     monkeypatch.setattr(auth, "in_container", lambda: "")
-    assert auth.scale_hint("/x") == "LOADER_API_TOKEN_FILE=/x loader-service scale N"
+    assert auth.scale_hint("/x") == \
+        "loader-service scale N (as this user on this machine; elsewhere with LOADER_API_TOKEN_FILE=/x)"
 
 
 def test_a_killed_service_leaves_one_file_that_its_successor_reuses_and_removes(tmp_path):
@@ -92,6 +97,16 @@ def test_a_killed_service_leaves_one_file_that_its_successor_reuses_and_removes(
     try:
         assert (tmp_path / name).read_text().strip() == token
         assert again.scale(1)["target"] == 1  # an operator's LOADER_API_TOKEN_FILE still works
+        # and `loader-service scale` on this machine finds the generated token by the URL's port by itself
+        env_cli = {k: v for k, v in os.environ.items() if not k.startswith("LOADER_API_TOKEN")}
+        cli = subprocess.run([sys.executable, "-m", "loader_service.cli.main", "scale", "3", "--url",
+                              f"http://127.0.0.1:{http_port}"], capture_output=True, text=True, timeout=120,
+                             env=dict(env_cli, TMPDIR=str(tmp_path), PYTHONPATH=REPO_ROOT), cwd=REPO_ROOT)
+        assert cli.returncode == 0 and cli.stdout.strip() == "workers: 1 -> 3", cli.stdout + cli.stderr
+        elsewhere = subprocess.run([sys.executable, "-m", "loader_service.cli.main", "scale", "3", "--url",
+                                    f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=120,
+                                   env=dict(env_cli, TMPDIR=str(tmp_path), PYTHONPATH=REPO_ROOT), cwd=REPO_ROOT)
+        assert "needs the API token" in elsewhere.stderr  # another port: no file of its own, nothing guessed
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith("loader-api-token-")] == [name]
     finally:
         again.stop()
