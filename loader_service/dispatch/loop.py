@@ -94,8 +94,7 @@ class Dispatcher:
         self.sessions = Sessions()
         cap, hint = slot_cap(config.max_shm_bytes)
         self.scheduler: Scheduler[Stream] = Scheduler()
-        self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint,
-                                  unlinked=self.pool.unmap, slots_back=self._may_take_task)
+        self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint)
         self._unreachable: Dict[bytes, None] = {}  # idents a send found gone: dropped after the event at hand
         self._trim_rule = heap.TrimRule()
         self._trim_due = False  # many sessions left: give the heap back after this round of events
@@ -422,11 +421,13 @@ class Dispatcher:
         if result is None:
             log.info("client %s stream %d waits for %.1f MiB of slots that ending streams still hold",
                      session.name, hello.stream, opening.nbytes / 2**20)
-        else:
-            self._opened([(opening, result)])
+        self._opened([] if result is None else [(opening, result)])
 
     def _opened(self, results: List[Tuple[Opening, Union[Stream, NoSlots, Broke]]]) -> None:
-        """Start serving the streams that have their slots now; refuse those that cannot have them."""
+        """Start serving the streams that have their slots now; refuse those that cannot have them;
+        then act on what the batch memory left in its outboxes (every call to it that may open,
+        wake or unlink ends here)."""
+        self._memory_outboxes()
         for o, result in results:
             if isinstance(result, Broke):  # opening it raised: a bug, its client alone is failed
                 self.totals.internal_errors += 1
@@ -439,6 +440,15 @@ class Dispatcher:
                     self._refuse(o.ident, o.hello, result)
                 else:
                     self._start(o.session, result)
+
+    def _memory_outboxes(self) -> None:
+        """Streams that have slots again take their place in the scheduler's line; the workers
+        unmap the segments the batch memory unlinked."""
+        for s in self.memory.take_woken():
+            with self._for_client(s.ident, "giving its slots back"):
+                self._may_take_task(s)
+        for name in self.memory.take_unlinked():
+            self.pool.unmap(name)
 
     def _start(self, session: Session, s: Stream) -> None:
         hello, plan = s.hello, s.plan
@@ -498,6 +508,7 @@ class Dispatcher:
         else:
             self._apply(s, s.state.extend(msg.batches, final=msg.final))
         self.memory.wake(s, now)
+        self._memory_outboxes()
         self._may_take_task(s)
 
     def _drop_client(self, ident: bytes, why: str) -> None:

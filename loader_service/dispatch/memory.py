@@ -89,18 +89,27 @@ class Broke:
 Opened = Union[Stream, NoSlots, Broke]
 
 
+def _new_segment(nbytes: int, tag: str) -> Segment:
+    return Segment.create(nbytes, tag=tag)
+
+
 class BatchMemory:
+    """See the module docstring. ``allocate(nbytes, tag)`` makes a segment (shared memory; the
+    tests may give another allocator). It calls nothing back: what the dispatcher must act on is
+    left in two outboxes it takes after each call, :meth:`take_woken` (streams that have slots
+    again) and :meth:`take_unlinked` (segment names the workers must unmap)."""
+
     def __init__(self, max_bytes: int, reclaim_idle_s: float, live: Callable[[], Iterable[Stream]],
                  connected: Callable[[bytes], bool], hint: str = "raise --max-shm-mb",
-                 unlinked: Callable[[str], None] = lambda name: None,
-                 slots_back: Callable[[Stream], None] = lambda s: None):
+                 allocate: Callable[[int, str], Segment] = _new_segment):
         self.max_bytes = max_bytes
-        self._slots_back = slots_back  # told when a stream that lent its slots has them again
+        self._allocate = allocate
+        self._woken: List[Stream] = []  # streams that lent their slots and have slots again
+        self._unlinked: List[str] = []  # names of segments unlinked since the last take_unlinked()
         self.reclaim_idle_s = reclaim_idle_s
         self.hint = hint  # what raises max_bytes, for refusals
         self._live = live  # the streams being served now (with their slots or lent)
         self._connected = connected  # whether an ident is still connected (its reserve is worth keeping)
-        self._unlinked = unlinked  # told each segment's name once it is unlinked (workers unmap it)
         self._segments: Set[Segment] = set()  # in use by a live or retiring stream
         self._closing: List[Segment] = []  # dropped while a zmq frame still held a view (see _drop)
         self._reserve: Dict[bytes, Segment] = {}  # ident -> its reserve, oldest first
@@ -134,6 +143,18 @@ class BatchMemory:
         self._current_sizes: Dict[int, int] = {}
         self._largest: List[int] = []
         self._in_largest: Set[int] = set()
+
+    # ------------------------------------------------------------------ outboxes
+    def take_woken(self) -> List[Stream]:
+        """The streams that lent their slots and have slots again since the last call (each may
+        take a task now)."""
+        out, self._woken = self._woken, []
+        return out
+
+    def take_unlinked(self) -> List[str]:
+        """The names of the segments unlinked since the last call (the workers unmap them)."""
+        out, self._unlinked = self._unlinked, []
+        return out
 
     # ------------------------------------------------------------------ segments and reserves
 
@@ -225,7 +246,7 @@ class BatchMemory:
         """A new segment; reserves give their filesystem space back (oldest first) if it is full."""
         while True:
             try:
-                return Segment.create(nbytes, tag="slots")
+                return self._allocate(nbytes, "slots")
             except NoSpace as exc:
                 if not self._reserve:
                     raise NoShmSpace(f"this job needs {nbytes / 2**20:.1f} MiB of batch slots ({what}) but "
@@ -248,7 +269,7 @@ class BatchMemory:
             # a zmq frame may hold its view a moment after its send tracker said done (pyzmq lets
             # go of zero-copy buffers on a thread of its own): unmapped once it has let go
             self._closing.append(segment)
-        self._unlinked(segment.name)
+        self._unlinked.append(segment.name)
 
     def _close_let_go(self) -> None:
         """Unmap the dropped segments whose last view has gone since."""
@@ -305,7 +326,7 @@ class BatchMemory:
         if s in self.starved:
             self.starved.remove(s)
         self.changed(s)
-        self._slots_back(s)
+        self._woken.append(s)
 
     def retire(self, s: Stream, now: float) -> List[Tuple[Opening, Opened]]:
         """``s`` is no longer served: its state retires, and its slots go back once no task or
