@@ -1,7 +1,8 @@
 """The shard cache on the CPU node: one folder, shared by every decode process through file locks.
 
 Layout: ``<name>`` a complete, verified shard; ``<name>.etag`` the ETag it was verified against
-(written before the shard is renamed into place); ``<name>.part`` a download in progress, held
+and, on its second line, a checksum of the bytes written (``sha1:<hex>``; written before the
+shard is renamed into place); ``<name>.part`` a download in progress, held
 with an exclusive ``flock`` by the process downloading it and sized to the shard up front (so
 the space is counted before a byte arrives); ``.lock`` the folder's lock; ``.stats`` the
 counters (:data:`STATS`, int64 each), which the service reads for ``/v1/status`` and ``/metrics``.
@@ -16,7 +17,10 @@ Rules, each kept under the folder lock:
 * before a download, least recently used shards not in use are evicted until the new one fits
   under the cap; when the shards in use leave no room, the reader waits (bounded) for room;
 * a shard left by an earlier service is used when its size and ``.etag`` match the listing,
-  else deleted and downloaded again. Nothing is read from a ``.part``;
+  else deleted and downloaded again; at a service's start :meth:`ShardCache.verify` reads each
+  shard of its dataset already there and deletes one whose bytes no longer match the checksum
+  kept beside it (or its MD5 ETag, for a shard an older version left without one), so a file
+  damaged at the same size is downloaded again, never read. Nothing is read from a ``.part``;
 * a prefetch (:meth:`ShardCache.prefetch`) downloads a shard ahead of its reads only into free
   room: it never evicts and never waits, so it cannot push out a shard that a read is about to
   use, and a read that comes while it runs waits for it like for any other download.
@@ -27,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import logging
 import mmap
 import os
 import time
@@ -40,6 +46,20 @@ STATS = ("hits", "misses", "downloaded_bytes", "download_ns", "wait_ns", "evicti
          "prefetches")
 PART, ETAG = ".part", ".etag"
 POLL_S = 0.05
+SUM = "sha1"  # the checksum kept beside each shard (damage, not tampering: the fastest here, 1.4 GB/s)
+log = logging.getLogger("loader_service.sources.remote")
+
+
+def checksum(fd: int, algorithm: str = SUM) -> str:
+    """``<algorithm>:<hex>`` of the whole file open as ``fd`` (read with pread: its offset is untouched)."""
+    h = hashlib.new(algorithm)
+    off = 0
+    while True:
+        chunk = os.pread(fd, 1 << 20, off)
+        if not chunk:
+            return f"{algorithm}:{h.hexdigest()}"
+        h.update(chunk)
+        off += len(chunk)
 
 
 def _read_stats(mm) -> Dict[str, int]:
@@ -154,6 +174,50 @@ class ShardCache:
         os.close(self._download(info, local, part_fd))
         return "fetched"
 
+    def verify(self, pairs: List[Tuple[ObjectInfo, str]], where: Callable[[ObjectInfo], str]) -> List[str]:
+        """Read each shard of ``pairs`` ((info, local name)) already in the folder and delete one
+        whose content does not match the checksum kept beside it (or, without one, its MD5 ETag;
+        with neither, it cannot be checked and is deleted). Returns the URLs (``where``) of those
+        deleted, each logged. For a service's start: a shard a process holds open is skipped."""
+        bad = []
+        for info, local in pairs:
+            path = self.path(local)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # pinned while read: not evicted under us
+                except OSError:
+                    continue
+                try:
+                    with open(path + ETAG) as f:
+                        etag, _, kept = f.read().partition("\n")
+                except OSError:
+                    etag, kept = None, ""
+                if etag != info.etag or os.fstat(fd).st_size != info.size:
+                    continue  # another version: _open_cached deletes it at its first open
+                if kept:
+                    ok = checksum(fd, kept.split(":", 1)[0]) == kept
+                elif info.md5():
+                    ok = checksum(fd, "md5") == f"md5:{info.md5()}"
+                else:
+                    ok = False
+                if ok:
+                    continue
+                with self._locked():
+                    if os.path.exists(path) and os.path.samestat(os.stat(path), os.fstat(fd)):
+                        self._remove(local)
+                        self._stats[STATS.index("cached_bytes")] = self._used()[0]
+                bad.append(where(info))
+                log.warning("%s: the cached copy %s %s; deleted, it is downloaded again at its first read",
+                            where(info), path, "does not match its checksum (damaged on disk)" if kept or info.md5()
+                            else "has no checksum to verify it by (left by an older version)")
+            finally:
+                os.close(fd)
+        return bad
+
     def _add_locked(self, key: str, n: int) -> None:
         with self._locked():
             self._add(key, n)
@@ -168,7 +232,7 @@ class ShardCache:
             return None
         try:
             with open(path + ETAG) as f:
-                etag = f.read()
+                etag = f.read().split("\n", 1)[0]
         except OSError:
             etag = None
         size = os.fstat(fd).st_size
@@ -264,7 +328,7 @@ class ShardCache:
         self._add("evictions", 1)
         return True
 
-    def _remove(self, name: str) -> None:
+    def _remove(self, name: str) -> None:  # the shard and its .etag
         for p in (self.path(name), self.path(name) + ETAG):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
@@ -275,9 +339,10 @@ class ShardCache:
         try:
             self.fetch(info, part_fd)
             os.fdatasync(part_fd)
+            kept = checksum(part_fd)  # of the bytes on disk (in the page cache still): what verify() compares
             with self._locked():
                 with open(path + ETAG + PART, "w") as f:
-                    f.write(info.etag)
+                    f.write(f"{info.etag}\n{kept}")
                 os.replace(path + ETAG + PART, path + ETAG)
                 os.rename(part, path)
                 fcntl.flock(part_fd, fcntl.LOCK_UN)  # now a complete shard: the reader's shared lock takes over

@@ -11,6 +11,7 @@ once for all of them; a shard stays pinned while a process keeps it open (at mos
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import OrderedDict
@@ -76,6 +77,9 @@ class RemoteWebDatasetSource(WebDatasetSource):
                                                  infos + ([label_info] if label_info else [])})
         name = name or loc.default_name()
         args = (url, settings, infos)
+        locals_ = [f"{loc.tag()}-{i.name}" for i in infos]
+        with contextlib.closing(ShardCache(root, settings.cache_max_bytes, store.download, settings.wait_s)) as cache:
+            cache.verify(list(zip(infos, locals_)), lambda i: loc.where(i.name))  # what a restart finds there
         if os.path.isfile(os.path.join(index_dir, "meta.json")):
             try:
                 src = cls(root, index_dir, name, "loaded", *args)
@@ -90,7 +94,6 @@ class RemoteWebDatasetSource(WebDatasetSource):
             label_map = index_dir + ".classes.json"
             with open(label_map, "wb") as f:
                 f.write(store.read_small(label_info, MAX_LABEL_MAP_BYTES))
-        locals_ = [f"{loc.tag()}-{i.name}" for i in infos]
         by_path = {os.path.join(root, n): (i, n) for i, n in zip(infos, locals_)}
         cache = ShardCache(root, settings.cache_max_bytes, store.download, settings.wait_s)
 

@@ -75,7 +75,7 @@ class CacheMachine(RuleBasedStateMachine):
         out = set()
         for n in self._cached():
             with open(os.path.join(self.folder, n + ".etag")) as f:
-                if f.read() == self.store.objects[n][0].etag:
+                if f.read().split("\n")[0] == self.store.objects[n][0].etag:
                     out.add(n)
         return out
 
@@ -155,7 +155,7 @@ class CacheMachine(RuleBasedStateMachine):
         files = sum(os.path.getsize(os.path.join(self.folder, n)) for n in os.listdir(self.folder)
                     if n.endswith(".tar"))
         stale = sum(self.store.objects[n][0].size for n in self._cached()
-                    if open(os.path.join(self.folder, n + ".etag")).read() == '"old"')
+                    if open(os.path.join(self.folder, n + ".etag")).read().split("\n")[0] == '"old"')
         assert files - stale <= CAP
         assert leftovers <= 4 * len(SIZES)
 
