@@ -4,8 +4,10 @@ inet socket may outlive it (services started by a test are stopped by its fixtur
 from __future__ import annotations
 
 import atexit
+import multiprocessing.process
 import os
 import shutil
+import subprocess
 import tempfile
 
 import numpy as np
@@ -48,12 +50,44 @@ def _sockets() -> set:
     return {(c.laddr, c.raddr, c.status) for c in conns if c.status != psutil.CONN_TIME_WAIT}
 
 
+# Every process this test session started (subprocess.Popen, multiprocessing) or saw among its
+# descendants, alive or dead: the leak check blames only their segments, never those of another
+# program's processes (another test run, a benchmark, a service beside it) that die meanwhile.
+_OURS: set = {os.getpid()}
+_popen_init = subprocess.Popen.__init__
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _recording_popen_init(self, *args, **kwargs):
+    _popen_init(self, *args, **kwargs)
+    _OURS.add(self.pid)
+
+
+def _recording_process_start(self):
+    _process_start(self)
+    _OURS.add(self.pid)
+
+
+subprocess.Popen.__init__ = _recording_popen_init
+multiprocessing.process.BaseProcess.start = _recording_process_start
+
+
+def _note_descendants() -> None:
+    try:
+        _OURS.update(p.pid for p in psutil.Process().children(recursive=True))
+    except psutil.Error:
+        pass
+
+
 def _our_segments() -> set:
-    """Segments this process created, or that a dead process (a subprocess of a test) left."""
+    """Segments of this process, of a process it started or saw among its descendants, now
+    dead (a subprocess of a test that left them). A descendant of a descendant that started and
+    died unseen (between two checks) is not counted: its segments are not blamed."""
+    _note_descendants()
     out = set()
     for name in shm.list_segments():
         pid = int(name[len(shm.PREFIX):].split("-", 1)[0])
-        if pid == os.getpid() or not psutil.pid_exists(pid):
+        if pid == os.getpid() or (pid in _OURS and not psutil.pid_exists(pid)):
             out.add(name)
     return out
 
