@@ -24,8 +24,8 @@ from wire.jobspec import JobSpec, check_pipeline
 # 2: on-demand streams, stall figures as deltas; 3: Hello carries the job as one JobSpec map;
 # 4: augmentation draws from a counter-based hash (decode.transforms.SampleRandom): the same sample
 # gives other bytes than under 3, so a client or replica of 3 is refused, never mixed in;
-# 5: Hello.window, what a stream may have asked and not been sent (the service refuses more), so a
-# client of 4, which says none, is refused at once rather than mid-epoch
+# 5: Hello.window, what a stream may have asked and not been sent (the service refuses more); a
+# service of 4 would refuse the new field by its name, so the version says what is wrong instead
 PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
@@ -101,7 +101,7 @@ class Hello(Message):
     lookahead: bool = False  # the next epoch, started early: served only when nothing else waits
     on_demand: bool = False
     client: str = ""  # the loader instance (all its connections): one (job, rank) belongs to one client
-    # the most batches the client may have asked of this stream and not yet received (0: prefetch);
+    # the most batches the client may have asked of this stream and not yet received (0: MAX_WINDOW);
     # the service refuses a Request past it, so a stream's asks cost bounded memory in any state
     window: int = 0
 

@@ -144,7 +144,7 @@ class Admission:
             if len(hello.batches) > window_of(hello):
                 return Refuse(P.ErrorCode.BAD_MESSAGE, (
                     f"Hello asks for {len(hello.batches)} batches at once, more than its window of "
-                    f"{window_of(hello)} (Hello.window, or its prefetch)"))
+                    f"{window_of(hello)} (Hello.window)"))
             order, granted, final = list(hello.batches), len(hello.batches), False
             nslots = max(1, min(hello.prefetch, nb))
         else:

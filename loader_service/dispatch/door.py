@@ -79,9 +79,10 @@ class Refusal:
 
 
 def window_of(hello: P.Hello) -> int:
-    """The most batches ``hello``'s stream may have asked and not yet been sent: the client's
-    window where it says one, else its prefetch (what a plain stream is granted at once)."""
-    return min(hello.window or hello.prefetch, MAX_WINDOW)
+    """The most batches ``hello``'s stream may have asked (or been granted) and not yet been sent:
+    the client's window where it says one (the ``RemoteLoader`` does), else :data:`MAX_WINDOW`,
+    which bounds what any stream's asks keep in the service."""
+    return min(hello.window or MAX_WINDOW, MAX_WINDOW)
 
 
 def check_request(msg: P.Request, a: Asked) -> Optional[Refusal]:
@@ -115,7 +116,7 @@ def check_credit(msg: P.Credit, a: Asked) -> Optional[Refusal]:
     if ahead > a.window:
         return Refusal(P.ErrorCode.BAD_MESSAGE, (
             f"Credit takes stream {a.stream} to {ahead} batches granted and not yet sent, more than its "
-            f"window of {a.window} (its prefetch); grant a batch once one has come"))
+            f"window of {a.window}; grant a batch once one has come"))
     return None
 
 

@@ -95,7 +95,7 @@ def test_a_stream_waits_for_the_slots_of_a_stream_that_is_still_ending(tight_dis
     deliver(d, first, P.Bye(), fd=21)
     assert d.memory.retiring == [ending]  # gone, but its slots are still read by the task
 
-    deliver(d, second, _big_hello(on_demand=True, batches=[0], window=3), fd=22)
+    deliver(d, second, _big_hello(on_demand=True, batches=[0]), fd=22)
     deliver(d, second, P.Request(stream=1, batches=[1, 2], final=True), fd=22)
     assert d.sessions.get(second).stream is None
     assert second in d.memory.waiting and sent_to(d, second) == []  # no Accept yet, and no refusal

@@ -46,7 +46,7 @@ def _hold_most_of_the_memory(endpoint: str) -> zmq.Socket:
 def _waiting_stream(svc, endpoint: str) -> zmq.Socket:
     """B: a stream that needs 6 MiB more than is free: it waits for A's quiet slots."""
     b = dealer(endpoint)
-    b.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, prefetch=2, on_demand=True, job="waiter")))
+    b.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, prefetch=2, window=2, on_demand=True, job="waiter")))
     wait_for(lambda: status(svc)["connections"]["waiting"] == 1, what="B's stream to wait for memory")
     return b
 

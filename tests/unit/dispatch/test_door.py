@@ -66,9 +66,9 @@ def test_a_credit_may_not_grant_past_the_window_and_an_on_demand_stream_takes_no
     assert door.check_credit(P.Credit(stream=3, n=1), _asked()).code == P.ErrorCode.BAD_MESSAGE
 
 
-def test_the_window_is_what_the_client_says_else_its_prefetch_and_never_past_the_cap():
+def test_the_window_is_what_the_client_says_else_the_cap_and_never_past_it():
     spec = JobSpec(batch_size=4, image_size=32)
-    assert door.window_of(P.Hello(stream=1, spec=spec, prefetch=3)) == 3
+    assert door.window_of(P.Hello(stream=1, spec=spec, prefetch=3)) == P.MAX_WINDOW
     assert door.window_of(P.Hello(stream=1, spec=spec, prefetch=3, window=12)) == 12
     with pytest.raises(P.ProtocolError, match="Hello.window must be"):
         P.Hello(stream=1, spec=spec, window=P.MAX_WINDOW + 1).check()
