@@ -7,6 +7,8 @@
 const params = new URLSearchParams(location.search);
 const REFRESH_MS = Math.max(250, Number(params.get("refresh") || 1000));
 const HISTORY_S = 300;  // the chart's window
+// a rate needs two snapshots: until the page has them it says so rather than show 0 img/s, 0% busy
+const MEASURING = "measuring…";
 
 const page = {
   last: null,        // the last snapshot rendered (tests compare it with the DOM)
@@ -80,6 +82,14 @@ function render(st) {
     el.textContent = el.dataset.format === "raw" ? String(v) : fmtField(v);
     el.dataset.value = v;
   }
+  if (!prev) {
+    for (const el of document.querySelectorAll('[data-field="throughput.samples_per_s"]')) {
+      el.textContent = MEASURING;
+      el.classList.add("measuring");
+    }
+  } else {
+    for (const el of document.querySelectorAll(".measuring")) el.classList.remove("measuring");
+  }
   const health = $("#health");
   health.textContent = st.healthy ? "healthy" : "failing";
   health.className = "pill " + (st.healthy ? "ok" : "bad");
@@ -100,7 +110,7 @@ function render(st) {
   fillTable("workers", w.list.map((x) => {
     const busy = rate(x.busy_s, prevWorkers.has(x.id) ? prevWorkers.get(x.id).busy_s : undefined, dt);
     return [x.id, x.pid, { text: x.state, cls: `state-${x.state}` }, fmtInt(x.tasks_done),
-      busy === null ? "–" : `${fmtNum(Math.min(100, 100 * busy), 0)}%`,
+      busy === null ? MEASURING : `${fmtNum(Math.min(100, 100 * busy), 0)}%`,
       x.task_s == null ? "" : `${fmtNum(x.task_s, 1)} s`, fmtDuration(x.uptime_s)];
   }));
 
@@ -114,7 +124,8 @@ function render(st) {
     const stall = s && p && p.stream && p.stream.id === s.id ? rate(s.wait_s, p.stream.wait_s, dt) : null;
     return [c.client, c.job || "–", s ? s.dataset : "idle", s ? `${s.rank}/${s.world_size}` : "–",
       s ? s.epoch : "–", s ? `${s.sent}/${s.num_batches}` : "–",
-      imgs === null ? "–" : fmtNum(imgs, 1), stall === null ? "–" : `${fmtNum(Math.min(100, 100 * stall), 1)}%`,
+      imgs === null ? MEASURING : fmtNum(imgs, 1),
+      !s ? "–" : stall === null ? MEASURING : `${fmtNum(Math.min(100, 100 * stall), 1)}%`,
       c.slots ? `${c.slots} ${fmtBytes(c.slot_bytes)}` : "–",
       { text: fmtInt(c.samples), value: c.samples }];
   }));
