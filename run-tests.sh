@@ -33,6 +33,7 @@ require LOADER_REQUIRE_CONTAINER .ci/container-prereqs.sh "the Docker engine and
 require LOADER_REQUIRE_BROWSER .ci/browser-prereqs.sh "chromium (the status page test)"
 require LOADER_REQUIRE_DNS .ci/dns-prereqs.sh "dnsmasq (the fleet tests)"
 require LOADER_REQUIRE_PROMTOOL .ci/scaling-prereqs.sh "promtool (the stall query's test)"
+export LOADER_REQUIRE_NATIVE_JPEG=1   # install.sh built the native JPEG kernel: without it, an import error
 export LOADER_TEST_OUTPUT="$PWD/test-output"   # screenshots of the status page land here
 
 # shellcheck disable=SC1091
