@@ -32,8 +32,14 @@ _DENIED = re.compile(r"\b(401 Unauthorized|403 Forbidden)\b|<Code>(AccessDenied|
                      r"InvalidToken|SignatureDoesNotMatch)</Code>")
 # what a retry is worth: no answer, a dropped connection or body, a timeout, a 5xx or 429 (throttling)
 _TRANSIENT = re.compile(r"error sending request|request or response body error|status code: (5\d\d|429)\b|"
-                        r"SlowDown|timed out|[Tt]imeout|[Cc]onnection (reset|closed|refused|aborted)|Interrupted|"
+                        r"SlowDown|timed out|(?<!retry_)[Tt]imeout|[Cc]onnection (reset|closed|refused|aborted)|Interrupted|"
                         r"[Bb]roken pipe|unexpected EOF|IncompleteMessage")
+# the same in the detail's structured part (its text also says "retry_timeout", so not the words above)
+_TRANSIENT_KIND = re.compile(r"kind: (?:Connect|Timeout|Interrupted)\b|ConnectionRefused|ConnectionReset|TimedOut")
+_S3_CODE = re.compile(r"<Code>(\w+)</Code>")
+_STATUS = re.compile(r"status code: (\d{3}(?: [A-Za-z][^:]*?)?)(?::|$)")
+_NO_CREDENTIALS = re.compile(r"169\.254\.169\.254|169\.254\.170\.2|/latest/api/token|/latest/meta-data/iam|[Nn]o credentials|[Cc]redentials? (not found|"
+                             r"missing)|metadata\.google\.internal|[Mm]issing (access key|secret)")
 BACKOFF_S = (0.1, 5.0)  # the first retry's wait, doubled each retry up to the second (with jitter)
 CHUNK = 1 << 20
 log = logging.getLogger("loader_service.sources.remote")
@@ -245,18 +251,32 @@ class Store:
         self._top_listing: Optional[Tuple[Dict[str, Optional[ObjectInfo]], List[str]]] = None
 
     def _fail(self, exc: BaseException, what: str, name: str = "") -> RemoteError:
+        """A one-line error: the object's URL, what was done, the cause in words (no credentials
+        found, bucket not found, access denied, not found, or the failure), the store's error code
+        or HTTP status; the store's raw detail goes to the debug log only."""
         e = self.obstore.exceptions
         where = self.location.where(name)
-        detail = " ".join(str(exc).split())[:600]
-        if isinstance(exc, (e.NotFoundError, FileNotFoundError)):  # obstore raises the builtin for an S3 GET's 404
-            cause = "not found"
+        detail = " ".join(str(exc).split())
+        log.debug("%s: %s: %s: %s", where, what, type(exc).__name__, detail)
+        head = detail.split(" Debug source:")[0]
+        code = _S3_CODE.search(detail)
+        status = _STATUS.search(head)
+        why = code.group(1) if code else f"HTTP {status.group(1)}" if status else ""
+        kind = RemoteError
+        if _NO_CREDENTIALS.search(head):
+            cause = ("no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a web identity token "
+                     "file or an instance role; for gs://, GOOGLE_APPLICATION_CREDENTIALS)")
+        elif code and code.group(1) == "NoSuchBucket":
+            cause = "bucket not found"
+        elif isinstance(exc, (e.NotFoundError, FileNotFoundError)) or (status and status.group(1).startswith("404")):
+            cause = "not found"  # obstore raises the builtin for an S3 GET's 404
         elif isinstance(exc, (e.PermissionDeniedError, e.UnauthenticatedError, PermissionError)) or _DENIED.search(detail):
-            cause = "access denied (check the credentials and the bucket policy)"
+            cause = f"access denied ({why + ': ' if why else ''}check the credentials and the bucket policy)"
         else:
-            cause = "failed"
-        kind = TransientError if cause == "failed" and _TRANSIENT.search(detail.split(" Debug source:")[0]) \
-            else RemoteError
-        return kind(f"{where}: {what} {cause}: {type(exc).__name__}: {detail}")
+            kind = TransientError if _TRANSIENT.search(head) or _TRANSIENT_KIND.search(detail) else RemoteError
+            cause = "failed: " + (why or _short(head + " " + " ".join(_TRANSIENT_KIND.findall(detail)))
+                                  or type(exc).__name__)
+        return kind(f"{where}: {what} {cause}")
 
     def _retrying(self, op: Callable[[], Any]) -> Any:
         """``op()``, retried on a :class:`TransientError` with backoff (doubling, jittered) until
@@ -479,6 +499,17 @@ class Store:
             raise RemoteError(f"{self.location.where(info.name)}: {info.size} bytes, over the {limit} allowed")
         return self._retrying(lambda: self._call(
             lambda: bytes(self.obstore.get(self.store, self.location.key(info.name)).bytes()), "GET", info.name))
+
+
+def _short(head: str) -> str:
+    """A transient failure in words, from the store's message (without its detail)."""
+    for pattern, words in (("ConnectionRefused|[Cc]onnection refused", "no answer (connection refused)"),
+                           (r"timed out|TimedOut|kind: Timeout\b|operation timed", "timed out"),
+                           ("body error|Interrupted|IncompleteMessage|unexpected EOF|reset", "the connection dropped"),
+                           ("error sending request", "no answer")):
+        if re.search(pattern, head):
+            return words
+    return ""
 
 
 def _count_retry(path: str) -> None:
