@@ -254,6 +254,7 @@ class Connections:
         good = [x for x in self.replicas if not x.refused]
         if good and (r.endpoint, got) not in self._named:
             self._named.add((r.endpoint, got))
+            self._stats.quarantined += 1
             log.warning("service replica %s is quarantined: it %s; the epoch goes on with %s (do all replicas "
                         "serve the same dataset? a rolling update that changes the data mixes two)", r.endpoint,
                         r.refused, ", ".join(x.endpoint for x in good))

@@ -29,7 +29,7 @@ import time
 import uuid
 import weakref
 from dataclasses import asdict, replace
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import zmq
 
@@ -262,8 +262,15 @@ class RemoteLoader:
             return self._fleet.membership.active()
         return [r.endpoint for r in self._conns.replicas]
 
+    def quarantined(self) -> Dict[str, str]:
+        """The replicas this loader refuses because they serve other data than its epochs were
+        planned on (a rolling update that changes the data, a pod on the wrong volume): endpoint
+        -> why. They stay in :meth:`replicas` (the name still lists them) but get no batch."""
+        return self._conns.quarantined() if self._conns is not None else {}
+
     def stats(self) -> dict:
-        """Counters since creation: batches, samples, bytes, wait_s (stall), h2d_s, restarts."""
+        """Counters since creation: batches, samples, bytes, wait_s (stall), h2d_s, restarts,
+        quarantined (replicas refused for serving other data)."""
         return asdict(self._stats)
 
     def close(self) -> None:

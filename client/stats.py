@@ -13,3 +13,4 @@ class LoaderStats:
     wait_s: float = 0.0  # time the trainer spent blocked in next() waiting for data
     h2d_s: float = 0.0  # time spent issuing/waiting for host-to-device copies
     restarts: int = 0  # streams started again after the service forgot this loader's stream
+    quarantined: int = 0  # replicas refused for serving other data (each replica and dataset once)

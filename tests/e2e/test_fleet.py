@@ -261,7 +261,7 @@ def test_a_replica_serving_other_data_mid_epoch_is_quarantined_and_the_epoch_com
         assert set(ld.replicas()) == endpoints(*HOSTS, port=port)
         got += [record(x) for x in it]
         epoch1 = [record(x) for x in ld]  # it stays listed: asked again at the epoch's start, refused again
-        quarantined = ld._conns.quarantined()
+        quarantined, counted = ld.quarantined(), ld.stats()["quarantined"]
     for mine, theirs in ((got, ref[0]), (epoch1, ref[1])):
         assert sorted(i for x in mine for i in x["indices"]) == list(range(DEMO_SIZE))
         assert [x["images"] for x in mine] == [x["images"] for x in theirs]
@@ -272,5 +272,5 @@ def test_a_replica_serving_other_data_mid_epoch_is_quarantined_and_the_epoch_com
            f"not the dataset this loader's epochs were planned on ({DEMO_SIZE} samples, fingerprint "
            f"{status(a)['datasets']['demo']['fingerprint']})")
     assert said[0].getMessage().startswith(f"service replica {bad} is quarantined: it {why}; the epoch goes on with ")
-    assert quarantined == {bad: why}
+    assert quarantined == {bad: why} and counted == 1
     assert status(other)["totals"]["samples"] == 0  # nothing of it was ever used
