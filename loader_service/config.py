@@ -212,8 +212,9 @@ class ServiceConfig:
         from loader_service.sources.remote.store import RemoteSettings
 
         return RemoteSettings(endpoint_url=self.s3_endpoint_url, cache_dir=self.cache_dir,
-                              cache_max_bytes=int(self.cache_max_gb * 1e9), timeout_s=self.remote_timeout_s,
-                              retry_s=self.remote_retry_s, prefetch_batches=self.shard_prefetch)
+                              cache_max_bytes=round(self.cache_max_gb * 1e9), timeout_s=self.remote_timeout_s,
+                              retry_s=self.remote_retry_s, prefetch_batches=self.shard_prefetch,
+                              decode_processes=max(self.workers, 0))
 
     @property
     def max_shm_bytes(self) -> int:

@@ -71,3 +71,34 @@ def test_a_status_the_store_gives_is_named_and_its_body_is_not(tmp_path, shards)
             open_path(http.url + "/data/shard-{000000..000001}.tar", remote=RemoteSettings(
                 cache_dir=str(tmp_path / "cache"), retry_s=0))
     assert str(info.value) == f"{http.url}/data/shard-000000.tar: HEAD failed: HTTP 418 I'm a teapot"
+
+
+def test_a_cap_too_small_for_the_decode_processes_is_refused_at_start_with_the_number_it_needs(
+        make_service, tmp_path, shards):
+    with RangeHTTPServer(shards["root"]) as http:
+        need = 2 * 3 * shards["size"]  # 2 open shards x 3 decode processes x the largest shard
+        with pytest.raises(ValueError) as info:
+            make_service(data=(http.url + "/data/",), demo=False, workers=3, cache_dir=str(tmp_path / "cache"),
+                         cache_max_gb=(need - 1) / 1e9)
+        said = str(info.value)
+        del info  # its traceback holds the store's pooled connections
+        assert said == (
+            f"{http.url}/data/: the shard cache's cap of {need - 1} bytes (--cache-max-gb {(need - 1) / 1e9:g}) is "
+            f"below what 3 decode processes may hold open at once: 2 x 3 x the largest shard "
+            f"({http.url}/data/shard-000000.tar, {shards['size']} bytes) = {need} bytes; give --cache-max-gb "
+            f"{-(-need // 10**6) / 1000:g} or more, or fewer --workers")
+        assert http.faults.gets == {}, "refused before any shard was read"
+        svc = make_service(data=(http.url + "/data/",), demo=False, workers=3, cache_dir=str(tmp_path / "cache"),
+                           cache_max_gb=need / 1e9)  # exactly enough: starts
+        svc.stop()
+
+
+def test_a_cap_below_one_shard_names_the_object_url(tmp_path, shards):
+    with RangeHTTPServer(shards["root"]) as http:
+        with pytest.raises(RemoteError) as info:
+            open_path(http.url + "/data/", remote=RemoteSettings(cache_dir=str(tmp_path / "cache"),
+                                                                 cache_max_bytes=shards["size"] - 1))
+        said = str(info.value)
+        del info  # its traceback holds the store's pooled connections
+    assert said == (f"{http.url}/data/shard-000000.tar: a shard of {shards['size']} bytes cannot fit a "
+                               f"cache of {shards['size'] - 1} bytes (--cache-max-gb)")

@@ -82,8 +82,10 @@ class ShardCache:
     """This process's handle on the cache folder. ``fetch(info, fd)`` downloads one object into
     ``fd`` (raising :class:`RemoteError`); ``max_bytes`` bounds every file in the folder."""
 
-    def __init__(self, folder: str, max_bytes: int, fetch: Callable[[ObjectInfo, int], None], wait_s: float):
+    def __init__(self, folder: str, max_bytes: int, fetch: Callable[[ObjectInfo, int], None], wait_s: float,
+                 where: Callable[[ObjectInfo], str] = lambda info: info.name):
         self.folder, self.max_bytes, self.fetch, self.wait_s = folder, max_bytes, fetch, wait_s
+        self.where = where  # an object's URL, for messages
         os.makedirs(folder, exist_ok=True)
         self._lock_fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         stats_fd = os.open(os.path.join(folder, ".stats"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -127,8 +129,8 @@ class ShardCache:
         the folder), downloading it first if needed; the caller closes it when done (which
         releases the shard for eviction). Raises :class:`RemoteError`."""
         if info.size > self.max_bytes:
-            raise RemoteError(f"{local}: a shard of {info.size} bytes cannot fit a cache of {self.max_bytes} bytes "
-                              "(--cache-max-gb)")
+            raise RemoteError(f"{self.where(info)}: a shard of {info.size} bytes cannot fit a cache of "
+                              f"{self.max_bytes} bytes (--cache-max-gb)")
         deadline = time.monotonic() + self.wait_s
         waited_since = None
         try:
@@ -146,7 +148,7 @@ class ShardCache:
                     why = ("another process's download of it" if state == "busy" else
                            f"room in the cache: {in_use} bytes of shards in use, the cap is {self.max_bytes} bytes "
                            "(raise --cache-max-gb above decode processes x 2 x the largest shard)")
-                    raise RemoteError(f"{local}: waited {self.wait_s:.0f}s for {why}")
+                    raise RemoteError(f"{self.where(info)}: waited {self.wait_s:.0f}s for {why}")
                 waited_since = waited_since or time.monotonic()
                 time.sleep(POLL_S)
         finally:
@@ -350,7 +352,7 @@ class ShardCache:
                 self._add("download_ns", int((time.monotonic() - t0) * 1e9))
                 fd = self._open_cached(info, local)
             if fd is None:
-                raise RemoteError(f"{local}: the downloaded shard vanished before it was opened")
+                raise RemoteError(f"{self.where(info)}: the downloaded shard vanished before it was opened")
             return fd
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

@@ -71,15 +71,16 @@ class RemoteSettings:
     max_retries: int = 1000  # and at most this many times per read
     wait_s: float = 600.0  # the longest a read waits for a download (its own or another process's) or for room
     prefetch_batches: int = 8  # per stream: the shards of this many batches ahead are downloaded early (0: off)
+    decode_processes: int = 0  # the service's at start: a cap below 2 x them x the largest shard is refused (0: unchecked)
 
     def __post_init__(self) -> None:
         if self.cache_max_bytes <= 0 or self.timeout_s <= 0 or self.connect_timeout_s <= 0 or self.wait_s <= 0:
             raise ValueError("cache_max_bytes, timeout_s, connect_timeout_s and wait_s must be positive")
         if self.retry_s < 0:
             raise ValueError(f"retry_s (--remote-retry-s) must be >= 0, got {self.retry_s}")
-        if self.max_retries < 0 or self.prefetch_batches < 0:
-            raise ValueError(f"max_retries and prefetch_batches must be >= 0, got {self.max_retries}, "
-                             f"{self.prefetch_batches}")
+        if self.max_retries < 0 or self.prefetch_batches < 0 or self.decode_processes < 0:
+            raise ValueError(f"max_retries, prefetch_batches and decode_processes must be >= 0, got "
+                             f"{self.max_retries}, {self.prefetch_batches}, {self.decode_processes}")
 
     def options(self) -> Tuple[Tuple[str, Any], ...]:
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))

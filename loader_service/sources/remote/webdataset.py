@@ -27,6 +27,20 @@ OPEN_SHARDS = 2  # per process: what a cap must leave room for (x decode process
 MAX_LABEL_MAP_BYTES = 16 << 20
 
 
+def check_cap(settings: RemoteSettings, loc: Location, infos: Sequence[ObjectInfo]) -> None:
+    """Refuse a cache cap below what the decode processes may hold open at once (each keeps up
+    to :data:`OPEN_SHARDS` shards pinned): with less, a read could wait for room that never comes."""
+    largest = max(infos, key=lambda i: i.size)
+    need = OPEN_SHARDS * settings.decode_processes * largest.size
+    if settings.cache_max_bytes < need:
+        raise ValueError(
+            f"{loc.where()}: the shard cache's cap of {settings.cache_max_bytes} bytes (--cache-max-gb "
+            f"{settings.cache_max_bytes / 1e9:g}) is below what {settings.decode_processes} decode processes may hold "
+            f"open at once: {OPEN_SHARDS} x {settings.decode_processes} x the largest shard ({loc.where(largest.name)}, "
+            f"{largest.size} bytes) = {need} bytes; give --cache-max-gb {-(-need // 10**6) / 1000:g} or more, or "
+            "fewer --workers")
+
+
 @register("webdataset-remote")
 class RemoteWebDatasetSource(WebDatasetSource):
     """A :class:`WebDatasetSource` whose shards live in object storage (see the module docstring)."""
@@ -49,7 +63,7 @@ class RemoteWebDatasetSource(WebDatasetSource):
     def _new_cache(self) -> ShardCache:
         """A handle on the cache with its own store (its pooled connections close with it)."""
         return ShardCache(self.root, self.settings.cache_max_bytes, Store(self.location, self.settings).download,
-                          self.settings.wait_s)
+                          self.settings.wait_s, lambda i: self.location.where(i.name))
 
     def prefetch(self, plan, batch: int) -> None:
         """Download the shards of ``plan``'s next batches ahead (see :mod:`.prefetch`)."""
@@ -69,6 +83,8 @@ class RemoteWebDatasetSource(WebDatasetSource):
         loc = Location.parse(url)
         store = store or Store(loc, settings)
         infos, label_info = store.list_shards()
+        check_cap(settings, loc, infos)
+        where = lambda i: loc.where(i.name)  # noqa: E731
         root = settings.shard_dir()
         listing = {"v": INDEX_VERSION, "url": loc.where(), "files": [[i.name, i.size, i.etag] for i in infos],
                    "map": [label_info.size, label_info.etag] if label_info else None}
@@ -78,8 +94,8 @@ class RemoteWebDatasetSource(WebDatasetSource):
         name = name or loc.default_name()
         args = (url, settings, infos)
         locals_ = [f"{loc.tag()}-{i.name}" for i in infos]
-        with contextlib.closing(ShardCache(root, settings.cache_max_bytes, store.download, settings.wait_s)) as cache:
-            cache.verify(list(zip(infos, locals_)), lambda i: loc.where(i.name))  # what a restart finds there
+        with contextlib.closing(ShardCache(root, settings.cache_max_bytes, store.download, settings.wait_s, where)) as cache:
+            cache.verify(list(zip(infos, locals_)), where)  # what a restart finds there
         if os.path.isfile(os.path.join(index_dir, "meta.json")):
             try:
                 src = cls(root, index_dir, name, "loaded", *args)
@@ -95,7 +111,7 @@ class RemoteWebDatasetSource(WebDatasetSource):
             with open(label_map, "wb") as f:
                 f.write(store.read_small(label_info, MAX_LABEL_MAP_BYTES))
         by_path = {os.path.join(root, n): (i, n) for i, n in zip(infos, locals_)}
-        cache = ShardCache(root, settings.cache_max_bytes, store.download, settings.wait_s)
+        cache = ShardCache(root, settings.cache_max_bytes, store.download, settings.wait_s, where)
 
         def scan(path: str):
             info, local = by_path[path]
