@@ -51,11 +51,15 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
     step "torch==$TORCH, the CUDA build (nvidia-smi lists a GPU)"
     "${PIP[@]}" "torch==$TORCH"
 else
-    # no GPU: PyPI's default Linux wheel is the multi-GB CUDA build; a local CPU wheel (pip's
-    # find-links) first, else PyTorch's CPU index
+    # no GPU: PyPI's default Linux wheel is the multi-GB CUDA build. A local CPU wheel (pip's
+    # find-links) alone first, then its dependencies from the index (the torch installed
+    # satisfies torch==2.13.0 as it is); without a local wheel, PyTorch's CPU index
     step "torch==$TORCH, the CPU build (no GPU found)"
-    "${PIP[@]}" --no-index "torch==$TORCH" 2>/dev/null \
-        || "${PIP[@]}" "torch==$TORCH" --index-url https://download.pytorch.org/whl/cpu
+    if "${PIP[@]}" --quiet --no-index --no-deps "torch==$TORCH" 2>/dev/null; then
+        "${PIP[@]}" --quiet "torch==$TORCH"
+    else
+        "${PIP[@]}" "torch==$TORCH" --index-url https://download.pytorch.org/whl/cpu
+    fi
 fi
 
 # the constraints pin every package (requirements/lock.sh keeps them): pip does not backtrack,
