@@ -294,6 +294,8 @@ class Store:
                 if n >= self.settings.max_retries or now + delay - first > self.settings.retry_s:
                     raise RemoteError(f"{exc} (still failing after {n} retries over {now - first:.1f}s: "
                                       f"--remote-retry-s {self.settings.retry_s:g})") from None
+                if n == 0:  # once per read: a wrong endpoint at start shows at once, not after the deadline
+                    log.warning("%s; retrying for up to %gs (--remote-retry-s)", str(exc), self.settings.retry_s)
                 n += 1
                 _count_retry(self.settings.retries_file(self.location))
                 time.sleep(delay)
