@@ -12,7 +12,10 @@ Only the service's own handshake makes a refusal final. The mechanism in a ZMTP 
 event, handled by :class:`~client.curve.HandshakeWatch`); a CURVE client whose server key is
 wrong sees only closes, like a proxy's, so after :data:`PROBE_AFTER` closes in a row the
 replica reads the endpoint's greeting itself (:func:`~client.curve.greeting_mechanism`): a
-CURVE greeting, then one more close, is a refusal of this client's keys.
+CURVE greeting, then one more close, is a refusal of this client's keys. A client without keys
+probes the same way: a busy CURVE service may close its handshake before libzmq has read the
+mechanism in its greeting (no mismatch event, only a close), and a CURVE greeting read by the
+probe is that service's own answer that it requires keys.
 """
 
 from __future__ import annotations
@@ -95,8 +98,8 @@ class Attempts:
         self._failure = None
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.streak += 1
-        if kind == CLOSED and self.keys is not None:
-            if self.curve_seen:
+        if kind == CLOSED:
+            if self.curve_seen and self.keys is not None:
                 return Refuse(f"authentication failed: the service at {self.endpoint} speaks CURVE (its greeting "
                               f"says so) and closed this client's CURVE handshake {self.streak} times in a row: "
                               f"{self.keys}/server.key is not that service's key")
@@ -109,9 +112,13 @@ class Attempts:
         """What a probe read: the mechanism of the endpoint's greeting, or None (closed,
         silent, not ZMTP)."""
         if mechanism == "CURVE":
+            if self.keys is None:
+                return Refuse(f"authentication failed: the service at {self.endpoint} requires CURVE keys (its "
+                              "greeting says CURVE); pass curve_keys=DIR (client.key_secret + server.key) or set "
+                              "LOADER_CURVE_KEYS")
             self.curve_seen = True  # a CURVE service is there now: one more close of ours is a refusal
             return Retry(now)
-        if mechanism is not None:
+        if mechanism is not None and self.keys is not None:
             return Refuse(f"authentication failed: this client uses CURVE keys ({self.keys}) but the service at "
                           f"{self.endpoint} does not (its greeting says {mechanism}; start it with --curve-keys, "
                           "or drop curve_keys)")
