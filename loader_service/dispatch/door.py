@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, Optional
 
 from wire import protocol as P
-
-# The most batches one stream may have asked and not yet been sent, whatever its client says:
-# with ~100 bytes of bookkeeping per batch, a connection's asks cost at most ~1.6 MiB.
-MAX_WINDOW = P.MAX_WINDOW
 
 
 class Life(enum.Enum):
@@ -80,9 +76,9 @@ class Refusal:
 
 def window_of(hello: P.Hello) -> int:
     """The most batches ``hello``'s stream may have asked (or been granted) and not yet been sent:
-    the client's window where it says one (the ``RemoteLoader`` does), else :data:`MAX_WINDOW`,
-    which bounds what any stream's asks keep in the service."""
-    return min(hello.window or MAX_WINDOW, MAX_WINDOW)
+    the client's window where it says one (the ``RemoteLoader`` does), else ``MAX_WINDOW``, which
+    bounds what any stream's asks keep in the service (~100 bytes a batch: ~1.6 MiB at most)."""
+    return min(hello.window or P.MAX_WINDOW, P.MAX_WINDOW)
 
 
 def check_request(msg: P.Request, a: Asked) -> Optional[Refusal]:
@@ -102,7 +98,7 @@ def check_request(msg: P.Request, a: Asked) -> Optional[Refusal]:
     past = [b for b in msg.batches if b >= a.num_batches]
     if past:
         return Refusal(P.ErrorCode.BAD_JOB, past_the_end(max(past), a.num_batches))
-    again = _first(msg.batches, a.has)
+    again = next((b for b in msg.batches if a.has(b)), None)
     if again is not None:
         return Refusal(P.ErrorCode.BAD_JOB, f"batch {again} is already part of stream {a.stream}")
     return None
@@ -125,9 +121,3 @@ def past_the_end(batch: int, num_batches: int) -> str:
     return (f"batch {batch} is past the end of the epoch ({num_batches} batches here); does the client's plan "
             "come from another dataset (replicas serving different data)?")
 
-
-def _first(batches: Sequence[int], has: Callable[[int], bool]) -> Optional[int]:
-    for b in batches:
-        if has(b):
-            return b
-    return None

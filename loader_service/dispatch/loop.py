@@ -231,18 +231,19 @@ class Dispatcher:
                 self._drop_unreachable()
             except Exception as exc:
                 # a bug met by one message must not take the service down for everyone
-                tb = traceback.format_exc()
-                self.totals.internal_errors += 1
-                log.error("error handling a message: %s\n%s", exc, tb)
-                if sock is self.front:
-                    self._internal_error(frames[0].bytes, exc, tb)
+                self._internal_error(frames[0].bytes if sock is self.front else None, "handling a message",
+                                     f"{type(exc).__name__}: {exc}", traceback.format_exc())
 
-    def _internal_error(self, ident: bytes, exc: Exception, tb: str) -> None:
-        """The last resort: a bug met while acting for one client fails that client alone. Its
-        stream ends with ``[internal]`` and the traceback, and its session closes (counted as
-        ``internal_errors``; the tests assert it never happens)."""
+    def _internal_error(self, ident: Optional[bytes], what: str, error: str, tb: str) -> None:
+        """The last resort: a bug met while ``what`` (counted as ``internal_errors``, logged; the
+        tests assert it never happens). Acting for client ``ident``, it fails that client alone:
+        its stream ends with ``[internal]`` and the traceback, and its session closes."""
+        self.totals.internal_errors += 1
+        log.error("error while %s%s: %s\n%s", what, f" for client {ident.hex()[:12]}" if ident else "", error, tb)
+        if ident is None:
+            return
         session = self.sessions.get(ident)
-        msg = f"internal error in the service: {type(exc).__name__}: {exc}"
+        msg = f"internal error in the service: {error}"
         try:
             waiting = self.memory.waiting.pop(ident, None)
             if session is not None and session.stream is not None:
@@ -264,10 +265,7 @@ class Dispatcher:
         try:
             yield
         except Exception as exc:
-            tb = traceback.format_exc()
-            self.totals.internal_errors += 1
-            log.error("error while %s for client %s: %s\n%s", what, ident.hex()[:12], exc, tb)
-            self._internal_error(ident, exc, tb)
+            self._internal_error(ident, what, f"{type(exc).__name__}: {exc}", traceback.format_exc())
 
     def _send(self, ident: bytes, msg: P.Message) -> None:
         self._send_frames(ident, P.encode(msg))
@@ -430,10 +428,7 @@ class Dispatcher:
         self._memory_outboxes()
         for o, result in results:
             if isinstance(result, Broke):  # opening it raised: a bug, its client alone is failed
-                self.totals.internal_errors += 1
-                log.error("error while opening stream %d for client %s: %s\n%s", o.hello.stream, o.ident.hex()[:12],
-                          result.error, result.traceback)
-                self._internal_error(o.ident, RuntimeError(result.error), result.traceback)
+                self._internal_error(o.ident, f"opening stream {o.hello.stream}", result.error, result.traceback)
                 continue
             with self._for_client(o.ident, "starting its stream"):
                 if isinstance(result, NoSlots):

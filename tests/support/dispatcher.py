@@ -4,6 +4,7 @@ the messages it sends recorded (``d.sent``), so a test sees exactly what each cl
 from __future__ import annotations
 
 import struct
+from typing import List, Union
 
 import zmq
 
@@ -51,13 +52,16 @@ def close(d: Dispatcher) -> None:
     d.close()
 
 
-def deliver(d: Dispatcher, ident: bytes, msg: P.Message, fd: int = FD, report: bool = True) -> None:
-    """``msg`` from the client at ``ident`` on connection ``fd``, as the ROUTER hands it over. The
-    first use of an fd no event named yet reports its connection accepted first, unless not
-    ``report`` (libzmq may report an accept after the connection's first messages)."""
+def deliver(d: Dispatcher, ident: bytes, msg: Union[P.Message, List[bytes]], fd: int = FD,
+            report: bool = True) -> None:
+    """``msg`` (a message, or frames already made: any bytes at all) from the client at ``ident``
+    on connection ``fd``, as the ROUTER hands it over. The first use of an fd no event named yet
+    reports its connection accepted first, unless not ``report`` (libzmq may report an accept
+    after the connection's first messages)."""
     if report and fd not in d.fds_seen:
         d.event(zmq.EVENT_ACCEPTED, fd)
-    d._on_client([Frame(ident, fd)] + [Frame(f, fd) for f in P.encode(msg)])
+    frames = msg if isinstance(msg, list) else P.encode(msg)
+    d._on_client([Frame(ident, fd)] + [Frame(f, fd) for f in frames])
 
 
 def sent_to(d: Dispatcher, ident: bytes) -> list:

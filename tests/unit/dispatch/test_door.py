@@ -28,7 +28,7 @@ from loader_service.config import ServiceConfig
 from loader_service.dispatch import door
 from loader_service.dispatch.door import MAY_BECOME, Asked, Life
 from loader_service.dispatch.streams import Stream
-from tests.support.dispatcher import Frame, close, deliver, loopless
+from tests.support.dispatcher import close, deliver, loopless
 
 
 def _asked(**kw) -> Asked:
@@ -147,13 +147,8 @@ class DoorMachine(RuleBasedStateMachine):
 
     def _send(self, client: str, msg) -> None:
         if isinstance(msg, dict):  # a raw header: any values at all
-            frames = [msgpack.packb({"v": P.PROTOCOL_VERSION, **msg}, use_bin_type=True)]
-            fd = self.fds[client]
-            if fd not in self.d.fds_seen:
-                self.d.event(zmq.EVENT_ACCEPTED, fd)
-            self.d._on_client([Frame(self.idents[client], fd)] + [Frame(f, fd) for f in frames])
-        else:
-            deliver(self.d, self.idents[client], msg, fd=self.fds[client])
+            msg = [msgpack.packb({"v": P.PROTOCOL_VERSION, **msg}, use_bin_type=True)]
+        deliver(self.d, self.idents[client], msg, fd=self.fds[client])
         self._round()
 
     def _current(self, client: str) -> Optional[object]:
