@@ -76,6 +76,8 @@ def test_a_restart_reuses_the_saved_listing_and_a_changed_object_is_a_new_datase
     assert again.index_origin == "loaded" and again.index_dir == first.index_dir
     assert again.fingerprint() == first.fingerprint() and _samples(again) == _samples(first)
     again.close()
+    straight = open_path("s3://bkt/pets/", remote=_settings(tmp_path, s3, cache_max_bytes=1000))
+    assert first.cached and not straight.cached  # a cap below the dataset: read straight from the store
     # the same size, other bytes: only the ETag tells, and it makes a new identity
     old = tree["files"]["emu/03.jpg"]
     new = tiny_jpeg(7777)[:len(old)].ljust(len(old), b"\0")
@@ -86,11 +88,14 @@ def test_a_restart_reuses_the_saved_listing_and_a_changed_object_is_a_new_datase
     i = next(i for i in range(len(changed)) if changed.paths[i] == "emu/03.jpg")
     assert changed.read(i) == new
     changed.close()
-    # the service still serving the first listing refuses the changed object, never serves its bytes
+    # the service still serving the first listing never serves the new bytes: its cache holds the
+    # version it listed (checked at download); read straight, the changed object is refused
+    assert first.read(i) == old
     with pytest.raises(RemoteError, match=r"s3://bkt/pets/emu/03.jpg: changed since the dataset was listed "
                                           r"\(size .*ETag .*restart the service"):
-        first.read(i)
+        straight.read(i)
     first.close()
+    straight.close()
 
 
 def test_an_object_deleted_mid_epoch_fails_its_sample_naming_it(tmp_path, tree, s3):
@@ -151,7 +156,8 @@ def test_an_http_folder_of_class_folders_is_refused_with_the_reason(tmp_path, tr
 # ---------------------------------------------------------------------------- through the service
 @pytest.mark.slow
 def test_exactly_once_over_an_epoch_byte_for_byte_the_local_folders(make_service, tmp_path, tree, s3):
-    svc = same_epoch_as_local(make_service, tree["pets"], "s3://bkt/pets/", s3, str(tmp_path / "cache"), N, "pets", **KW)
+    svc = same_epoch_as_local(make_service, tree["pets"], "s3://bkt/pets/", s3, str(tmp_path / "cache"), N, "pets",
+                              cache_units=1, **KW)  # 27 small images: one unit
     svc.stop()
 
 

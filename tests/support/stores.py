@@ -28,16 +28,21 @@ TEST_KEY = {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": "tes
 
 class MotoServer:
     """``python -m moto.server`` on 127.0.0.1:<free port>; :attr:`endpoint` is its URL.
-    :meth:`client` is a boto3 client for setting up buckets (tests only)."""
+    :meth:`client` is a boto3 client for setting up buckets (tests only). With ``counting``, moto
+    runs behind :func:`counting_app` (this module run as a program): :meth:`gets` tells the GETs
+    it served, :meth:`throttle` makes the next ones answer 503 SlowDown."""
 
-    def __init__(self):
+    def __init__(self, counting: bool = False):
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: Optional[subprocess.Popen] = None
+        self.counting = counting
 
     def __enter__(self) -> "MotoServer":
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        argv = ([sys.executable, "-m", "tests.support.stores", str(self.port)] if self.counting else
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)])
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
@@ -59,6 +64,22 @@ class MotoServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(STOP_TIMEOUT_S)
+
+    def _control(self, path: str, data: Optional[bytes] = None) -> dict:
+        import json
+
+        assert self.counting, "MotoServer(counting=True) counts and throttles"
+        with urllib.request.urlopen(urllib.request.Request(self.endpoint + path, data=data), timeout=10) as r:
+            return json.loads(r.read())
+
+    def gets(self, bucket: str = "") -> int:
+        """GETs of objects (whole or ranged; not listings) served so far, of ``bucket`` or all."""
+        counts = self._control(COUNTS)
+        return sum(n for b, n in counts["gets"].items() if b == bucket or not bucket)
+
+    def throttle(self, n: int) -> None:
+        """Answer the next ``n`` GETs of objects with 503 SlowDown (what S3 says when throttling)."""
+        self._control(COUNTS, str(n).encode())
 
     def client(self):
         import boto3
@@ -105,6 +126,56 @@ class MotoServer:
                 c.upload_file(os.path.join(dirpath, name), bucket, prefix + rel)
             if not tree:
                 break
+
+
+COUNTS = "/__counts"  # counting_app's own path: GET reads the counts, POST n throttles the next n GETs
+
+
+def counting_app(app):
+    """``app`` (moto's WSGI application) behind a counter of the GETs of objects it serves (by
+    bucket; a listing's GET, with a query and no key, is not counted) and an injectable throttle."""
+    import json
+    import urllib.parse
+
+    lock, gets, throttle = threading.Lock(), {}, [0]
+
+    def wrapped(environ, start_response):
+        path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD")
+        if path == COUNTS:
+            if method == "POST":
+                n = int(environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0)) or 0)
+                with lock:
+                    throttle[0] = n
+            with lock:
+                body = json.dumps({"gets": gets, "throttle": throttle[0]}).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        bucket, _, key = urllib.parse.unquote(path).lstrip("/").partition("/")
+        if method == "GET" and key and not bucket.startswith("moto-api"):
+            with lock:
+                gets[bucket] = gets.get(bucket, 0) + 1
+                slow = throttle[0] > 0
+                throttle[0] -= slow
+            if slow:
+                body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                        b"<Message>Please reduce your request rate.</Message></Error>")
+                start_response("503 Service Unavailable", [("Content-Type", "application/xml"),
+                                                           ("Content-Length", str(len(body)))])
+                return [body]
+        return app(environ, start_response)
+
+    return wrapped
+
+
+def _serve_counting(port: int) -> None:
+    """moto's server (as ``python -m moto.server`` makes it) behind :func:`counting_app`."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from moto.moto_server.werkzeug_app import MotoRequestHandler
+    from werkzeug.serving import run_simple
+
+    os.environ.setdefault("MOTO_PORT", str(port))
+    run_simple("127.0.0.1", port, counting_app(DomainDispatcherApplication(create_backend_app)), threaded=True,
+               request_handler=MotoRequestHandler)
 
 
 # ---------------------------------------------------------------------------- HTTP with Range
@@ -357,10 +428,11 @@ def shard_set(root: str, n_shards: int, per_shard: int, pad: int) -> dict:
 
 
 def same_epoch_as_local(make_service, local_path: str, url: str, s3: MotoServer, cache_dir: str, n: int,
-                        name: str, **kw):
+                        name: str, cache_units: Optional[int] = None, **kw):
     """One epoch from a service on ``local_path`` and one from a service on ``url`` (moto), checked
-    exactly once and byte for byte the same (indices, images, labels), read straight from the
-    store (not the shard cache), no credentials shown. Returns the remote service, running."""
+    exactly once and byte for byte the same (indices, images, labels), each of ``cache_units``
+    downloaded once into the cache (None: read straight from the store), no credentials shown.
+    Returns the remote service, running."""
     import json
 
     from client import RemoteLoader
@@ -378,7 +450,15 @@ def same_epoch_as_local(make_service, local_path: str, url: str, s3: MotoServer,
     assert [b["images"] for b in got] == [b["images"] for b in want]
     assert [b["labels"] for b in got] == [b["labels"] for b in want]
     st = status(svc)
-    assert st["totals"]["skipped"] == 0 and name not in st["shard_cache"]  # read straight from the store
+    assert st["totals"]["skipped"] == 0
+    cache = st["shard_cache"].get(name, {})
+    # loose images through the cache's units (each downloaded once); a pack straight from the store
+    assert cache.get("misses", 0) + cache.get("prefetches", 0) == (cache_units if cache_units is not None else 0)
+    assert cache.get("failures", 0) == 0
     shown = json.dumps(st) + repr(svc.sources[name].spec()) + repr(svc.config)
     assert not [k for k, v in TEST_KEY.items() if k != "AWS_DEFAULT_REGION" and v in shown], "credentials shown"
     return svc
+
+
+if __name__ == "__main__":  # MotoServer(counting=True)'s server
+    _serve_counting(int(sys.argv[1]))

@@ -78,6 +78,15 @@ def read_stats(folder: str) -> Dict[str, int]:
     return _read_stats(data)
 
 
+def cache_status(folder: str, max_bytes: int, retries: int) -> dict:
+    """The counters of the cache in ``folder``, its cap and a dataset's ``retries``, as /v1/status
+    shows them (seconds, and the download rate)."""
+    st = read_stats(folder)
+    download_s, wait_s = st.pop("download_ns") / 1e9, st.pop("wait_ns") / 1e9
+    return dict(st, max_bytes=max_bytes, retries=retries, download_s=round(download_s, 3), wait_s=round(wait_s, 3),
+                download_bytes_per_s=round(st["downloaded_bytes"] / download_s) if download_s else 0)
+
+
 class ShardCache:
     """This process's handle on the cache folder. ``fetch(info, fd)`` downloads one object into
     ``fd`` (raising :class:`RemoteError`); ``max_bytes`` bounds every file in the folder."""
@@ -257,14 +266,14 @@ class ShardCache:
         if evict:
             in_use = self._make_room(info.size, local)
         else:
-            used = self._used()[0]
+            used = int(self._stats[STATS.index("cached_bytes")])
             in_use = 0 if used + info.size <= self.max_bytes else used
         if in_use:
             return "full", -1, in_use
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, info.size)  # counted now; written in place by the download
-        self._stats[STATS.index("cached_bytes")] = self._used()[0]
+        self._add("cached_bytes", info.size)
         return "claimed", fd, 0
 
     def _stale(self, part: str) -> bool:
@@ -305,7 +314,12 @@ class ShardCache:
 
     def _make_room(self, size: int, keep: str) -> int:
         """Evict least recently used shards not in use until ``size`` more bytes fit; 0 when they
-        do, else the bytes held by shards in use (and downloads under way)."""
+        do, else the bytes held by shards in use (and downloads under way). While the counter says
+        they fit, no scan: it never counts less than the folder holds (every change is added under
+        the folder lock; a killed download's ``.part`` stays counted until a scan sweeps it), so a
+        miss costs O(1), not O(files cached), until the cache is full."""
+        if self._stats[STATS.index("cached_bytes")] + size <= self.max_bytes:
+            return 0
         used, shards = self._used()
         for _, name, n in sorted(shards):
             if used + size <= self.max_bytes:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from typing import Optional, Sequence
 
 from loader_service.sources.base import SourceSpec, register
-from loader_service.sources.remote.cache import ShardCache, read_stats
+from loader_service.sources.remote.cache import ShardCache, cache_status
 from loader_service.sources.remote.prefetch import ShardPrefetcher
 from loader_service.sources.remote.store import Location, ObjectInfo, RemoteSettings, Store, read_retries
 from loader_service.sources.webdataset import INDEX_VERSION, WebDatasetSource, _build_index, _scan_shard
@@ -165,12 +165,7 @@ class RemoteWebDatasetSource(WebDatasetSource):
 
     def cache_status(self) -> dict:
         """The shard cache's counters and its cap (for /v1/status and /metrics)."""
-        st = read_stats(self.root)
-        download_s, wait_s = st.pop("download_ns") / 1e9, st.pop("wait_ns") / 1e9
-        return dict(st, max_bytes=self.settings.cache_max_bytes, retries=read_retries(self.settings, self.location),
-                    download_s=round(download_s, 3),
-                    wait_s=round(wait_s, 3),
-                    download_bytes_per_s=round(st["downloaded_bytes"] / download_s) if download_s else 0)
+        return cache_status(self.root, self.settings.cache_max_bytes, read_retries(self.settings, self.location))
 
     def close(self) -> None:
         if self._prefetcher is not None:
