@@ -31,10 +31,11 @@ class AutoscaleConflict(RuntimeError):
 def snapshot(d: "Dispatcher", autoscaler: Optional[Autoscaler] = None) -> ServiceStatus:
     """A consistent, typed snapshot of ``d`` (on its thread)."""
     now = time.monotonic()
-    t, pool = d.totals, d.pool
+    st, pool = d.state, d.pool
+    t = st.totals
     problem = d.failure or pool.broken
-    sizes = [s.hello.spec.batch_size for s in d.sessions.streams()] or [1]
-    listed = status.clients(d.sessions.values(), d.memory, now)
+    sizes = [s.hello.spec.batch_size for s in st.sessions.streams()] or [1]
+    listed = status.clients(st.sessions.values(), st.memory, now)
     return ServiceStatus(
         instance=d.instance, uptime_s=round(time.time() - d.started, 1), healthy=not problem,
         problem=problem, data_port=d.data_port, data_port_curve=d.guard.curve,
@@ -43,15 +44,15 @@ def snapshot(d: "Dispatcher", autoscaler: Optional[Autoscaler] = None) -> Servic
         workers=status.workers(pool, t.hung_tasks, now),
         clients=listed.shown, clients_total=listed.total, clients_listed=len(listed.shown),
         clients_streaming=listed.streaming,
-        throughput={"samples_per_s": round(d.rate.per_s(now, t.samples), 1)},
+        throughput={"samples_per_s": round(st.rate.per_s(now, t.samples), 1)},
         totals=dataclasses.replace(t), stage_s=t.stage_seconds(),
-        shm_bytes=d.memory.in_use(),
-        task_deadline_s=round(d.tasks.deadlines.deadline_s(sorted(sizes)[len(sizes) // 2]), 3),
+        shm_bytes=st.memory.in_use(),
+        task_deadline_s=round(st.tasks.deadlines.deadline_s(sorted(sizes)[len(sizes) // 2]), 3),
         autoscaler=autoscaler.status() if autoscaler is not None else {"enabled": False},
         decode_path=decode_path(),
-        shm_limit_bytes=d.memory.max_bytes, skipped_recent=list(d.recent_skips),
-        connections={"open": d.sessions.connections, "sessions": len(d.sessions),
-                     "pending": d.sessions.pending, "waiting": len(d.memory.waiting)},
+        shm_limit_bytes=st.memory.max_bytes, skipped_recent=list(st.recent_skips),
+        connections={"open": st.sessions.connections, "sessions": len(st.sessions),
+                     "pending": st.sessions.pending, "waiting": len(st.memory.waiting)},
     )
 
 

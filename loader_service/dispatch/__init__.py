@@ -1,7 +1,9 @@
-"""The dispatcher: the service's one thread of state, as a thin I/O loop (:mod:`.loop`) over
-pure parts that take events and return decisions.
+"""The dispatcher: the service's one thread of state, as an I/O shell (:mod:`.loop`) around one
+:class:`~.state.DispatchState`, which changes only through ``handle(event, now) -> commands``.
 
-Modules: ``loop`` (sockets, poll, effects) with ``mailbox`` (calls from other threads);
+Modules: ``loop`` (the shell: sockets, poll, the pool's processes) with ``mailbox`` (calls from
+other threads); ``state`` (the one door: sessions, streams, memory, tasks, scheduler) and
+``events`` (what goes in and out of it); ``door`` (a client's asks checked against its stream);
 ``admission`` (Hello -> open / refuse) with ``jobs`` (the job rules); ``memory`` (batch slots,
 reserves, lending, waiting); ``streams`` (the Opening and Stream records); ``stream_state`` (one
 stream's progress); ``sending`` (the BatchLayout, a batch's message and frames); ``tasks`` (tasks

@@ -1,12 +1,13 @@
-"""The dispatcher driven by hand: which client a disconnect belongs to, a stream that waits for
+"""The dispatch state driven by hand: which client a disconnect belongs to, a stream that waits for
 the slots of one that is ending, and one that waits for the slots it lent (the batch-memory
 policy itself is tests/unit/dispatch/test_memory.py; these check the dispatcher's wiring).
 
 The dispatcher learns of disconnects from a socket monitor that names the connection by its fd,
 and of messages from the ROUTER, each tagged with its connection's fd (SRCFD). A client that
 leaves and a new one that arrives at once get the same fd number, and the new one's Hello can
-be read before the monitor's report of the old one's disconnect. Here the dispatcher is driven
-by hand, with monitor events fed in that exact order: the disconnect must not drop the new client.
+be read before the monitor's report of the old one's disconnect. Here the state is driven by
+hand (tests/support/dispatcher.py), with monitor events fed in that exact order: the disconnect
+must not drop the new client.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from wire import protocol as P
 from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
 
-from loader_service.control.operate import status_json
 from tests.support.dispatcher import FD, close, deliver, loopless, sent_to
+
 
 @pytest.fixture
 def dispatcher(demo_source):
@@ -48,11 +49,11 @@ def test_disconnect_of_an_earlier_connection_on_the_same_fd_keeps_the_new_client
     d.event(zmq.EVENT_DISCONNECTED)
     d.event(zmq.EVENT_ACCEPTED)
     deliver(d, new, _hello())
-    d._read_all(d.monitor, d._on_monitor)
+    d.read_monitor()
     assert new in d.sessions and d.sessions.get(new).stream is not None, "the new client was dropped"
     # its own disconnect still drops it
     d.event(zmq.EVENT_DISCONNECTED)
-    d._read_all(d.monitor, d._on_monitor)
+    d.read_monitor()
     assert new not in d.sessions and d.sessions.fd_owners() == {}
 
 
@@ -73,9 +74,9 @@ def test_a_vanished_client_is_dropped_when_its_fd_number_is_reused(dispatcher):
 
 @pytest.fixture
 def tight_dispatcher(demo_source):
-    """Room for one stream of ``_big_hello`` (2 x 3 MiB of slots), not two."""
+    """Room for one stream of ``_big_hello`` (2 x 3 MiB of slots), not two; one worker."""
     d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0, max_shm_mb=10),
-                 demo_source)
+                 demo_source, workers=1)
     yield d
     close(d)
 
@@ -91,7 +92,8 @@ def test_a_stream_waits_for_the_slots_of_a_stream_that_is_still_ending(tight_dis
     first, second = uuid.uuid4().bytes, uuid.uuid4().bytes
     deliver(d, first, _big_hello(), fd=21)
     ending = d.sessions.get(first).stream
-    assert ending.state.next_task(0) is not None  # a worker is busy on its first batch
+    d.tick()
+    assert [a.batch for a in d.assigned] == [0, 1]  # the worker is busy on its first batches
     deliver(d, first, P.Bye(), fd=21)
     assert d.memory.retiring == [ending]  # gone, but its slots are still read by the task
 
@@ -100,21 +102,24 @@ def test_a_stream_waits_for_the_slots_of_a_stream_that_is_still_ending(tight_dis
     assert d.sessions.get(second).stream is None
     assert second in d.memory.waiting and sent_to(d, second) == []  # no Accept yet, and no refusal
 
-    d._apply(ending, ending.state.task_done(0, [], "", ""))
-    d._release_idle_streams()
+    d.finish(0)
+    d.finish(0)
+    assert second in d.memory.waiting and d.batches == []  # what a retired stream made is not sent
+    d.tick()
     s = d.sessions.get(second).stream
     assert s is not None and second not in d.memory.waiting
     assert sent_to(d, second) == ["Accept"]
     assert d.memory.in_use() == s.segment.size  # the ending stream's memory went back first
-    assert s.state.dispatchable()
-    assert [s.state.next_task(i).batch for i in range(2)] == [0, 1]  # the Request sent while waiting counts
+    # the Request sent while waiting counts: its batches go to the worker at once
+    assert [(a.ident, a.batch) for a in d.assigned[2:]] == [(second, 0), (second, 1)]
 
 
 def test_a_stream_that_cannot_fit_even_after_the_ending_ones_is_refused_at_once(tight_dispatcher):
     d = tight_dispatcher
     first, second = uuid.uuid4().bytes, uuid.uuid4().bytes
     deliver(d, first, _big_hello(), fd=21)
-    assert d.sessions.get(first).stream.state.next_task(0) is not None
+    d.tick()
+    assert [a.batch for a in d.assigned] == [0, 1]
     deliver(d, first, _big_hello(stream=2), fd=21)  # its next epoch, while a task reads the old slots
     assert d.sessions.get(first).stream is None and first in d.memory.waiting  # its own old slots: it waits
 
@@ -124,14 +129,15 @@ def test_a_stream_that_cannot_fit_even_after_the_ending_ones_is_refused_at_once(
     assert len(refusal) == 1 and refusal[0].code == P.ErrorCode.NO_CAPACITY and refusal[0].fatal
     assert "this job needs 12.0 MiB of batch slots" in refusal[0].message
 
-    d._apply(ending := d.memory.retiring[0], ending.state.task_done(0, [], "", ""))
-    d._release_idle_streams()  # the first client's old slots come back: its next epoch opens on them
+    d.finish(0)
+    d.finish(0)
+    d.tick()  # the first client's old slots come back: its next epoch opens on them
     assert d.sessions.get(first).stream is not None and sent_to(d, first) == ["Accept", "Accept"]
 
 
 def test_a_stream_that_lent_its_slots_waits_for_them_then_takes_them_from_one_that_went_quiet(demo_source):
     d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0, max_shm_mb=1,
-                               reclaim_idle_s=0), demo_source)
+                               reclaim_idle_s=0), demo_source, workers=1)
     try:
         a, b = uuid.uuid4().bytes, uuid.uuid4().bytes
         deliver(d, a, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), prefetch=48, on_demand=True), fd=100)
@@ -145,11 +151,16 @@ def test_a_stream_that_lent_its_slots_waits_for_them_then_takes_them_from_one_th
         deliver(d, a, P.Request(stream=1, probe=True), fd=100)
         assert d.sent[-1][1].no_slots and d.sent[-1][1].waiting == 1  # what a's client is told
 
-        task = sb.state.next_task(0)
-        d._apply(sb, sb.state.task_done(task.task, [], "", ""))  # b's batch is done and sent: b is quiet
-        d._lend_if_due()  # what the loop does after every event
+        d.tick()
+        assert [(x.ident, x.batch) for x in d.assigned] == [(b, 0)]
+        d.finish(0)  # b's batch is done and sent ...
+        d.tick()
+        assert d.memory.starved == [sa] and sa.segment is None  # ... but libzmq still reads its slot
+        d.let_go()  # now b is quiet
+        d.tick()  # what the loop does after every event
         assert d.memory.starved == [] and sa.segment is not None and sb.segment is None
-        assert sa.state.dispatchable() and d.memory.in_use() == sa.nbytes
+        assert d.memory.in_use() == sa.nbytes
+        assert [(x.ident, x.batch) for x in d.assigned] == [(b, 0), (a, 0)]  # a's batch goes to the worker
     finally:
         close(d)
 
@@ -164,11 +175,11 @@ def test_a_hello_read_before_its_connections_accept_is_served_and_kept_when_the_
     assert sent_to(d, ident) == ["DatasetInfo", "Accept"] and d.totals.early_messages == 1
     assert d.sessions.is_early(40) and d.sessions.get(ident).stream is not None
     d.event(zmq.EVENT_ACCEPTED, fd=40)
-    d._read_all(d.monitor, d._on_monitor)
+    d.read_monitor()
     assert not d.sessions.is_early(40) and ident in d.sessions
     assert d.sessions.next_early_due() is None and d.totals.unreported_connections == 0
     d.event(zmq.EVENT_DISCONNECTED, fd=40)  # its own disconnect still drops it
-    d._read_all(d.monitor, d._on_monitor)
+    d.read_monitor()
     assert ident not in d.sessions and d.memory.in_use() == 0
 
 
@@ -178,24 +189,15 @@ def test_a_hello_read_after_its_connection_was_reported_gone_opens_nothing_once_
     session is dropped after that event, before any other, and holds nothing."""
     d = dispatcher
     gone = uuid.uuid4().bytes
-    sent = d._send
-
-    def router_mandatory(ident, msg):  # what _send_frames does on EHOSTUNREACH
-        if ident == gone:
-            d._unreachable[ident] = None
-        else:
-            sent(ident, msg)
-
-    d._send = router_mandatory
+    d.gone.add(gone)  # a send to it fails as ROUTER_MANDATORY's EHOSTUNREACH does
     d.event(zmq.EVENT_ACCEPTED)
     d.event(zmq.EVENT_DISCONNECTED)
-    deliver(d, gone, _hello())
-    d._drop_unreachable()  # as _read_all does after every message
+    deliver(d, gone, _hello())  # the shell reports the failed send as the next event
     assert gone not in d.sessions and len(d.sessions) == 0 and d.sent == []
     assert d.totals.early_messages == 1 and d.memory.in_use() == 0
 
 
-def test_a_hello_read_after_its_connection_was_reported_gone_is_dropped_when_no_accept_comes(dispatcher, monkeypatch):
+def test_a_hello_read_after_its_connection_was_reported_gone_is_dropped_when_no_accept_comes(dispatcher):
     """Issue 32: the monitor's disconnect is read before that connection's queued Hello. Here
     the Accept could be "sent" (the fake socket takes it); a real ROUTER_MANDATORY send fails
     and drops it sooner. Either way no session outlives the grace."""
@@ -205,11 +207,10 @@ def test_a_hello_read_after_its_connection_was_reported_gone_is_dropped_when_no_
     d.event(zmq.EVENT_DISCONNECTED)
     deliver(d, gone, _hello())
     assert gone in d.sessions and d.sessions.is_early(FD) and d.totals.early_messages == 1
-    d._expire_unreported()
+    d.tick()
     assert gone in d.sessions  # within the grace: its accept may still come
-    due = d.sessions.next_early_due()
-    monkeypatch.setattr("loader_service.dispatch.loop.time.monotonic", lambda: due)
-    d._expire_unreported()
+    d.now = d.sessions.next_early_due()
+    d.tick()
     assert gone not in d.sessions and len(d.sessions) == 0 and d.sessions.connections == 0
     assert d.totals.unreported_connections == 1 and d.memory.in_use() == 0
 
@@ -225,7 +226,8 @@ def test_a_hello_past_the_session_cap_is_refused_naming_the_cap(demo_source):
         (refusal,) = [m for i, m in d.sent if i == idents[2]]
         assert refusal.code == P.ErrorCode.NO_CAPACITY and refusal.fatal
         assert refusal.message.startswith("the service holds 2 sessions, its cap (--max-sessions 2)")
-        assert status_json(d)["connections"] == {"open": 3, "sessions": 2, "pending": 1, "waiting": 0}
+        # what /v1/status shows as connections: open, sessions, pending, waiting
+        assert (d.sessions.connections, len(d.sessions), d.sessions.pending, len(d.memory.waiting)) == (3, 2, 1, 0)
     finally:
         close(d)
 
@@ -234,32 +236,47 @@ def test_after_many_sessions_come_and_go_the_dispatcher_holds_nothing_of_them(di
     """Issue 32: a flood's sessions gone, every table and index is empty again (they left by
     disconnect, by Bye, and by disconnect of a connection that never said Hello)."""
     d = dispatcher
-    enum_members = len(zmq.Event._value2member_map_)  # pyzmq's parser made an enum member per fd number
     idents = [uuid.uuid4().bytes for _ in range(300)]
     hello = P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), prefetch=1, client="flood")
     for k, ident in enumerate(idents):
         deliver(d, ident, hello, fd=100 + k)
     d.event(zmq.EVENT_ACCEPTED, fd=99)  # one that never says Hello
-    d._read_all(d.monitor, d._on_monitor)
-    assert len(d.sessions) == 300 and len(d.scheduler) == 300 and d.memory.in_use() > 0
+    d.read_monitor()
+    assert len(d.sessions) == 300 and len(d.state.scheduler) == 300 and d.memory.in_use() > 0
     for k, ident in enumerate(idents):
         if k % 2:
             deliver(d, ident, P.Bye(), fd=100 + k)
         d.event(zmq.EVENT_DISCONNECTED, fd=100 + k)
     d.event(zmq.EVENT_DISCONNECTED, fd=99)
-    d._read_all(d.monitor, d._on_monitor, limit=10_000)
+    d.read_monitor()
     gc.collect()
     s = d.sessions
     assert (len(s), s.connections, s.pending, s.streams(), s.fd_owners()) == (0, 0, 0, [], {})
     assert (s._jobs, s._job_of) == ({}, {})
-    assert (len(d.scheduler), d.scheduler.candidates, len(d.scheduler._line)) == (0, 0, 0)
+    sch = d.state.scheduler
+    assert (len(sch), sch.candidates, len(sch._line)) == (0, 0, 0)
     m = d.memory
     assert (m.in_use(), m.waiting, m.starved, m.retiring) == (0, {}, [], [])
-    assert len(d.admission._plans) == 0  # the plan the flood shared went with its last stream
-    assert d._unreachable == {} and d._trim_due  # 301 connections closed: the heap is given back next
-    assert len(zmq.Event._value2member_map_) == enum_members
-    d._trim_heap()  # the tables are rebuilt at their size now, and serve on
-    assert (len(s), s.connections, len(d.scheduler)) == (0, 0, 0)
+    assert len(d.state.admission._plans) == 0  # the plan the flood shared went with its last stream
+    assert d.trims == 0
+    d.tick()  # 301 connections closed: the tables are rebuilt at their size and the heap given back
+    assert d.trims == 1
+    assert (len(s), s.connections, len(sch)) == (0, 0, 0)
     again = uuid.uuid4().bytes
     deliver(d, again, hello, fd=500)
-    assert d.sessions.get(again).stream is not None and len(d.scheduler) == 1 and d.memory.in_use() > 0
+    assert d.sessions.get(again).stream is not None and len(sch) == 1 and d.memory.in_use() > 0
+
+
+def test_the_shell_reads_monitor_events_as_plain_values_keeping_nothing_per_fd():
+    """pyzmq's own parser made a ``zmq.Event`` member per fd number a flood's connections used,
+    kept forever (issue 32); the shell's parser returns plain ints."""
+    import struct
+
+    from loader_service.dispatch.loop import monitor_event
+
+    enum_members = len(zmq.Event._value2member_map_)
+    for fd in range(10_000, 10_300):
+        ev = monitor_event([zmq.Frame(struct.pack("=hi", zmq.EVENT_ACCEPTED, fd)), zmq.Frame(b"tcp://127.0.0.1:1")])
+        assert ev == {"event": zmq.EVENT_ACCEPTED, "value": fd, "endpoint": b"tcp://127.0.0.1:1"}
+        assert type(ev["value"]) is int
+    assert len(zmq.Event._value2member_map_) == enum_members

@@ -131,7 +131,7 @@ def test_a_stuck_dispatcher_loop_fails_healthz_in_time_and_recovers(make_service
     assert httpx.get(f"{svc.http_url}/v1/status", timeout=10).status_code == 200
 
 def test_a_dead_dispatcher_fails_healthz(make_service, monkeypatch):
-    from loader_service.dispatch.loop import Dispatcher
+    from loader_service.dispatch.state import DispatchState
 
     svc = make_service()
     wait_for(lambda: svc.wait_ready(0), what="a worker")
@@ -141,7 +141,7 @@ def test_a_dead_dispatcher_fails_healthz(make_service, monkeypatch):
         crashed.set()
         raise RuntimeError("injected scheduler bug")
 
-    monkeypatch.setattr(Dispatcher, "_schedule", broken_schedule)
+    monkeypatch.setattr(DispatchState, "_schedule", broken_schedule)
     svc.dispatcher.post(lambda: None)  # wake the loop: it runs the broken step and dies
     wait_for(crashed.is_set, what="the loop to run the broken step")
     wait_for(lambda: httpx.get(f"{svc.http_url}/healthz", timeout=10).status_code == 503, what="healthz to fail")
@@ -150,14 +150,14 @@ def test_a_dead_dispatcher_fails_healthz(make_service, monkeypatch):
 
 SERVE_WITH_A_DISPATCHER_BUG = """
 import sys
-from loader_service.dispatch.loop import Dispatcher
+from loader_service.dispatch.state import DispatchState
 from loader_service.cli.main import main
-real = Dispatcher._schedule
+real = DispatchState._schedule
 def schedule(self):
-    if self.ready.is_set():  # once a worker is up
+    if self.workers.counts().get("idle"):  # once a worker is up
         raise RuntimeError("injected scheduler bug")
     return real(self)
-Dispatcher._schedule = schedule
+DispatchState._schedule = schedule
 sys.exit(main(sys.argv[1:]))
 """
 

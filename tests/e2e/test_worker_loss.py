@@ -3,7 +3,6 @@ behind it) exits: the tasks it held are done again, by whichever worker comes ne
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -17,45 +16,41 @@ from tests.support.dispatcher import close, deliver, loopless
 
 @pytest.fixture
 def dispatcher(demo_source):
-    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0), demo_source)
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0), demo_source,
+                 workers=1)
     yield d
     close(d)
 
 
-def _two_tasks_on_one_worker(d, wid: int):
+def _two_tasks_on_one_worker(d):
     ident = uuid.uuid4().bytes
     deliver(d, ident, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), prefetch=2))
     s = d.sessions.get(ident).stream
-    now = time.monotonic()
-    first = s.state.next_task(d.tasks.next_id())
-    d.tasks.start(s, first, wid, now)
-    second = s.state.next_task(d.tasks.next_id())
-    d.tasks.start(s, second, wid, now, behind=first.task)
+    d.tick()  # the one worker takes a task and queues the next behind it
+    first, second = d.assigned
+    assert list(d.pool.workers[0].tasks) == [first.task.task, second.task.task]
     # the scheduler met it with both slots taken: out of its line until an event says otherwise
-    d.scheduler.pick(1, lambda x: x.state.dispatchable(), lambda x: x.tier, lambda x: None)
-    assert not s.state.dispatchable() and d.scheduler.candidates == 0
+    assert not s.state.dispatchable() and d.state.scheduler.candidates == 0
     return s, first, second
 
 
-def test_tasks_held_by_a_worker_that_died_between_them_go_back_in_the_schedulers_line(dispatcher, monkeypatch):
+def test_tasks_held_by_a_worker_that_died_between_them_go_back_in_the_schedulers_line(dispatcher):
     """A worker killed between tasks (its Done on its way, its queued task never begun): neither
     counts against the batch, and the stream must be offered to the next idle worker."""
     d = dispatcher
-    s, first, second = _two_tasks_on_one_worker(d, wid=7)
-    monkeypatch.setattr(d.pool, "reap", lambda wid: ([first.task, second.task], None, -9))
-    d._on_worker_exit(7)
-    assert s.state.dispatchable() and d.scheduler.candidates == 1
-    assert d.totals.redone_tasks == 2 and d.tasks.running == {}
-    taken = []
-    d.scheduler.pick(2, lambda x: x.state.dispatchable(), lambda x: x.tier,
-                     lambda x: taken.append(x.state.next_task(d.tasks.next_id()).batch))
-    assert sorted(taken) == sorted([first.batch, second.batch])  # the same batches, each once
+    s, first, second = _two_tasks_on_one_worker(d)
+    d.lose(0, died_on_first=False)
+    assert s.state.dispatchable() and d.state.scheduler.candidates == 1
+    assert d.totals.redone_tasks == 2 and d.state.tasks.running == {}
+    d.tick()  # the worker that took its place takes the same batches, each once
+    assert [a.batch for a in d.assigned[2:]] == [first.batch, second.batch]
+    assert [a.worker.id for a in d.assigned[2:]] == [1, 1]
 
 
-def test_the_task_a_worker_died_on_counts_against_its_batch_and_the_one_behind_does_not(dispatcher, monkeypatch):
+def test_the_task_a_worker_died_on_counts_against_its_batch_and_the_one_behind_does_not(dispatcher):
     d = dispatcher
-    s, first, second = _two_tasks_on_one_worker(d, wid=7)
-    monkeypatch.setattr(d.pool, "reap", lambda wid: ([first.task, second.task], first.task, -9))
-    d._on_worker_exit(7)
-    assert s.state.dispatchable() and d.scheduler.candidates == 1
-    assert d.totals.redone_tasks == 2 and d.tasks.running == {}
+    s, first, second = _two_tasks_on_one_worker(d)
+    d.lose(0, died_on_first=True)
+    assert s.state.dispatchable() and d.state.scheduler.candidates == 1
+    assert d.totals.redone_tasks == 2 and d.state.tasks.running == {}
+    assert s.state.tasks == {} and s.state.attempts == {first.batch: 1}  # the one behind was not its fault

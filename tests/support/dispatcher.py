@@ -1,69 +1,191 @@
-"""A dispatcher driven by hand: no loop, no workers, its monitor events fed in by the test and
-the messages it sends recorded (``d.sent``), so a test sees exactly what each client is told."""
+"""The dispatch state driven by hand: no zmq, no loop, no processes.
+
+:class:`Driven` holds a real :class:`~loader_service.dispatch.state.DispatchState` and plays its
+I/O shell the way :mod:`loader_service.dispatch.loop` does, with the test in charge of what the
+shell would read: monitor events (queued until the shell would read them), client messages
+(any bytes at all), workers that take, finish or lose tasks, and libzmq letting go of a sent
+batch. It records what the state commands: every message (``d.sent``), every batch
+(``d.batches``), tasks handed out, workers killed, segments unmapped.
+"""
 
 from __future__ import annotations
 
-import struct
-from typing import List, Union
+import time
+from collections import deque
+from typing import Deque, Dict, List, Optional, Set, Tuple, Union
 
 import zmq
 
 from wire import protocol as P
 from loader_service.config import ServiceConfig
-from loader_service.dispatch.loop import Dispatcher
+from loader_service.decode.pipelines import Registry
+from loader_service.dispatch import events as E
+from loader_service.dispatch.state import DispatchState
+from loader_service.workers.pool import WorkerPool, WorkerRecord
 
-FD = 17  # any number: these connections only exist in the events fed to the dispatcher
+FD = 17  # any number: these connections only exist in the events fed to the state
 
 
 class Frame:
-    """What the dispatcher reads of a received zmq.Frame: its bytes and its connection's fd."""
+    """What the state reads of a received zmq.Frame: its bytes."""
 
-    def __init__(self, data: bytes, fd: int):
-        self.bytes, self.buffer, self._fd = data, memoryview(data), fd
-
-    def get(self, option: int) -> int:
-        assert option == zmq.SRCFD
-        return self._fd
+    def __init__(self, data: bytes):
+        self.bytes, self.buffer = data, memoryview(data)
 
 
-def loopless(config: ServiceConfig, source) -> Dispatcher:
-    """A dispatcher serving ``source`` as "demo"; ``d.event(kind, fd)`` feeds a monitor event,
-    ``d.sent`` lists (ident, message) of everything it sent. Close with :func:`close`."""
-    d = Dispatcher(config, {"demo": source})
-    d.front.disable_monitor()
-    d.monitor.close(0)
-    feed = d.ctx.socket(zmq.PAIR)
-    feed.bind("inproc://fake-monitor")
-    d.monitor = d.ctx.socket(zmq.PAIR)
-    d.monitor.connect("inproc://fake-monitor")
+class Workers:
+    """The worker pool as the dispatch state reads it (the real pool's readers over records the
+    test moves by hand: :meth:`Driven.finish`, :meth:`Driven.lose`)."""
 
-    def event(kind: int, fd: int = FD) -> None:
-        d.fds_seen.add(fd)
-        feed.send_multipart([struct.pack("=hi", kind, fd), b"tcp://127.0.0.1:1"])
+    places = WorkerPool.places
+    counts = WorkerPool.counts
+    live_count = WorkerPool.live_count
 
-    d.event, d.feed, d.fds_seen = event, feed, set()
-    d.sent = []
-    d._send = lambda ident, msg: d.sent.append((ident, msg))
-    return d
+    def __init__(self, n: int):
+        self.workers: Dict[int, WorkerRecord] = {
+            i: WorkerRecord(id=i, process=None, state="idle", pid=10_000 + i, ready=True) for i in range(n)}
+        self.broken = ""
 
 
-def close(d: Dispatcher) -> None:
-    d.feed.close(0)
+class Driven:
+    """A :class:`DispatchState` serving ``source`` as "demo", with ``workers`` idle workers.
+    ``d.now`` is the clock the events carry (advance it by hand)."""
+
+    def __init__(self, config: ServiceConfig, source, workers: int = 0, authorized=None):
+        self.pool = Workers(workers)
+        self.state = DispatchState(config, {"demo": source}, Registry(config.pipeline), self.pool, "test-instance",
+                                   authorized)
+        self.now = time.monotonic()
+        self.monitor: Deque[E.Event] = deque()  # reported, not yet read
+        self.fds_seen: Set[int] = set()
+        self.gone: Set[bytes] = set()  # idents a send finds unreachable (ROUTER_MANDATORY)
+        self.sent: List[Tuple[bytes, P.Message]] = []
+        self.batches: List[Tuple[bytes, P.Batch]] = []
+        self.sending: List[E.LetGo] = []  # batches libzmq has not let go of yet
+        self.assigned: List[E.Assign] = []
+        self.killed: List[int] = []
+        self.unmapped: List[str] = []
+        self.trims = 0
+        self.ended = False  # an EndLoop came
+
+    # ------------------------------------------------------------------ the shell's part
+    def handle(self, event: E.Event) -> None:
+        """``event`` through the door; the commands carried out as the shell does, and the events
+        they cause (a send to a gone client, a batch with nothing zero-copy) handled after."""
+        queue: Deque[E.Event] = deque([event])
+        while queue:
+            for c in self.state.handle(queue.popleft(), self.now):
+                self._carry_out(c, queue)
+
+    def _carry_out(self, c: E.Command, queue: Deque[E.Event]) -> None:
+        if isinstance(c, (E.Send, E.SendData)) and c.ident in self.gone:
+            queue.append(E.Unreachable(c.ident))
+            if isinstance(c, E.SendData):
+                queue.append(E.LetGo(c.stream, c.slot))  # unsent frames are let go of all the same
+        elif isinstance(c, E.Send):
+            self.sent.append((c.ident, c.message))
+        elif isinstance(c, E.SendData):
+            header = P.decode_header(c.header)
+            assert isinstance(header, P.Batch)
+            self.batches.append((c.ident, header))
+            self.sending.append(E.LetGo(c.stream, c.slot))
+        elif isinstance(c, E.Assign):
+            w = c.worker
+            assert w.state in ("idle", "busy") and len(w.tasks) < 2, w
+            w.state = "busy"
+            w.tasks.append(c.task.task)
+            self.assigned.append(c)
+        elif isinstance(c, E.Kill):
+            self.killed.append(c.pid)
+        elif isinstance(c, E.Unmap):
+            self.unmapped.append(c.name)
+        elif isinstance(c, E.TrimHeap):
+            self.trims += 1
+        elif isinstance(c, E.EndLoop):
+            self.ended = True
+        else:
+            raise AssertionError(f"unknown command {c!r}")
+
+    def event(self, kind: int, fd: int = FD) -> None:
+        """The monitor reports ``kind`` (zmq.EVENT_ACCEPTED / EVENT_DISCONNECTED) for ``fd``: queued
+        until the shell reads the monitor (:meth:`read_monitor`, or a message from an unknown fd)."""
+        self.fds_seen.add(fd)
+        self.monitor.append(E.Accepted(fd) if kind == zmq.EVENT_ACCEPTED else E.Disconnected(fd))
+
+    def read_monitor(self) -> None:
+        while self.monitor:
+            self.handle(self.monitor.popleft())
+
+    def tick(self) -> None:
+        """The end of a round of events, as the loop does it after every poll."""
+        if self.state.early_due(self.now):
+            self.read_monitor()
+        self.handle(E.Tick())
+
+    def let_go(self, i: Optional[int] = None) -> None:
+        """libzmq lets go of a sent batch (the ``i``-th still held; default: all of them)."""
+        for ev in ([self.sending.pop(i)] if i is not None else [self.sending.pop(0) for _ in range(len(self.sending))]):
+            self.handle(ev)
+
+    # ------------------------------------------------------------------ workers
+    def finish(self, wid: int, ok: bool = True, error: str = "", skipped=()) -> int:
+        """Worker ``wid`` finishes the task it runs (its queued one runs next); the task's id."""
+        w = self.pool.workers[wid]
+        task = w.tasks.popleft()
+        w.state = "busy" if w.tasks else "idle"
+        self.handle(E.WorkerDone(P.Done(task=task, worker=wid, ok=ok, error=error, skipped=list(skipped)), w.task))
+        return task
+
+    def lose(self, wid: int, died_on_first: bool = True, exitcode: int = -9) -> None:
+        """Worker ``wid`` dies holding its tasks (on the first, or between tasks); a new one takes its place."""
+        w = self.pool.workers.pop(wid)
+        held = tuple(w.tasks)
+        self.handle(E.WorkerLost(held, held[0] if held and died_on_first else None, exitcode))
+        new = max(self.pool.workers, default=wid) + 1
+        self.pool.workers[new] = WorkerRecord(id=new, process=None, state="idle", pid=10_000 + new, ready=True)
+
+    def close(self) -> None:
+        self.handle(E.Closing())
+        self.handle(E.Closed())
+        self.state.memory.close()
+
+    # ------------------------------------------------------------------ readers for tests
+    @property
+    def totals(self):
+        return self.state.totals
+
+    @property
+    def sessions(self):
+        return self.state.sessions
+
+    @property
+    def memory(self):
+        return self.state.memory
+
+
+def loopless(config: ServiceConfig, source, workers: int = 0) -> Driven:
+    """The dispatch state serving ``source`` as "demo", driven by hand. Close with :func:`close`."""
+    return Driven(config, source, workers)
+
+
+def close(d: Driven) -> None:
     d.close()
 
 
-def deliver(d: Dispatcher, ident: bytes, msg: Union[P.Message, List[bytes]], fd: int = FD,
-            report: bool = True) -> None:
+def deliver(d: Driven, ident: bytes, msg: Union[P.Message, List[bytes]], fd: int = FD, report: bool = True) -> None:
     """``msg`` (a message, or frames already made: any bytes at all) from the client at ``ident``
     on connection ``fd``, as the ROUTER hands it over. The first use of an fd no event named yet
     reports its connection accepted first, unless not ``report`` (libzmq may report an accept
-    after the connection's first messages)."""
+    after the connection's first messages). As the shell does, the monitor is read to the end
+    first when the message's connection is not the one its session knows."""
     if report and fd not in d.fds_seen:
         d.event(zmq.EVENT_ACCEPTED, fd)
+    if not d.state.knows(ident, fd):
+        d.read_monitor()
     frames = msg if isinstance(msg, list) else P.encode(msg)
-    d._on_client([Frame(ident, fd)] + [Frame(f, fd) for f in frames])
+    d.handle(E.ClientMessage(ident, fd, [Frame(bytes(f)) for f in frames]))
 
 
-def sent_to(d: Dispatcher, ident: bytes) -> list:
+def sent_to(d: Driven, ident: bytes) -> list:
     """What ``ident`` was sent, as message type names (errors with their code)."""
     return [type(m).__name__ + (f":{m.code}" if isinstance(m, P.Error) else "") for i, m in d.sent if i == ident]

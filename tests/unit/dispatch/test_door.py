@@ -1,19 +1,21 @@
 """The door (issue 37): every client message, in every life of its stream, with hostile values.
 
-The pure checks first; then a hypothesis state machine that drives the real dispatcher (no
-loop, no workers: tests/support/dispatcher.py) with every message type a client can send,
-well-formed or not, while streams wait for memory, run, are caught up, lend their slots, starve
-and end; workers finish and lose tasks at random. After every step: nothing escaped, the
-last-resort guard never fired, what a connection holds stays within its window, no batch left
-twice, the bystander was never failed by what others sent, and each stream's life moved only as
-:data:`~loader_service.dispatch.door.MAY_BECOME` allows.
+The pure checks first; then a hypothesis state machine that drives the real
+:class:`~loader_service.dispatch.state.DispatchState` through its one door (no zmq, no loop, no
+processes: tests/support/dispatcher.py) with every message type a client can send, well-formed
+or not, while streams wait for memory, run, are caught up, lend their slots, starve and end;
+two workers take tasks as the state hands them out and finish, fail or lose them at random,
+libzmq lets go of sent batches in any order, time passes past deadlines and reclaim times.
+After every step: nothing escaped, the last-resort guard never fired, what a connection holds
+stays within its window, no batch left twice, the bystander was never failed by what others
+sent, and each stream's life moved only as :data:`~loader_service.dispatch.door.MAY_BECOME` allows.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, Optional, Set
 
 import msgpack
 import pytest
@@ -104,7 +106,7 @@ HOSTILE_INTS = st.one_of(IN_PLAN, IN_PLAN, st.integers(0, 80), st.integers(0, 2*
 
 
 class DoorMachine(RuleBasedStateMachine):
-    """A small batch memory (two streams of 48 slots do not fit), three clients, no loop."""
+    """A small batch memory (two streams of 48 slots do not fit), three clients, two workers."""
 
     def __init__(self):
         super().__init__()
@@ -116,14 +118,10 @@ class DoorMachine(RuleBasedStateMachine):
 
         self.source = ensure_demo(64, quiet=True)
         self.d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0,
-                                        max_shm_mb=1, reclaim_idle_s=reclaim), self.source)
-        self.sent_batches: List[Tuple[bytes, int, int]] = []
-        self.d._send_frames = self._record  # batches are recorded as sent (and their copied frames let go)
+                                        max_shm_mb=1, reclaim_idle_s=reclaim), self.source, workers=2)
         self.idents = {c: uuid.uuid4().bytes for c in CLIENTS}
         self.fds = {c: 40 + i for i, c in enumerate(CLIENTS)}
         self.stream_ids = {c: 0 for c in CLIENTS}
-        self.tasks: List[Tuple[Stream, int]] = []
-        self.next_task = 1000
         self.lives: Dict[int, Life] = {}  # id() of a stream or opening seen -> its last life
         self.held: Dict[int, object] = {}  # keeps the objects behind those ids alive
 
@@ -132,18 +130,14 @@ class DoorMachine(RuleBasedStateMachine):
             close(self.d)
             self.source.close()
 
-    def _record(self, ident: bytes, frames: list, copy: bool = True) -> bool:
-        header = P.decode_header(frames[0])
-        if isinstance(header, P.Batch):
-            self.sent_batches.append((ident, header.stream, header.index))
-        return True
-
     # ------------------------------------------------------------------ what the loop does after events
     def _round(self) -> None:
-        self.d.mailbox.run_all()
-        self.d._release_idle_streams()
-        self.d._lend_if_due()
-        self.d._drop_unreachable()
+        self.d.tick()
+        for pid in self.d.killed:  # a worker killed for its deadline: its sentinel reports it gone
+            wid = pid - 10_000
+            if wid in self.d.pool.workers:
+                self.d.lose(wid)
+        self.d.killed.clear()
 
     def _send(self, client: str, msg) -> None:
         if isinstance(msg, dict):  # a raw header: any values at all
@@ -225,7 +219,7 @@ class DoorMachine(RuleBasedStateMachine):
         fd = self.fds[client]
         if fd in self.d.fds_seen:
             self.d.event(zmq.EVENT_DISCONNECTED, fd)
-            self.d._read_monitor()
+            self.d.read_monitor()
             self.d.fds_seen.discard(fd)
             self.fds[client] = fd + 100  # its next connection
         self._round()
@@ -241,23 +235,28 @@ class DoorMachine(RuleBasedStateMachine):
         last = take == len(nxt) and data.draw(st.booleans())
         self._send("c", P.Request(stream=s.id, batches=nxt[:take], final=last))
 
-    # ------------------------------------------------------------------ workers
-    @rule(data=st.data())
-    def a_worker_takes_a_task(self, data):
-        live = [s for s in self.d.sessions.streams() if s.segment is not None and s.state.dispatchable()]
-        if not live:
-            return
-        s = data.draw(st.sampled_from(live))
-        self.next_task += 1
-        if s.state.next_task(self.next_task) is not None:
-            self.tasks.append((s, self.next_task))
+    # ------------------------------------------------------------------ workers, libzmq, time
+    @precondition(lambda self: self.d is not None and any(w.tasks for w in self.d.pool.workers.values()))
+    @rule(data=st.data(), how=st.sampled_from(["done", "done", "done", "failed", "lost", "lost between"]))
+    def a_worker_ends_a_task(self, data, how):
+        wid = data.draw(st.sampled_from(sorted(w for w, r in self.d.pool.workers.items() if r.tasks)))
+        if how == "done":
+            self.d.finish(wid)
+        elif how == "failed":
+            self.d.finish(wid, ok=False, error="DecodeError: not a JPEG")
+        else:
+            self.d.lose(wid, died_on_first=how == "lost")
+        self._round()
 
-    @precondition(lambda self: self.d is not None and self.tasks)
-    @rule(data=st.data(), lost=st.booleans())
-    def a_worker_ends_a_task(self, data, lost):
-        s, task = self.tasks.pop(data.draw(st.integers(0, len(self.tasks) - 1)))
-        effects = s.state.task_lost(task, "worker died") if lost else s.state.task_done(task)
-        self.d._apply(s, effects)
+    @precondition(lambda self: self.d is not None and self.d.sending)
+    @rule(data=st.data())
+    def libzmq_lets_go_of_a_batch(self, data):
+        self.d.let_go(data.draw(st.integers(0, len(self.d.sending) - 1)))
+        self._round()
+
+    @rule(seconds=st.sampled_from([0.5, 30.0, 5000.0]))
+    def time_passes(self, seconds):
+        self.d.now += seconds
         self._round()
 
     # ------------------------------------------------------------------ invariants
@@ -280,7 +279,8 @@ class DoorMachine(RuleBasedStateMachine):
     @invariant()
     def no_batch_leaves_twice(self):
         if self.d is not None:
-            assert len(set(self.sent_batches)) == len(self.sent_batches)
+            sent = [(ident, b.stream, b.index) for ident, b in self.d.batches]
+            assert len(set(sent)) == len(sent)
 
     @invariant()
     def the_bystander_is_never_failed_by_what_others_send(self):
