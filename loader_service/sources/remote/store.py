@@ -389,6 +389,13 @@ class Store:
             raise RemoteError(f"{self.location.where(name)}: not found in the listing of {self.location.where()}")
         return objs[name] or self.head(name)
 
+    def optional(self, name: str) -> Optional[ObjectInfo]:
+        """``name`` right under a listed prefix (see :meth:`listed`), or None when it is not there
+        (or the URL is a pattern or one shard: nothing is listed)."""
+        if self.location.names or name not in self._top()[0]:
+            return None
+        return self.listed(name)
+
     def head(self, name: str) -> ObjectInfo:
         meta = self._retrying(lambda: self._call(lambda: self.obstore.head(self.store, self.location.key(name)),
                                                  "HEAD", name))

@@ -2,8 +2,25 @@
 
 At start the service lists the shards once (names, sizes, ETags); that listing is the index's
 fingerprint, so a restart on an unchanged bucket reuses the saved index and reads no shard, and a
-changed object (new ETag or size) makes a new index, i.e. a new dataset identity. A scan fetches
-each shard into the cache (bounded by the cap, evicting as it goes) and reads its tar headers.
+changed object (new ETag or size) makes a new index, i.e. a new dataset identity.
+
+**The index at a first start.** The plan needs the number of samples before the first batch, so
+the index is whole at start; it comes from one of two places:
+
+* an index file beside the shards, :data:`INDEX_FILE` (``python -m
+  loader_service.sources.remote.webdataset index FOLDER`` writes it next to shards on disk, before
+  they are uploaded): each shard's name and size and its samples' keys, offsets, sizes and
+  ``.cls`` labels. One GET at start, however many shards. It is taken only when it names every
+  listed shard with its listed size, and trusted no further than that: the first time a process
+  opens a shard (downloaded through the cache, checked against its ETag), its tar headers are read
+  and compared with the index file's rows; a shard that differs fails its samples with a
+  :class:`RemoteError` that names it and the index file (write it again). Its ETag is part of the
+  listing, so a new index file is a new dataset.
+* without one (or a stale one, logged), every shard is downloaded into the cache and its tar
+  headers read, :data:`SCAN_THREADS` shards at once (bounded by the cap, evicting as it goes): the
+  whole dataset crosses the network once before the first batch (measured: docs/benchmarks.md
+  section 13.1). Reading only the headers by ranged GETs would cost a request per member.
+
 Decode processes open shards through the same cache: a read of a shard not cached downloads it
 once for all of them; a shard stays pinned while a process keeps it open (at most
 :data:`OPEN_SHARDS` per process).
@@ -13,18 +30,70 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import sys
 from collections import OrderedDict
-from typing import Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from loader_service.sources.base import SourceSpec, register
 from loader_service.sources.remote.cache import ShardCache, cache_status
 from loader_service.sources.remote.prefetch import ShardPrefetcher
-from loader_service.sources.remote.store import Location, ObjectInfo, RemoteSettings, Store, read_retries
-from loader_service.sources.webdataset import INDEX_VERSION, WebDatasetSource, _build_index, _scan_shard
+from loader_service.sources.remote.store import (Location, ObjectInfo, RemoteError, RemoteSettings, Store,
+                                                  read_retries)
+from loader_service.sources.webdataset import INDEX_VERSION, WebDatasetSource, _build_index, _scan_shard, \
+    resolve_shards
 
 OPEN_SHARDS = 2  # per process: what a cap must leave room for (x decode processes)
 MAX_LABEL_MAP_BYTES = 16 << 20
+INDEX_FILE = "wds-index.json"  # beside the shards: their samples, so a start downloads no shard
+INDEX_FILE_FORMAT = "loader-wds-shard-index"
+MAX_INDEX_FILE_BYTES = 1 << 30
+SCAN_THREADS = 8  # shards downloaded and scanned at once at a first start without an index file
+log = logging.getLogger("loader_service.sources.remote")
+Rows = Tuple[List[str], Sequence[int], Sequence[int], Sequence[int]]  # keys, offsets, sizes, labels (-1: none)
+
+
+def write_index_file(folder: str) -> str:
+    """Write :data:`INDEX_FILE` for the ``.tar`` shards in ``folder`` (on disk, before upload):
+    each shard's name and size, and its samples as :func:`_scan_shard` reads them. Returns its path."""
+    shards = []
+    for path in resolve_shards(folder):
+        keys, offsets, sizes, labels = _scan_shard(path)
+        shards.append({"name": os.path.relpath(path, folder), "size": os.path.getsize(path), "keys": keys,
+                       "offsets": list(offsets), "sizes": list(sizes), "labels": list(labels)})
+    out = os.path.join(folder, INDEX_FILE)
+    with open(out + ".tmp", "w") as f:
+        json.dump({"format": INDEX_FILE_FORMAT, "version": 1, "shards": shards}, f, separators=(",", ":"))
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def read_index_file(data: bytes, infos: Sequence[ObjectInfo], where: str) -> Optional[Dict[str, Rows]]:
+    """The rows of each listed shard from an index file's bytes, or None (logged) when it does not
+    name every shard with its listed size: a stale index file is not used."""
+    try:
+        doc = json.loads(data)
+        if doc.get("format") != INDEX_FILE_FORMAT or doc.get("version") != 1:
+            raise ValueError(f"not a {INDEX_FILE_FORMAT} of version 1")
+        entries = {e["name"]: e for e in doc["shards"]}
+        rows = {}
+        for info in infos:
+            e = entries.get(info.name)
+            if e is None or int(e["size"]) != info.size:
+                raise ValueError(f"{info.name} is listed with {info.size} bytes, the index file says "
+                                 f"{'nothing of it' if e is None else e['size']}")
+            if not len(e["keys"]) == len(e["offsets"]) == len(e["sizes"]) == len(e["labels"]):
+                raise ValueError(f"{info.name}: its rows are of different lengths")
+            rows[info.name] = (list(e["keys"]), e["offsets"], e["sizes"], e["labels"])
+        return rows
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("%s: not used (%s); every shard is read to index them (write the index file again: python -m "
+                    "loader_service.sources.remote.webdataset index FOLDER)", where, exc)
+        return None
 
 
 def check_cap(settings: RemoteSettings, loc: Location, infos: Sequence[ObjectInfo]) -> None:
@@ -53,6 +122,7 @@ class RemoteWebDatasetSource(WebDatasetSource):
         self._cache: Optional[ShardCache] = None
         self._fds: "OrderedDict[int, int]" = OrderedDict()
         self._prefetcher: Optional[ShardPrefetcher] = None
+        self._checked: set = set()  # shards whose rows this process compared with their tar headers
 
     @property
     def cache(self) -> ShardCache:
@@ -86,8 +156,11 @@ class RemoteWebDatasetSource(WebDatasetSource):
         check_cap(settings, loc, infos)
         where = lambda i: loc.where(i.name)  # noqa: E731
         root = settings.shard_dir()
+        index_info = store.optional(INDEX_FILE)
         listing = {"v": INDEX_VERSION, "url": loc.where(), "files": [[i.name, i.size, i.etag] for i in infos],
                    "map": [label_info.size, label_info.etag] if label_info else None}
+        if index_info is not None:
+            listing["index"] = [index_info.size, index_info.etag]
         index_dir, fp = settings.saved_index("wds-index", loc, listing)
         settings.note_listing("wds-index", loc, {i.name: (i.size, i.etag) for i in
                                                  infos + ([label_info] if label_info else [])})
@@ -111,21 +184,34 @@ class RemoteWebDatasetSource(WebDatasetSource):
             with open(label_map, "wb") as f:
                 f.write(store.read_small(label_info, MAX_LABEL_MAP_BYTES))
         by_path = {os.path.join(root, n): (i, n) for i, n in zip(infos, locals_)}
-        cache = ShardCache(root, settings.cache_max_bytes, store.download, settings.wait_s, where)
+        rows = None
+        if index_info is not None:
+            rows = read_index_file(store.read_small(index_info, MAX_INDEX_FILE_BYTES), infos, loc.where(INDEX_FILE))
+        if rows is not None:
+            found = {p: rows[i.name] for p, (i, _) in by_path.items()}
+            origin = "index file"
+        else:
+            threads = min(SCAN_THREADS, settings.cache_max_bytes // max(i.size for i in infos))  # none waits for room
+            found = scan_shards(by_path, lambda: ShardCache(root, settings.cache_max_bytes, Store(loc, settings).download,
+                                                            settings.wait_s, where), max(1, threads))
+            origin = "scanned"
+        _build_index(root, list(by_path), label_map, fp, [index_dir], scan=found.__getitem__)
+        return cls(root, index_dir, name, origin, *args)
 
-        def scan(path: str):
-            info, local = by_path[path]
-            fd = cache.open(info, local)  # pinned while scanned
-            try:
-                return _scan_shard(path)
-            finally:
-                os.close(fd)
-
-        try:
-            _build_index(root, list(by_path), label_map, fp, [index_dir], scan=scan)
-        finally:
-            cache.close()
-        return cls(root, index_dir, name, "scanned", *args)
+    def _check_rows(self, s: int, fd: int) -> None:
+        """The first open of shard ``s`` in this process: its tar headers must say what the index
+        says (the shard's bytes were checked against its ETag by the download; rows that came from
+        an index file, written apart from them, are checked here; a header walk, ~1 ms a shard)."""
+        a, b = np.searchsorted(self._shard, [s, s + 1])
+        keys, offsets, sizes, labels = _scan_shard(f"/dev/fd/{fd}")
+        saved = self.labels[a:b]
+        same = (list(keys) == [self.keys[i] for i in range(a, b)] and list(offsets) == self._offset[a:b].tolist()
+                and list(sizes) == self._size[a:b].tolist()
+                and all(lab < 0 or lab == int(saved[k]) for k, lab in enumerate(labels)))
+        if not same:
+            raise RemoteError(f"{self.location.where(self.objects[s].name)}: its samples differ from what "
+                              f"{self.location.where(INDEX_FILE)} says of it ({len(keys)} samples read, {b - a} in "
+                              "the index file): the index file is stale; write it again for these shards")
 
     @classmethod
     def from_spec(cls, spec: SourceSpec) -> "RemoteWebDatasetSource":
@@ -151,7 +237,15 @@ class RemoteWebDatasetSource(WebDatasetSource):
             return fd
         while len(self._fds) >= OPEN_SHARDS:  # unpinned before the next is fetched, so it may be evicted for it
             os.close(self._fds.popitem(last=False)[1])
-        fd = self._fds[s] = self.cache.open(self.objects[s], os.path.basename(self.shards[s]))
+        fd = self.cache.open(self.objects[s], os.path.basename(self.shards[s]))
+        if s not in self._checked:
+            try:
+                self._check_rows(s, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._checked.add(s)
+        self._fds[s] = fd
         return fd
 
     def idle(self) -> None:
@@ -174,3 +268,38 @@ class RemoteWebDatasetSource(WebDatasetSource):
         if self._cache is not None:
             self._cache.close()
             self._cache = None
+
+
+def scan_shards(by_path: Dict[str, Tuple[ObjectInfo, str]], open_cache, threads: int) -> Dict[str, Rows]:
+    """Download each shard of ``by_path`` (cache path -> (info, local name)) into the cache and
+    read its tar headers, ``threads`` at once (each thread its own cache handle: a folder lock
+    shared by threads excludes none of them). Returns path -> rows."""
+    import threading
+
+    mine = threading.local()
+    caches = []
+
+    def scan(path: str) -> Rows:
+        if not hasattr(mine, "cache"):
+            mine.cache = open_cache()
+            caches.append(mine.cache)
+        info, local = by_path[path]
+        fd = mine.cache.open(info, local)  # pinned while scanned
+        try:
+            return _scan_shard(path)
+        finally:
+            os.close(fd)
+
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="shard-scan") as pool:
+            return dict(zip(by_path, pool.map(scan, list(by_path))))
+    finally:
+        for c in caches:
+            c.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "index":
+        sys.exit("usage: python -m loader_service.sources.remote.webdataset index FOLDER  (writes FOLDER/"
+                 f"{INDEX_FILE} for the .tar shards in it, to upload beside them)")
+    print(write_index_file(sys.argv[2]))
