@@ -67,7 +67,8 @@ class StatusCollector(Collector):
 
 
 def shard_cache_metrics(caches: dict):
-    """Per dataset in object storage: its shard cache's bytes, hits, misses, downloads and waits."""
+    """Per dataset in object storage: its shard cache's bytes, hits, misses, downloads and waits
+    (a dataset read straight from the store, a pack or loose images over the cap, has only its retries)."""
     if not caches:
         return
     for name, key, doc, family in (
@@ -91,7 +92,8 @@ def shard_cache_metrics(caches: dict):
     ):
         m = family(name, doc, labels=["dataset"])
         for dataset, c in caches.items():
-            m.add_metric([dataset], c[key])
+            if key in c:
+                m.add_metric([dataset], c[key])
         yield m
 
 

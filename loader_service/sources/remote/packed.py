@@ -40,7 +40,7 @@ from typing import Dict, Optional
 from loader_service.sources.base import Source, SourceSpec, register
 from loader_service.sources.files import DEFAULT_MAX_SAMPLE_BYTES
 from loader_service.sources.packed import INDEX_FILES, read_index
-from loader_service.sources.remote.store import Location, ObjectInfo, RemoteError, RemoteSettings, Store
+from loader_service.sources.remote.store import Location, ObjectInfo, RemoteError, RemoteSettings, Store, read_retries
 from loader_service.sources.webdataset import save_folder
 
 INDEX_FOLDER = "packed-index"  # beside the cache's shards/, wds-index/ and folder-index/
@@ -129,6 +129,10 @@ class RemotePackedSource(Source):
         if self._store is None:  # made in the process that reads: a decode process builds its own
             self._store = Store(self.location, self.settings)
         return self._store.read_range(self.data, start, end)
+
+    def cache_status(self) -> dict:
+        """No cache: the retries alone (for /v1/status and /metrics' loader_remote_retries_total)."""
+        return {"retries": read_retries(self.settings, self.location)}
 
     def describe(self, i: int) -> str:
         return f"{self.location.where(DATA)}:{self.names[i]}"
