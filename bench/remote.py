@@ -23,6 +23,15 @@ shuffled with each ``--windows`` value as the loader's ``shuffle_window`` (shard
 sequential; the downloads of epoch 1 as a multiple of the dataset (median of ``--cap-runs``).
 ``--only-caps`` runs that table alone, e.g.
 ``python -m bench.remote --shard-size 10 --only-caps --caps 0.75,0.5 --windows 8,16 --cap-runs 3``.
+
+``--only-folder``: the photos as loose objects (an ImageFolder prefix in moto, behind its GET
+counter): a fresh service, epoch 0 on a cold cache and epoch 1 warm, img/s and the GETs of each
+epoch; with a cap that holds them (cache units) and one below them (read straight, what every
+epoch cost before loose images were cached); the same photos from local disk beside them.
+
+``--only-start``: time to first batch on a prefix of ``--start-shards`` small shards (moto,
+loopback): from launching ``loader-service serve`` on an empty cache to the first batch in the
+client, with and without the index file beside the shards, and the GETs made by then.
 """
 
 from __future__ import annotations
@@ -136,11 +145,17 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="the second table's shuffled rows with these shuffle_window values too (shards), e.g. 8,16")
     ap.add_argument("--cap-runs", type=int, default=1, help="runs of each row of the second table (the median shown)")
     ap.add_argument("--only-caps", action="store_true", help="the second table alone")
+    ap.add_argument("--only-folder", action="store_true", help="loose images: cached units vs read straight")
+    ap.add_argument("--only-start", action="store_true", help="time to first batch on --start-shards shards")
+    ap.add_argument("--start-shards", type=int, default=1000)
+    ap.add_argument("--start-cases", default="scan,index", help="scan (no index file), index (with one)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     raise_on_sigterm()
     head = f"`{command('bench.remote', argv)}` on {machine()}"
     os.environ.update(TEST_KEY)
+    if args.only_folder or args.only_start:
+        return (folder_table if args.only_folder else start_table)(args, head)
     work = tempfile.mkdtemp(prefix="bench-remote-")
     results: Dict[str, List[dict]] = {}
     sweep: List[tuple] = []
@@ -196,6 +211,117 @@ def main(argv: Optional[List[str]] = None) -> None:
         print_sources(results)
     if sweep:
         print_sweep(sweep, n_shards, size, args)
+
+
+def _counting_moto() -> MotoServer:
+    try:
+        return MotoServer(counting=True)
+    except TypeError:  # an older checkout's tests.support (the "before" run of --only-start)
+        return MotoServer()
+
+
+def _gets(s3: MotoServer) -> int:
+    return s3.gets() if getattr(s3, "counting", False) else -1
+
+
+def folder_table(args, head: str) -> None:
+    """Loose photos in moto: epoch 0 cold and epoch 1 warm, img/s and GETs, cached and read straight."""
+    work = tempfile.mkdtemp(prefix="bench-remote-folder-")
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.photos) for f in fs)
+    rows: Dict[str, List[dict]] = {}
+    try:
+        with _counting_moto() as s3:
+            s3.upload_folder(BUCKET, args.photos, "photos/", tree=True)
+            cases = {"local disk": ["--data", args.photos],
+                     "S3 (moto), cap holds them: cache units": [
+                         "--data", f"s3://{BUCKET}/photos/", "--s3-endpoint-url", s3.endpoint,
+                         "--cache-max-gb", f"{2 * total / 1e9:.6f}"],
+                     "S3 (moto), cap below them: read straight": [
+                         "--data", f"s3://{BUCKET}/photos/", "--s3-endpoint-url", s3.endpoint,
+                         "--cache-max-gb", f"{total / 2e9:.6f}"]}
+            for r in range(args.runs):
+                for name, data_args in cases.items():  # interleaved
+                    cache = os.path.join(work, "cache")
+                    shutil.rmtree(os.path.join(cache, "shards"), ignore_errors=True)
+                    svc = start_service(["--no-demo", "--workers", str(args.workers), "--cache-dir", cache,
+                                         *data_args])
+                    try:
+                        with RemoteLoader(svc.endpoint, batch_size=args.batch_size, image_size=224, seed=1,
+                                          prefetch=4, epoch_lookahead=False) as ld:
+                            g0 = _gets(s3)
+                            cold = timed_epoch(ld, 0)
+                            g1 = _gets(s3)
+                            warm = timed_epoch(ld, 1)
+                            g2 = _gets(s3)
+                    finally:
+                        svc.stop()
+                    res = {"cold": cold, "warm": warm, "gets0": g1 - g0, "gets1": g2 - g1}
+                    rows.setdefault(name, []).append(res)
+                    log(f"{name} run {r}: {res}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    n = sum(len(fs) for _, _, fs in os.walk(args.photos))
+    print(f"{head}; {n} photos, {total / 1e6:.1f} MB; {args.workers} decode processes; batch {args.batch_size}, "
+          f"shuffled; median of {args.runs} (load average {os.getloadavg()[0]:.2f} at end)\n")
+    print(table_head(["source", "epoch 0 (cold) img/s", "GETs in epoch 0", "epoch 1 (warm) img/s",
+                      "GETs in epoch 1"], "lrrrr"))
+    for name, runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        remote = name != "local disk"
+        print(table_row([name, f"{med['cold']:.0f}", f"{med['gets0']:.0f}" if remote else "-", f"{med['warm']:.0f}",
+                         f"{med['gets1']:.0f}" if remote else "-"]))
+
+
+def start_table(args, head: str) -> None:
+    """Time to first batch on ``--start-shards`` small shards in moto, an empty cache each run."""
+    from tests.support.stores import write_shards
+
+    work = tempfile.mkdtemp(prefix="bench-remote-start-")
+    rows: Dict[str, List[dict]] = {}
+    try:
+        data = os.path.join(work, "data")
+        write_shards(data, args.start_shards, 4)
+        size = sum(os.path.getsize(os.path.join(data, n)) for n in os.listdir(data))
+        cases = [c for c in args.start_cases.split(",") if c]
+        with _counting_moto() as s3:
+            s3.upload_folder(BUCKET, data, "scan/")
+            if "index" in cases:
+                from loader_service.sources.remote.webdataset import INDEX_FILE, write_index_file
+
+                write_index_file(data)
+                s3.client().upload_file(os.path.join(data, INDEX_FILE), BUCKET, "index/" + INDEX_FILE)
+                for name in sorted(os.listdir(data)):
+                    if name.endswith(".tar"):
+                        s3.client().copy_object(Bucket=BUCKET, Key="index/" + name,
+                                                CopySource={"Bucket": BUCKET, "Key": "scan/" + name})
+            labels = {"scan": "no index file: every shard read at start", "index": "index file beside the shards"}
+            for r in range(args.runs):
+                for case in cases:
+                    cache = os.path.join(work, f"cache-{case}-{r}")
+                    g0, t0 = _gets(s3), time.perf_counter()
+                    svc = start_service(["--no-demo", "--workers", str(args.workers), "--cache-dir", cache,
+                                         "--data", f"s3://{BUCKET}/{case}/", "--s3-endpoint-url", s3.endpoint])
+                    try:
+                        ready, gets_ready = time.perf_counter() - t0, _gets(s3) - g0
+                        with RemoteLoader(svc.endpoint, batch_size=args.batch_size, image_size=64, seed=1) as ld:
+                            next(iter(ld))
+                            first = time.perf_counter() - t0
+                            gets = _gets(s3) - g0
+                    finally:
+                        svc.stop()
+                    rows.setdefault(labels[case], []).append({"ready": ready, "first": first, "gets": gets,
+                                                                  "gets_ready": gets_ready})
+                    log(f"{case} run {r}: ready {ready:.2f}s, first batch {first:.2f}s, {gets} GETs")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{head}; {args.start_shards} shards of 4 samples, {size / 1e6:.1f} MB; {args.workers} decode processes; "
+          f"batch {args.batch_size}; an empty cache each run; median of {args.runs} (load average "
+          f"{os.getloadavg()[0]:.2f} at end)\n")
+    print(table_head(["start", "service ready s", "GETs by then", "first batch s", "GETs by then"], "lrrrr"))
+    for name, runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(table_row([name, f"{med['ready']:.2f}", f"{med['gets_ready']:.0f}" if med["gets"] >= 0 else "-",
+                         f"{med['first']:.2f}", f"{med['gets']:.0f}" if med["gets"] >= 0 else "-"]))
 
 
 def print_sources(results: Dict[str, List[dict]]) -> None:
