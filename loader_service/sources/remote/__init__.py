@@ -8,9 +8,10 @@ objects, ``<prefix>/<class>/<image>`` (:func:`~loader_service.sources.detect.ope
 * :mod:`.cache`: the shard cache on the CPU node, shared by every decode process through file
   locks, bounded by ``--cache-max-gb``;
 * :mod:`.webdataset`: the shards' source, a :class:`~loader_service.sources.webdataset.WebDatasetSource`
-  whose shards are opened through the cache;
-* :mod:`.imagefolder`: loose images, the listing their index, each read one checked GET (not
-  through the cache: its docstring says why);
+  whose shards are opened through the cache, indexed at a first start from ``wds-index.json``
+  beside them when there is one;
+* :mod:`.imagefolder`: loose images, the listing their index, cached in units of the shard cache
+  when the cap holds them all (else each read one checked GET: its docstring says why);
 * :mod:`.packed`: a packed dataset (``meta.json`` under the prefix), its index files downloaded
   once, each sample one ranged GET of ``data.bin``.
 """

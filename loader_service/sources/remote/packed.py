@@ -26,8 +26,9 @@ and the bytes must be exactly the span asked for. A sample larger than the servi
 short since the listing fails the sample with a
 :class:`~loader_service.sources.remote.store.RemoteError` naming the object and the cause, judged
 by ``--on-error`` like any bad sample. Not through the shard cache (nothing of ``data.bin`` is
-kept on disk): the plan reads each sample once per epoch, for the reasons
-:mod:`loader_service.sources.remote.imagefolder` measured.
+kept on disk): the plan reads each sample once per epoch in a shuffled order, so only a cache that
+holds the whole ``data.bin`` would save GETs (not built: see the loose images' units in
+:mod:`loader_service.sources.remote.imagefolder` for how that would look).
 """
 
 from __future__ import annotations
