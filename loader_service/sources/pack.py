@@ -4,8 +4,11 @@ Sample ``i`` of the output is sample ``i`` of the ImageFolder (same order, same 
 label), so a job gives the same batches whichever format it reads.
 
 * ``webdataset``: DST is a folder of ``shard-000000.tar`` ... (``--shard-size`` samples each;
-  members ``<class>/<stem>.<ext>`` and ``<class>/<stem>.cls``), ``classes.json``, and the
-  index (``.wds-index/``) so the service starts without scanning.
+  members ``<class>/<stem>.<ext>`` and ``<class>/<stem>.cls``), ``classes.json``, the local
+  index (``.wds-index/``) so a service on the folder starts without scanning, and
+  ``wds-index.json`` (:func:`~loader_service.sources.remote.webdataset.write_index_file`): upload
+  it with the shards and ``classes.json``, and a first start on the bucket prefix GETs those two
+  files and no shard.
 * ``hdf5``: DST is one ``.h5`` file: ``images`` (variable-length uint8, ``--chunk`` samples
   per chunk), ``labels`` (int64), ``names``, and a ``classes`` attribute.
 * ``packed``: DST is a packed folder (``sources/packed.py``).
@@ -146,6 +149,7 @@ def _counted(samples, progress):
 
 
 def _write_webdataset(src, out: str, shard_size: int, progress) -> List[str]:
+    from loader_service.sources.remote.webdataset import write_index_file
     from loader_service.sources.webdataset import LABEL_MAP_NAME, WebDatasetSource
 
     os.makedirs(out)
@@ -168,6 +172,7 @@ def _write_webdataset(src, out: str, shard_size: int, progress) -> List[str]:
             tar.close()
     with open(os.path.join(out, LABEL_MAP_NAME), "w") as f:
         json.dump(list(src.classes), f)
+    write_index_file(out)  # wds-index.json, for the bucket the folder is copied to
     WebDatasetSource.open(out, write_local=True).close()  # the index, so no one scans again
     return shards
 
@@ -253,10 +258,12 @@ def _outputs(dst: str, fmt: str) -> List[str]:
 
 
 def _describe_outputs(dst: str, outputs: List[str]) -> str:
+    from loader_service.sources.remote.webdataset import INDEX_FILE
+
     shards = [os.path.basename(p) for p in outputs if p.endswith(".tar")]
     if shards:
         span = shards[0] if len(shards) == 1 else f"{shards[0]} .. {shards[-1]}"
-        return f"{len(shards)} shard{'s' if len(shards) > 1 else ''}: {span} + index"
+        return f"{len(shards)} shard{'s' if len(shards) > 1 else ''}: {span} + index + {INDEX_FILE}"
     if len(outputs) == 1:
         return "1 file"
     return f"{len(outputs)} files"

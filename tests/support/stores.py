@@ -77,6 +77,10 @@ class MotoServer:
         counts = self._control(COUNTS)
         return sum(n for b, n in counts["gets"].items() if b == bucket or not bucket)
 
+    def gets_by_object(self) -> Dict[str, int]:
+        """GETs served so far of each object, ``bucket/key`` -> count (what :meth:`gets` adds up)."""
+        return self._control(COUNTS)["objects"]
+
     def throttle(self, n: int) -> None:
         """Answer the next ``n`` GETs of objects with 503 SlowDown (what S3 says when throttling)."""
         self._control(COUNTS, str(n).encode())
@@ -128,6 +132,15 @@ class MotoServer:
                 break
 
 
+def moto_with_test_key(monkeypatch, counting: bool = False):
+    """A :class:`MotoServer` with :data:`TEST_KEY` in the environment (the body of a test's
+    ``s3`` fixture: ``yield from moto_with_test_key(monkeypatch, counting=True)``)."""
+    for k, v in TEST_KEY.items():
+        monkeypatch.setenv(k, v)
+    with MotoServer(counting=counting) as server:
+        yield server
+
+
 COUNTS = "/__counts"  # counting_app's own path: GET reads the counts, POST n throttles the next n GETs
 
 
@@ -137,7 +150,7 @@ def counting_app(app):
     import json
     import urllib.parse
 
-    lock, gets, throttle = threading.Lock(), {}, [0]
+    lock, gets, objects, throttle = threading.Lock(), {}, {}, [0]
 
     def wrapped(environ, start_response):
         path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD")
@@ -147,13 +160,14 @@ def counting_app(app):
                 with lock:
                     throttle[0] = n
             with lock:
-                body = json.dumps({"gets": gets, "throttle": throttle[0]}).encode()
+                body = json.dumps({"gets": gets, "objects": objects, "throttle": throttle[0]}).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         bucket, _, key = urllib.parse.unquote(path).lstrip("/").partition("/")
         if method == "GET" and key and not bucket.startswith("moto-api"):
             with lock:
                 gets[bucket] = gets.get(bucket, 0) + 1
+                objects[f"{bucket}/{key}"] = objects.get(f"{bucket}/{key}", 0) + 1
                 slow = throttle[0] > 0
                 throttle[0] -= slow
             if slow:
