@@ -114,7 +114,7 @@ class Connections:
         r.hello(stream, P.Hello(
             stream=stream, spec=c.spec, epoch=epoch, rank=c.rank, origin=self.origin, entry=self.entry,
             prefetch=c.prefetch, job=c.job, window=min(self.window, P.MAX_WINDOW),
-            batches=list(batches), lookahead=lookahead, on_demand=True, client=self._client_id))
+            batches=list(batches), lookahead=lookahead, client=self._client_id))
 
     def start_epoch(self, epoch: int, start: int, total: int, lookahead: bool = False, origin: int = 0,
                     entry: int = 0) -> EpochFlow:

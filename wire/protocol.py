@@ -25,8 +25,10 @@ from wire.jobspec import JobSpec, check_pipeline
 # 4: augmentation draws from a counter-based hash (decode.transforms.SampleRandom): the same sample
 # gives other bytes than under 3, so a client or replica of 3 is refused, never mixed in;
 # 5: Hello.window, what a stream may have asked and not been sent (the service refuses more); a
-# service of 4 would refuse the new field by its name, so the version says what is wrong instead
-PROTOCOL_VERSION = 5
+# service of 4 would refuse the new field by its name, so the version says what is wrong instead;
+# 6: one kind of stream: every batch is asked for by a Request (Credit, Hello.on_demand and
+# Hello.start_batch removed; message type 2 stays unused)
+PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
 MAX_WINDOW = 1 << 14  # the most batches a stream may have asked and not yet been sent (Hello.window)
@@ -39,7 +41,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 class MsgType(IntEnum):
     # client -> service
     HELLO = 1
-    CREDIT = 2
+    # 2 was CREDIT (protocol <= 5): never reused
     BYE = 3
     DESCRIBE = 4
     REQUEST = 5
@@ -73,18 +75,14 @@ class Message:
 # --------------------------------------------------------------------------- client -> service
 @dataclass(frozen=True)
 class Hello(Message):
-    """Start (or restart) a stream: one rank's pass over one epoch, from ``start_batch`` on.
+    """Start (or restart) a stream: one rank's pass over one epoch.
 
     A client sends a new Hello with a higher ``stream`` for every epoch and after every
     reconnect; the service drops whatever it still had for that client's older streams.
 
-    Two kinds of stream:
-
-    * ``on_demand`` (what :class:`client.RemoteLoader` uses): the service computes exactly the
-      batches asked for, ``batches`` now and more with each :class:`Request`, and sends them in
-      the order asked; ``prefetch`` is the number of batch slots on the service;
-    * otherwise: ``batches`` (or, if empty, every batch from ``start_batch`` on) in that order,
-      ``prefetch`` of them at once and one more per :class:`Credit`.
+    The service computes exactly the batches asked for, ``batches`` now and more with each
+    :class:`Request`, and sends them in the order asked; ``prefetch`` is the number of batch
+    slots the service keeps for the stream.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
@@ -94,12 +92,10 @@ class Hello(Message):
     rank: int = 0
     origin: int = 0  # the plan begins at this position of the epoch's global order (an elastic resume)
     entry: int = 0  # the job's position where this rank's run of the epoch began (0, or a loaded state's)
-    start_batch: int = 0
     prefetch: int = 4
     job: str = ""
     batches: list = field(default_factory=list)
     lookahead: bool = False  # the next epoch, started early: served only when nothing else waits
-    on_demand: bool = False
     client: str = ""  # the loader instance (all its connections): one (job, rank) belongs to one client
     # the most batches the client may have asked of this stream and not yet received (0: MAX_WINDOW);
     # the service refuses a Request past it, so a stream's asks cost bounded memory in any state
@@ -114,45 +110,25 @@ class Hello(Message):
         _range(self, "rank", 0, self.spec.world_size - 1)
         _range(self, "origin", 0)
         _range(self, "entry", 0)
-        _range(self, "start_batch", 0)
         _range(self, "prefetch", 1, 256)
         if len(self.job) > 256 or len(self.client) > 64:
             raise ProtocolError("job name longer than 256 characters, or client id longer than 64", ErrorCode.BAD_JOB)
 
 
 @dataclass(frozen=True)
-class Credit(Message):
-    """Ask for ``n`` more batches of a stream that is not ``on_demand``.
-
-    ``wait_s``/``h2d_s`` (here and in :class:`Request`) are *deltas*: the seconds the trainer
-    waited in next() / spent on host-to-device copies since this connection's previous
-    message, so a service adds them up without keeping any baseline.
-    """
-
-    TYPE: ClassVar[MsgType] = MsgType.CREDIT
-    stream: int
-    n: int
-    wait_s: float = 0.0
-    h2d_s: float = 0.0
-    consumed: int = 0  # batches the trainer has taken this stream
-    promote: bool = False  # a lookahead stream is now the trainer's current epoch
-
-    def check(self) -> None:
-        _range(self, "stream", 0)
-        _range(self, "n", 1, 1 << 16)
-        _range(self, "consumed", 0)
-        _check_stall(self)
-
-
-@dataclass(frozen=True)
 class Request(Message):
-    """Ask an ``on_demand`` stream for ``batches`` (appended to what it computes and sends, in
-    this order; may be empty to report stall figures or promote)."""
+    """Ask a stream for ``batches`` (appended to what it computes and sends, in this order; may
+    be empty to report stall figures or promote).
+
+    ``wait_s``/``h2d_s`` are *deltas*: the seconds the trainer waited in next() / spent on
+    host-to-device copies since this connection's previous message, so a service adds them up
+    without keeping any baseline.
+    """
 
     TYPE: ClassVar[MsgType] = MsgType.REQUEST
     stream: int
     batches: list = field(default_factory=list)
-    wait_s: float = 0.0  # delta, as in Credit
+    wait_s: float = 0.0
     h2d_s: float = 0.0
     consumed: int = 0
     promote: bool = False

@@ -58,7 +58,18 @@ class Consumer:
         self.wait_s, consumed = 0.0, 0
         spec = JobSpec(batch_size=self.batch_size, image_size=self.image_size, seed=self.seed, dataset=self.dataset)
         self.sock.send_multipart(P.encode(P.Hello(stream=self.stream, spec=spec, epoch=epoch, prefetch=self.prefetch,
-                                                  job=self.job)))
+                                                  job=self.job, window=self.prefetch)))
+        asked = 0  # batches asked for: the first ``prefetch`` once the epoch's length is known, then one per batch
+        reported = 0.0  # of ``wait_s``, what the service was told already (the protocol sends deltas)
+
+        def ask(n: int) -> None:
+            nonlocal asked, reported
+            more = list(range(asked, min(asked + n, self.num_batches)))
+            asked += len(more)
+            self.sock.send_multipart(P.encode(P.Request(stream=self.stream, batches=more, wait_s=self.wait_s - reported,
+                                                        consumed=consumed, final=asked == self.num_batches)))
+            reported = self.wait_s
+
         while True:
             t0 = time.perf_counter()
             msg, data = self._recv()
@@ -67,14 +78,14 @@ class Consumer:
                 continue  # left over from an earlier stream
             if isinstance(msg, P.Accept):
                 self.num_batches = msg.num_batches
+                ask(self.prefetch)
             elif isinstance(msg, P.Batch):
                 images = np.frombuffer(data[0].buffer, np.uint8).reshape(msg.shape)
                 labels = np.frombuffer(data[1].buffer, np.int64)
                 consumed += 1
                 yield images, labels, msg.indices
-                if consumed + self.prefetch <= self.num_batches:  # the prefetch already asked for the rest
-                    self.sock.send_multipart(P.encode(P.Credit(stream=self.stream, n=1, wait_s=self.wait_s,
-                                                               consumed=consumed)))
+                if asked < self.num_batches:
+                    ask(1)
             elif isinstance(msg, P.EndOfEpoch):
                 if consumed != msg.num_batches:
                     raise ConsumerError(f"epoch {epoch} ended after {consumed} of {msg.num_batches} batches")

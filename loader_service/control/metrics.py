@@ -23,7 +23,7 @@ class StatusCollector(Collector):
             ("loader_skipped_samples", "skipped", "Samples skipped by the on_error=skip policy."),
             ("loader_bad_messages", "bad_messages", "Malformed or refused client messages."),
             ("loader_refused_asks", "refused_asks",
-             "Requests and Credits refused at the door (outside the plan, repeated, past the window)."),
+             "Requests refused at the door (outside the plan, repeated, past the window)."),
             ("loader_internal_errors", "internal_errors",
              "Bugs met while acting for one client; that client was failed, the service kept serving."),
             ("loader_failed_tasks", "failed_tasks", "Decode tasks that failed (on_error=raise)."),

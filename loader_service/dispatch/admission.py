@@ -8,8 +8,8 @@ A Hello is checked in this order, and the first failure is the refusal:
 2. the dataset is one this service serves;
 3. the job rules (:mod:`jobs`): a rank whose spec differs from its job's is refused naming
    the fields; a (job, rank) held by an older client is taken over;
-4. workers can start; the plan can be made; ``start_batch`` and ``batches`` are in the epoch, and
-   an on-demand stream asks for no more than its window at once (:mod:`door`);
+4. workers can start; the plan can be made; ``batches`` are in the epoch, and no more than
+   its window at once (:mod:`door`);
 5. the pipeline is one the service can run.
 
 What passes is an :class:`~loader_service.dispatch.streams.Opening` with its
@@ -135,25 +135,16 @@ class Admission:
         except ValueError as exc:
             return Refuse(P.ErrorCode.BAD_JOB, str(exc))
         nb = plan.num_batches
-        if hello.start_batch > nb:
-            return Refuse(P.ErrorCode.BAD_JOB,
-                          f"start_batch {hello.start_batch} is past the end of the epoch ({nb} batches)")
         if hello.batches and max(hello.batches) >= nb:
             return Refuse(P.ErrorCode.BAD_JOB, past_the_end(max(hello.batches), nb))
-        if hello.on_demand:
-            if len(hello.batches) > window_of(hello):
-                return Refuse(P.ErrorCode.BAD_MESSAGE, (
-                    f"Hello asks for {len(hello.batches)} batches at once, more than its window of "
-                    f"{window_of(hello)} (Hello.window)"))
-            order, granted, final = list(hello.batches), len(hello.batches), False
-            nslots = max(1, min(hello.prefetch, nb))
-        else:
-            order = list(hello.batches) if hello.batches else range(hello.start_batch, nb)
-            granted, final = hello.prefetch, True
-            nslots = max(1, min(hello.prefetch, len(order)))
+        if len(hello.batches) > window_of(hello):
+            return Refuse(P.ErrorCode.BAD_MESSAGE, (
+                f"Hello asks for {len(hello.batches)} batches at once, more than its window of "
+                f"{window_of(hello)} (Hello.window)"))
         try:
             pipe = job_pipeline(self.pipelines, hello.spec)
         except PipelineError as exc:
             return Refuse(P.ErrorCode.BAD_JOB, str(exc))
         layout = BatchLayout.of(pipe, hello.spec.batch_size)
-        return Opening(session, hello, source, plan, pipe, layout, self.limits, order, granted, final, nslots)
+        return Opening(session, hello, source, plan, pipe, layout, self.limits, list(hello.batches), False,
+                       max(1, min(hello.prefetch, nb)))

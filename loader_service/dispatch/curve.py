@@ -4,7 +4,7 @@ The service checks each client key with a ZAP
 handler (``zmq.auth.ThreadAuthenticator``) that reads the directory again when it changes, so
 a client key added counts from the next handshake on, with no restart. A key removed also ends
 the streams of connections already open with it: the dispatcher checks the key behind every
-Hello, Credit and Request (:meth:`DataPortGuard.authorized`: a stat of the directory, and a read
+Hello and Request (:meth:`DataPortGuard.authorized`: a stat of the directory, and a read
 of it when that changed or once a second), so a revoked client gets nothing past its next
 message, which a streaming client sends with every batch it takes (docs/security.md).
 

@@ -10,8 +10,8 @@ sees against it.
 What a client may ask of a stream is the same in every life: a batch of its own plan, never
 one asked already, never after it said ``final``, and never more than its *window* asked and
 not yet sent (:func:`window_of`: what the client said it holds at most, which also bounds the
-memory a waiting stream keeps for its client). :func:`check_request` and :func:`check_credit`
-say what is wrong, or None; they read an :class:`Asked` view and change nothing, so the
+memory a waiting stream keeps for its client). :func:`check_request`
+says what is wrong, or None; it reads an :class:`Asked` view and changes nothing, so the
 dispatcher applies a message only once the door has let it in.
 
 Pure: no sockets, no clocks, no memory of its own.
@@ -60,9 +60,7 @@ class Asked:
     window: int  # most batches asked and not yet sent (see :func:`window_of`)
     count: int  # batches asked (its order's length)
     sent: int  # of those, how many have been sent
-    granted: int  # batches it may compute now (a plain stream's credit)
     final: bool  # the client said nothing more will be asked
-    on_demand: bool
     has: Callable[[int], bool]  # whether a batch is asked already
 
 
@@ -75,7 +73,7 @@ class Refusal:
 
 
 def window_of(hello: P.Hello) -> int:
-    """The most batches ``hello``'s stream may have asked (or been granted) and not yet been sent:
+    """The most batches ``hello``'s stream may have asked and not yet been sent:
     the client's window where it says one (the ``RemoteLoader`` does), else ``MAX_WINDOW``, which
     bounds what any stream's asks keep in the service (~100 bytes a batch: ~1.6 MiB at most)."""
     return min(hello.window or P.MAX_WINDOW, P.MAX_WINDOW)
@@ -83,8 +81,6 @@ def window_of(hello: P.Hello) -> int:
 
 def check_request(msg: P.Request, a: Asked) -> Optional[Refusal]:
     """What is wrong with ``msg`` for the stream ``a`` describes, or None: it may be applied."""
-    if not a.on_demand:
-        return Refusal(P.ErrorCode.BAD_MESSAGE, f"Request on stream {a.stream}, which is not on_demand; send Credit")
     if not msg.batches:
         return None
     if a.final:
@@ -101,18 +97,6 @@ def check_request(msg: P.Request, a: Asked) -> Optional[Refusal]:
     again = next((b for b in msg.batches if a.has(b)), None)
     if again is not None:
         return Refusal(P.ErrorCode.BAD_JOB, f"batch {again} is already part of stream {a.stream}")
-    return None
-
-
-def check_credit(msg: P.Credit, a: Asked) -> Optional[Refusal]:
-    """What is wrong with ``msg`` for the stream ``a`` describes, or None."""
-    if a.on_demand:
-        return Refusal(P.ErrorCode.BAD_MESSAGE, f"Credit on stream {a.stream}, which is on_demand; send Request")
-    ahead = a.granted + msg.n - a.sent
-    if ahead > a.window:
-        return Refusal(P.ErrorCode.BAD_MESSAGE, (
-            f"Credit takes stream {a.stream} to {ahead} batches granted and not yet sent, more than its "
-            f"window of {a.window}; grant a batch once one has come"))
     return None
 
 

@@ -159,8 +159,11 @@ class BatchMemory:
     # ------------------------------------------------------------------ segments and reserves
 
     def compact(self) -> None:
-        """Size its indexes to what they hold now (after many sessions left: see :mod:`.heap`)."""
+        """Size its indexes to what they hold now (after many sessions left: see :mod:`.heap`),
+        without the stale entries of its quiet queues (each keeps a stream that left alive)."""
+        self._drop_stale(every=True)
         heap.shrink(self)
+
     def in_use(self) -> int:
         """Bytes of every segment in use and every reserve."""
         return self._segment_bytes + self._reserve_bytes
@@ -462,9 +465,10 @@ class BatchMemory:
             heapq.heappush(self._later, (q.asked_at, q.seq, s))
         self._drop_stale()
 
-    def _drop_stale(self) -> None:
-        """Rebuild the queues without their stale entries once those are most of them."""
-        if len(self._due) + len(self._later) > 64 + 4 * len(self._quiet):
+    def _drop_stale(self, every: bool = False) -> None:
+        """Rebuild the queues without their stale entries once those are most of them (or ``every``
+        time)."""
+        if every or len(self._due) + len(self._later) > 64 + 4 * len(self._quiet):
             for queue in (self._due, self._later):
                 queue[:] = [e for e in queue if self._quiet.get(e[2]) is not None and self._quiet[e[2]].seq == e[1]]
                 heapq.heapify(queue)

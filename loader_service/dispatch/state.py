@@ -8,7 +8,7 @@ the commands out, and the model tests drive this class with no zmq at all.
 Its parts, each pure:
 
 * :class:`~loader_service.dispatch.admission.Admission`: what a Hello becomes (job rules included);
-* :mod:`~loader_service.dispatch.door`: whether a Request or Credit may touch its stream, in any life;
+* :mod:`~loader_service.dispatch.door`: whether a Request may touch its stream, in any life;
 * :class:`~loader_service.dispatch.memory.BatchMemory`: batch slots, reserves, lending, waiting;
 * :class:`~loader_service.dispatch.stream_state.StreamState`: one stream's batches, slots, redo and
   isolation rules, and the order batches leave in;
@@ -57,7 +57,7 @@ from loader_service.workers.pool import WorkerPool, describe_exit
 log = logging.getLogger("loader_service.dispatch.loop")  # one logger for the dispatcher, whichever half
 
 ACCEPT_REPORT_GRACE_S = 10.0  # how late a connection's accept may be reported after its first message
-CLIENT_MESSAGES = (P.Hello, P.Credit, P.Request, P.Bye, P.Describe)
+CLIENT_MESSAGES = (P.Hello, P.Request, P.Bye, P.Describe)
 
 
 class DispatchState:
@@ -219,7 +219,7 @@ class DispatchState:
             log.warning("refused a message from client %s: %s", ident.hex()[:12], exc)
             self._send(ident, P.Error(code=exc.code, message=str(exc), stream=_stream_of(frames[0]) if frames else -1))
             return
-        if (self.authorized is not None and isinstance(msg, (P.Hello, P.Credit, P.Request))
+        if (self.authorized is not None and isinstance(msg, (P.Hello, P.Request))
                 and not self.authorized(ev.user_id, self._now)):
             return self._revoked(ident, session, msg)
         if isinstance(msg, P.Hello) and self.stop_by is not None:
@@ -236,8 +236,8 @@ class DispatchState:
                 session = self.sessions.add(ident)
                 self._bind_fd(session, fd)
             self._on_hello(session, msg)
-        elif isinstance(msg, (P.Credit, P.Request)):
-            self._on_credit(ident, session, msg)
+        elif isinstance(msg, P.Request):
+            self._on_request(ident, session, msg)
         elif isinstance(msg, P.Describe):
             self._send(ident, self.admission.describe(msg))
         elif isinstance(msg, P.Bye):
@@ -329,15 +329,14 @@ class DispatchState:
                                            num_samples=plan.num_samples, dataset_length=len(s.source),
                                            dataset=s.source.name, service=self.instance,
                                            fingerprint=s.source.fingerprint()))
-        log.info("client %s job %r rank %d/%d epoch %d: stream %d %s %d of %d batches%s", session.name,
-                 hello.job, hello.rank, hello.spec.world_size, hello.epoch, hello.stream,
-                 "on demand, asked at once for" if hello.on_demand else "serves", len(s.state.order),
+        log.info("client %s job %r rank %d/%d epoch %d: stream %d asked at once for %d of %d batches%s", session.name,
+                 hello.job, hello.rank, hello.spec.world_size, hello.epoch, hello.stream, len(s.state.order),
                  plan.num_batches, " (lookahead)" if hello.lookahead else "")
         self._apply(s, s.state.start())
 
-    def _on_credit(self, ident: bytes, session: Optional[Session], msg: Union[P.Credit, P.Request]) -> None:
-        """A Credit (more of a plain stream) or a Request (batches of an on-demand stream), let in
-        by the door (:mod:`.door`) whatever the stream's life: waiting for its slots or served."""
+    def _on_request(self, ident: bytes, session: Optional[Session], msg: P.Request) -> None:
+        """A Request (more batches, stall figures, a probe, a promotion), let in by the door
+        (:mod:`.door`) whatever the stream's life: waiting for its slots or served."""
         if session is None or msg.stream > session.stream_id:
             # the service restarted or forgot this client: it will start again from its cursor
             self._send(ident, P.Error(code=P.ErrorCode.UNKNOWN_CLIENT, stream=msg.stream, fatal=False,
@@ -348,8 +347,7 @@ class DispatchState:
         if (o is None or o.hello.stream != msg.stream) and (s is None or s.id != msg.stream):
             return  # for a stream that already ended or was replaced
         target: Union[Stream, Opening] = s if s is not None else o
-        asks = target.asks()
-        refusal = door.check_request(msg, asks) if isinstance(msg, P.Request) else door.check_credit(msg, asks)
+        refusal = door.check_request(msg, target.asks())
         if refusal is not None:
             self.totals.refused_asks += 1
             log.warning("client %s stream %d: refused %s: %s", session.name, msg.stream, type(msg).__name__,
@@ -361,23 +359,20 @@ class DispatchState:
         now = self._now
         if s is None:
             o.asked(msg)
-            if getattr(msg, "probe", False):
+            if msg.probe:
                 self._send(ident, status.progress(self.workers, self.tasks, msg.stream, None, len(o.order), True, now))
             return
-        if getattr(msg, "probe", False):
+        if msg.probe:
             self._send(ident, status.progress(self.workers, self.tasks, s.id, s, s.state.not_started,
                                               s in self.memory.starved, now))
-        if (isinstance(msg, P.Credit) and msg.n) or (isinstance(msg, P.Request) and msg.batches):
+        if msg.batches:
             s.asked_at, s.asked = now, True
         s.wait_s += msg.wait_s
         s.h2d_s += msg.h2d_s
         if msg.promote:
             s.lookahead = False
             self._may_take_task(s)  # its place in the scheduler's line changes
-        if isinstance(msg, P.Credit):
-            s.state.grant(msg.n)
-        else:
-            self._apply(s, s.state.extend(msg.batches, final=msg.final))
+        self._apply(s, s.state.extend(msg.batches, final=msg.final))
         self.memory.wake(s, now)
         self._memory_outboxes()
         self._may_take_task(s)

@@ -63,7 +63,7 @@ class StreamStatus(_Frozen):
     sent: int
     to_send: int
     num_batches: int
-    credits: int
+    unsent: int  # batches asked and not yet sent
     in_flight: int
     lookahead: bool
     skipped: int
@@ -263,7 +263,7 @@ def _client(c: "Session", now: float, slots: str, slot_bytes: int) -> ClientStat
             batch_size=h.spec.batch_size,
             next_batch=st.order[st.next_send] if st.next_send < len(st.order) else s.plan.num_batches,
             sent=st.next_send, to_send=st.to_send, num_batches=s.plan.num_batches,
-            credits=st.granted - st.next_send, in_flight=len(st.tasks), lookahead=s.lookahead,
+            unsent=len(st.order) - st.next_send, in_flight=len(st.tasks), lookahead=s.lookahead,
             skipped=st.skipped, wait_s=round(s.wait_s, 3), h2d_s=round(s.h2d_s, 3))
     return ClientStatus(client=c.name, job=c.job, batches=c.batches, samples=c.samples,
                         connected_s=round(now - c.connected, 1), stream=stream, slots=slots, slot_bytes=slot_bytes)

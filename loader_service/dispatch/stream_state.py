@@ -1,20 +1,20 @@
 """One stream's progress as a pure state machine: events in, effects out.
 
-A *stream* is one client connection's pass over a list of batches of one rank's epoch plan
-(all of them from a cursor on, or the share a client asked of this replica). Its state is
-which batches may be computed (``granted``), which slot each batch is being written into,
-which batches are done but not yet sent, and which slots are still read by a send.
+A *stream* is one client connection's pass over the batches of one rank's epoch plan that
+its client asks of this replica, in the order asked. Its state is which batches were asked
+(``order``), which slot each batch is being written into, which batches are done but not yet
+sent, and which slots are still read by a send.
 
 No sockets, shared memory, processes or clocks here: the dispatcher turns its I/O into
-events (``grant``, ``next_task``, ``task_done``, ``task_lost``, ``send_complete``,
+events (``extend``, ``next_task``, ``task_done``, ``task_lost``, ``send_complete``,
 ``retire``) and applies the effects they return (:class:`SendBatch`, :class:`Finish`,
 :class:`Fail`). That is what lets ``tests/unit/dispatch/test_stream_state.py`` drive it through random
 interleavings and check, after every step, that every slot is accounted for exactly once.
 
 Rules:
 
-* a batch is computed only while it is granted (credit) and a slot is free, so memory in
-  flight is bounded by the slots;
+* a batch is computed only once it is asked for and a slot is free, so memory in flight is
+  bounded by the slots;
 * batches leave strictly in ``order``, each exactly once;
 * a task whose worker was lost (crash, or killed past its deadline) is redone; a batch that
   lost ``isolate_after`` workers is redone one sample per task in its slot, and a sample that
@@ -112,25 +112,16 @@ class StreamState:
     """See the module docstring. ``batch_indices(b)`` gives the dataset indices of batch ``b``
     (from the epoch plan); ``describe(i)`` names sample ``i`` (a path) for error messages."""
 
-    def __init__(self, order: Sequence[int], num_slots: int, granted: int,
+    def __init__(self, order: Sequence[int], num_slots: int,
                  batch_indices: Callable[[int], Sequence[int]], describe: Callable[[int], str],
-                 limits: StreamLimits = StreamLimits(), final: bool = True):
+                 limits: StreamLimits = StreamLimits(), final: bool = False):
         if num_slots < 1:
             raise ValueError("a stream needs at least one slot")
-        # A plain stream's order is a run of the plan (a cursor to the end): kept as the range it
-        # is, 100 bytes whatever the epoch's length; a list and a dict of positions cost ~60 bytes
-        # per batch, 150 KB for a batch-1 epoch of 2,000 samples (issue 32: 10,000 such streams).
-        self.order: Union[range, List[int]]
-        self._pos: Optional[Dict[int, int]]
-        if isinstance(order, range) and order.step == 1:
-            self.order, self._pos = order, None
-        else:
-            self.order = [int(b) for b in order]
-            self._pos = {b: i for i, b in enumerate(self.order)}
-            if len(self._pos) != len(self.order):
-                raise ValueError("a stream's order lists a batch twice")
+        self.order: List[int] = [int(b) for b in order]  # the batches asked, in the order asked
+        self._pos: Dict[int, int] = {b: i for i, b in enumerate(self.order)}
+        if len(self._pos) != len(self.order):
+            raise ValueError("a stream's order lists a batch twice")
         self.num_slots = num_slots
-        self.granted = granted
         self.final = final  # no batch will be added to ``order``
         self.limits = limits
         self._indices, self._describe = batch_indices, describe
@@ -152,28 +143,20 @@ class StreamState:
         """Effects of creating the stream (an empty stream is finished at once)."""
         return self._flush()
 
-    def grant(self, n: int) -> None:
-        """The client may take ``n`` more batches (credit)."""
-        self.granted += n
-
     def extend(self, batches: Sequence[int], final: bool = False) -> List[Effect]:
-        """Append batches to the order (asked for one by one) and grant them."""
-        if self._pos is None:  # a run no longer: positions by batch from now on
-            self.order = list(self.order)
-            self._pos = {b: i for i, b in enumerate(self.order)}
+        """Append the batches a client asked for to the order."""
         for b in batches:
             b = int(b)
             if b in self._pos:
                 raise ValueError(f"batch {b} is already part of this stream")
             self._pos[b] = len(self.order)
             self.order.append(b)
-        self.granted += len(batches)
         self.final = self.final or final
         return self._flush()
 
     def has(self, batch: int) -> bool:
         """Whether ``batch`` is part of the order already."""
-        return batch in self.order if self._pos is None else batch in self._pos
+        return batch in self._pos
 
     def dispatchable(self) -> bool:
         """Whether :meth:`next_task` would return a task now."""
@@ -183,7 +166,7 @@ class StreamState:
             return True
         if not self.free:
             return False
-        return bool(self.redo) or self.next_dispatch < min(len(self.order), self.granted)
+        return bool(self.redo) or self.next_dispatch < len(self.order)
 
     def next_task(self, task_id: int) -> Optional[RunTask]:
         """The next piece of work for an idle worker, or None."""
@@ -238,7 +221,7 @@ class StreamState:
         return []
 
     def _position(self, batch: int) -> int:
-        return self.order.index(batch) if self._pos is None else self._pos[batch]
+        return self._pos[batch]
 
     def task_returned(self, task_id: int) -> None:
         """``task_id``'s worker is gone, but not while running it (it was queued behind, or done
@@ -292,8 +275,8 @@ class StreamState:
 
     @property
     def not_started(self) -> int:
-        """Batches asked for (and granted) that no worker has started yet."""
-        return max(0, min(len(self.order), self.granted) - self.next_dispatch) + len(self.redo)
+        """Batches asked for that no worker has started yet."""
+        return len(self.order) - self.next_dispatch + len(self.redo)
 
     @property
     def to_send(self) -> int:

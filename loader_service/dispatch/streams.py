@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Set, Union
+from typing import List, Optional, Set
 
 from wire import protocol as P
 from wire.plan import RankPlan
@@ -67,8 +67,8 @@ class Stream:
     def asks(self) -> Asked:
         """What it has been asked so far (what the door checks a new ask against)."""
         st = self.state
-        return Asked(self.id, self.plan.num_batches, window_of(self.hello), len(st.order), st.next_send, st.granted,
-                     st.final, self.hello.on_demand, st.has)
+        return Asked(self.id, self.plan.num_batches, window_of(self.hello), len(st.order), st.next_send, st.final,
+                     st.has)
 
 
 @dataclass(eq=False)
@@ -82,11 +82,10 @@ class Opening:
     pipe: JobPipeline
     layout: BatchLayout
     limits: StreamLimits
-    order: Union[range, List[int]]  # the batches to send, in order (a range: a run of the plan)
-    granted: int  # of those, how many may be computed now (credit)
+    order: List[int]  # the batches asked so far, in the order asked
     final: bool  # no batch will be added to ``order``
     nslots: int
-    _has: Set[int] = field(default_factory=set, repr=False)  # the batches of a list ``order``: the door's repeat check
+    _has: Set[int] = field(default_factory=set, repr=False)  # the batches of ``order``: the door's repeat check
 
     @property
     def ident(self) -> bytes:
@@ -101,30 +100,23 @@ class Opening:
         return _what(self.nslots, self.layout)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.order, range):
-            self._has = set(self.order)
+        self._has = set(self.order)
 
     def asks(self) -> Asked:
         """What it has been asked so far (what the door checks a new ask against)."""
-        has = self.order.__contains__ if isinstance(self.order, range) else self._has.__contains__
-        return Asked(self.hello.stream, self.plan.num_batches, window_of(self.hello), len(self.order), 0, self.granted,
-                     self.final, self.hello.on_demand, has)
+        return Asked(self.hello.stream, self.plan.num_batches, window_of(self.hello), len(self.order), 0, self.final,
+                     self._has.__contains__)
 
-    def asked(self, msg: Union[P.Credit, P.Request]) -> None:
-        """A Credit or Request that came while it waited for slots, let in by the door
+    def asked(self, msg: P.Request) -> None:
+        """A Request that came while it waited for slots, let in by the door
         (:mod:`~loader_service.dispatch.door`): it counts when it opens."""
-        if isinstance(msg, P.Credit):
-            self.granted += msg.n
-        else:
-            assert isinstance(self.order, list), "an on-demand stream's order is a list"
-            self.order.extend(msg.batches)
-            self._has.update(msg.batches)
-            self.final = self.final or msg.final
-            self.granted = len(self.order)
+        self.order.extend(msg.batches)
+        self._has.update(msg.batches)
+        self.final = self.final or msg.final
 
     def open(self, segment: Segment, now: float) -> Stream:
         """The stream, on ``segment``."""
-        state = StreamState(self.order, self.nslots, self.granted, self.plan.batch, self.source.describe, self.limits,
+        state = StreamState(self.order, self.nslots, self.plan.batch, self.source.describe, self.limits,
                             final=self.final)
         return Stream(ident=self.ident, hello=self.hello, source=self.source, plan=self.plan, pipe=self.pipe,
                       layout=self.layout, state=state, segment=segment, lookahead=self.hello.lookahead, asked_at=now)

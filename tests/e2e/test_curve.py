@@ -165,7 +165,7 @@ def raw_dealer(ctx, endpoint, keys_dir=None):
     s.connect(endpoint)
     s.send_multipart(P.encode(P.Describe(dataset="nope")))
     s.send_multipart(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=8, image_size=32, seed=0, world_size=1),
-                                      epoch=0, rank=0)))
+                                      epoch=0, rank=0, batches=[0])))
     return s
 
 
@@ -223,7 +223,7 @@ def test_refusal_log_is_rate_limited():
 
 
 def test_a_revoked_key_stops_the_stream_at_the_clients_next_message(curve_service, keys):
-    """Issue 32 item 7: removing a client's key ends its stream within its next Credit (one
+    """Issue 32 item 7: removing a client's key ends its stream within its next Request (one
     batch taken), not at its next handshake; batches already sent (at most prefetch) may arrive."""
     prefetch = 2
     got_after = 0

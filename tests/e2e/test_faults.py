@@ -186,7 +186,7 @@ def random_frames(rng: random.Random):
         good = P.encode_header(P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32)))
         return [good[: rng.randrange(1, len(good))]]
     if kind == 3:
-        return [P.encode_header(P.Credit(stream=rng.randrange(0, 5), n=1)), rng.randbytes(10)]
+        return [P.encode_header(P.Request(stream=rng.randrange(0, 5), batches=[1])), rng.randbytes(10)]
     return [msgpack.packb({"v": 1, "t": rng.choice([1, 2, 4, 11, 21, 99]), "stream": rng.randrange(-5, 5)})]
 
 

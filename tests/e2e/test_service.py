@@ -217,7 +217,7 @@ def test_bad_job_spec_gets_an_error_naming_the_field(service):
         s.send_multipart([__import__("msgpack").packb(raw)])
         err = reply(s)
         assert err.code == "bad_job" and "JobSpec.world_size" in err.message and err.stream == 1
-        s.send_multipart(P.encode(P.Hello(stream=2, spec=JobSpec(batch_size=4, image_size=32), start_batch=10**6)))
+        s.send_multipart(P.encode(P.Hello(stream=2, spec=JobSpec(batch_size=4, image_size=32), batches=[10**6])))
         err = reply(s)
         assert err.code == "bad_job" and "past the end of the epoch" in err.message
         s.send_multipart(P.encode(P.Hello(stream=3, spec=JobSpec(batch_size=4, image_size=32), prefetch=256)))
@@ -244,10 +244,10 @@ def test_oversized_message_disconnects_the_sender_only(service):
     assert sorted(first.indices + [i for r in rest for i in r]) == list(range(N))
 
 
-def test_credit_for_unknown_client_is_answered_so_it_can_restart(service):
+def test_a_request_from_an_unknown_client_is_answered_so_it_can_restart(service):
     s = raw_client(service.endpoint)
     try:
-        s.send_multipart(P.encode(P.Credit(stream=3, n=1)))
+        s.send_multipart(P.encode(P.Request(stream=3, batches=[1])))
         err = reply(s)
         assert err.code == "unknown_client" and err.stream == 3 and not err.fatal
     finally:

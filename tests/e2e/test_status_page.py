@@ -98,7 +98,7 @@ def _number(text: str) -> int:
 def _settled(driver, url, more_than: int):
     """The page state once /v1/status counts more than ``more_than`` samples and what the page
     shows equals /v1/status read just before and just after it (the stream is paused, so the
-    service's counts stop once its credits are used)."""
+    service's counts stop once the batches asked for are sent)."""
     before = _status(url)["totals"]["samples"]
     page = driver.execute_script(PAGE_STATE)
     after = _status(url)

@@ -30,7 +30,7 @@ LOTS = 1e6  # seconds of waiting or work in one interval: a fraction above every
 
 def _stream() -> StreamStatus:
     return StreamStatus(id=1, dataset="demo", epoch=0, rank=0, world_size=1, batch_size=8, next_batch=0, sent=0,
-                        to_send=0, num_batches=10, credits=2, in_flight=0, lookahead=False, skipped=0, wait_s=0.0,
+                        to_send=0, num_batches=10, unsent=2, in_flight=0, lookahead=False, skipped=0, wait_s=0.0,
                         h2d_s=0.0)
 
 

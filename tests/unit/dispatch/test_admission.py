@@ -52,28 +52,29 @@ def connected(ident: bytes, client: str = "", job: str = "", rank: int = -1, spe
 
 
 # ---------------------------------------------------------------------------- open
-def test_a_plain_hello_opens_the_epoch_from_its_cursor(admission):
+def test_a_hello_opens_with_the_batches_it_asks_for(admission):
     session = connected(b"a")
-    v = admission.admit(session, hello(start_batch=2, prefetch=3), [session])
+    v = admission.admit(session, hello(batches=[4, 1], prefetch=3), [session])
     o = v.outcome
     assert isinstance(o, Opening) and v.takeovers == [] and v.spec is None  # no job: no rules, no rank kept
     assert o.session is session and o.source.name == "demo" and o.plan.num_batches == 6  # 22 samples / 4
-    assert (list(o.order), o.granted, o.final, o.nslots) == ([2, 3, 4, 5], 3, True, 3)
+    assert (o.order, o.final, o.nslots) == ([4, 1], False, 3)
     assert o.limits == StreamLimits(on_error="skip")
     assert o.layout.slot_bytes == 4 * 32 * 32 * 3 and o.nbytes == 3 * o.layout.slot_bytes
     assert o.what == "prefetch 3 x 0.0 MiB"
 
 
-def test_slots_never_outnumber_the_batches_to_send(admission):
-    o = admission.admit(connected(b"a"), hello(start_batch=5, prefetch=8), []).outcome
-    assert (list(o.order), o.nslots) == ([5], 1)
-    empty = admission.admit(connected(b"a"), hello(start_batch=6), []).outcome  # at the end: a stream of nothing
-    assert (list(empty.order), empty.nslots, empty.final) == ([], 1, True)
+def test_slots_never_outnumber_the_batches_of_the_epoch(admission):
+    o = admission.admit(connected(b"a"), hello(batches=[4, 1], prefetch=16), []).outcome
+    assert (o.order, o.nslots) == ([4, 1], 6)  # slots: at most the epoch's 6
+    empty = admission.admit(connected(b"a"), hello(), []).outcome  # asks for nothing yet
+    assert (empty.order, empty.nslots, empty.final) == ([], 2, False)
 
 
-def test_an_on_demand_hello_opens_with_the_batches_it_asks_for(admission):
-    o = admission.admit(connected(b"a"), hello(on_demand=True, batches=[4, 1], prefetch=16), []).outcome
-    assert (o.order, o.granted, o.final, o.nslots) == ([4, 1], 2, False, 6)  # slots: at most the epoch's 6
+def test_a_hello_may_not_ask_for_more_than_its_window(admission):
+    r = admission.admit(connected(b"a"), hello(batches=[0, 1, 2], window=2), []).outcome
+    assert r == Refuse(P.ErrorCode.BAD_MESSAGE, "Hello asks for 3 batches at once, more than its window of 2 "
+                                                "(Hello.window)")
 
 
 def test_a_named_pipeline_gets_its_layout(admission):
@@ -102,7 +103,6 @@ def test_a_stream_that_is_not_newer_is_refused(admission):
      "unknown dataset 'nope'; this service serves ['demo', 'other']"),
     ({}, "worker could not start: ImportError", P.ErrorCode.INTERNAL, "worker could not start: ImportError"),
     (dict(rank=5, spec=JobSpec(batch_size=4, world_size=2)), "", P.ErrorCode.BAD_JOB, "rank must be in [0, 2), got 5"),
-    (dict(start_batch=7), "", P.ErrorCode.BAD_JOB, "start_batch 7 is past the end of the epoch (6 batches)"),
     (dict(batches=[0, 6]), "", P.ErrorCode.BAD_JOB,
      "batch 6 is past the end of the epoch (6 batches here); does the client's plan come from another dataset "
      "(replicas serving different data)?"),

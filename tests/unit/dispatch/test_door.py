@@ -34,7 +34,7 @@ from tests.support.dispatcher import close, deliver, loopless
 
 
 def _asked(**kw) -> Asked:
-    base = dict(stream=3, num_batches=10, window=4, count=2, sent=1, granted=2, final=False, on_demand=True,
+    base = dict(stream=3, num_batches=10, window=4, count=2, sent=1, final=False,
                 has=lambda b: b in (0, 1))
     base.update(kw)
     return Asked(**base)
@@ -52,20 +52,10 @@ def test_a_request_is_checked_against_the_plan_what_was_asked_and_the_window(bat
     assert (r is None) if code is None else (r.code == code and words in r.message)
 
 
-def test_nothing_may_be_asked_after_final_and_a_plain_stream_takes_no_request():
+def test_nothing_may_be_asked_after_final():
     r = door.check_request(P.Request(stream=3, batches=[5]), _asked(final=True))
     assert r.code == P.ErrorCode.BAD_MESSAGE and "after its final Request" in r.message
     assert door.check_request(P.Request(stream=3, probe=True), _asked(final=True)) is None  # stall figures: fine
-    r = door.check_request(P.Request(stream=3, batches=[5]), _asked(on_demand=False))
-    assert r.code == P.ErrorCode.BAD_MESSAGE and "not on_demand" in r.message
-
-
-def test_a_credit_may_not_grant_past_the_window_and_an_on_demand_stream_takes_none():
-    plain = _asked(on_demand=False, granted=4, sent=1, count=10)
-    assert door.check_credit(P.Credit(stream=3, n=1), plain) is None  # 4 granted, 1 sent, +1 = 4
-    r = door.check_credit(P.Credit(stream=3, n=2), plain)
-    assert r.code == P.ErrorCode.BAD_MESSAGE and "more than its window of 4" in r.message
-    assert door.check_credit(P.Credit(stream=3, n=1), _asked()).code == P.ErrorCode.BAD_MESSAGE
 
 
 def test_the_window_is_what_the_client_says_else_the_cap_and_never_past_it():
@@ -154,16 +144,16 @@ class DoorMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ client messages
     @rule(client=st.sampled_from(CLIENTS), prefetch=st.sampled_from([48, 16, 2, 1]),
-          on_demand=st.sampled_from([True, True, False]), window=st.sampled_from([0, 2, 5, P.MAX_WINDOW]),
+          window=st.sampled_from([0, 2, 5, P.MAX_WINDOW]),
           batches=st.one_of(st.lists(IN_PLAN, max_size=3, unique=True), st.lists(HOSTILE_INTS, max_size=6, unique=True)),
           stale=st.sampled_from([False, False, False, True]), lookahead=st.sampled_from([False, False, True]))
-    def hello(self, client, prefetch, on_demand, window, batches, stale, lookahead):
+    def hello(self, client, prefetch, window, batches, stale, lookahead):
         if client == "c":  # the bystander: a good client's Hello
-            on_demand, window, stale, lookahead = True, 4, False, False
+            window, stale, lookahead = 4, False, False
             batches = list(range(min(prefetch, 4)))
         if not stale:
             self.stream_ids[client] += 1
-        msg = P.Hello(stream=max(self.stream_ids[client], 1), spec=SPEC, prefetch=prefetch, on_demand=on_demand,
+        msg = P.Hello(stream=max(self.stream_ids[client], 1), spec=SPEC, prefetch=prefetch,
                       window=window, batches=[b for b in batches if b >= 0], job=f"job-{client}", lookahead=lookahead)
         self._send(client, msg)
 
@@ -172,7 +162,7 @@ class DoorMachine(RuleBasedStateMachine):
         """A stream whose slots take most of the memory and that asks for nothing yet: the next
         one like it waits (or lends, with reclaim 0)."""
         self.stream_ids[client] += 1
-        self._send(client, P.Hello(stream=self.stream_ids[client], spec=SPEC, prefetch=prefetch, on_demand=True,
+        self._send(client, P.Hello(stream=self.stream_ids[client], spec=SPEC, prefetch=prefetch,
                                    job=f"job-{client}"))
 
     @rule(client=st.sampled_from(["a", "b"]), past=st.booleans())
@@ -195,21 +185,19 @@ class DoorMachine(RuleBasedStateMachine):
         else:
             self._send(client, P.Request(stream=stream, batches=batches, final=final, probe=probe, promote=promote))
 
-    @rule(client=st.sampled_from(["a", "b", "a", "b", "c"]), kind=st.sampled_from(["credit", "malformed", "malformed", "bye", "describe"]),
-          n=st.integers(1, 1 << 16), which=st.sampled_from([0, -1, 1]),
+    @rule(client=st.sampled_from(["a", "b", "a", "b", "c"]), kind=st.sampled_from(["malformed", "malformed", "bye", "describe"]),
+          which=st.sampled_from([0, -1, 1]),
           field=st.sampled_from(["wait_s", "n", "batches", "stream", "final"]),
           value=st.one_of(st.just(math.nan), st.just(math.inf), st.just("x"), st.just([1, "2"]), st.just(None),
                           st.just({"k": 1}), st.just(-1.5), st.just(2**64 - 1)),
-          mtype=st.sampled_from([P.MsgType.REQUEST, P.MsgType.CREDIT, P.MsgType.HELLO, P.MsgType.BYE, 99]))
-    def other_message(self, client, kind, n, which, field, value, mtype):
-        """A Credit, a malformed header, a Bye or a Describe (the bystander only says Bye)."""
+          mtype=st.sampled_from([P.MsgType.REQUEST, 2, P.MsgType.HELLO, P.MsgType.BYE, 99]))  # 2: Credit once
+    def other_message(self, client, kind, which, field, value, mtype):
+        """A malformed header, a Bye or a Describe (the bystander only says Bye)."""
         if client == "c" or kind == "bye":
             return self._send(client, P.Bye())
         if kind == "describe":
             return self._send(client, P.Describe())
         stream = max(self.stream_ids[client] + which, 0)
-        if kind == "credit":
-            return self._send(client, P.Credit(stream=stream, n=n))
         header = {"t": int(mtype), "stream": stream, "n": 1, "batches": [0]}
         header[field] = value
         self._send(client, header)
@@ -270,10 +258,9 @@ class DoorMachine(RuleBasedStateMachine):
         if self.d is None:
             return
         for o in self.d.memory.waiting.values():
-            assert len(o.order) <= door.window_of(o.hello) or not o.hello.on_demand
+            assert len(o.order) <= door.window_of(o.hello)
         for s in self.d.sessions.streams():
-            if s.hello.on_demand:
-                assert len(s.state.order) - s.state.next_send <= door.window_of(s.hello)
+            assert len(s.state.order) - s.state.next_send <= door.window_of(s.hello)
             assert len({t.slot for t in s.state.tasks.values()}) <= s.state.num_slots
 
     @invariant()

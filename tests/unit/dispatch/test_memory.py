@@ -72,10 +72,10 @@ SOURCE = types.SimpleNamespace(name="demo", describe=lambda i: f"sample {i}")
 
 def opening(session: Session, stream: int, nslots: int, first: int = 0, lookahead: bool = False) -> Opening:
     """What admission makes of an on-demand Hello asking at once for batches ``0..first-1``."""
-    hello = P.Hello(stream=stream, spec=SPEC, prefetch=nslots, on_demand=True, batches=list(range(first)),
+    hello = P.Hello(stream=stream, spec=SPEC, prefetch=nslots, batches=list(range(first)),
                     lookahead=lookahead)
     return Opening(session, hello, SOURCE, PLAN, job_pipeline(Registry(), SPEC), LAYOUT, StreamLimits(),
-                   order=list(range(first)), granted=first, final=False, nslots=nslots)
+                   order=list(range(first)), final=False, nslots=nslots)
 
 
 class Loop:

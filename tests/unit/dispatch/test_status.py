@@ -30,7 +30,7 @@ class _Source:
 def _serve(memory: BatchMemory, session: Session, lookahead: bool = False) -> None:
     hello = P.Hello(stream=1, spec=SPEC, prefetch=2, lookahead=lookahead, client=session.client)
     o = Opening(session, hello, _Source(), PLAN, job_pipeline(Registry(), SPEC), LAYOUT, StreamLimits(),
-                order=range(PLAN.num_batches), granted=2, final=True, nslots=2)
+                order=list(range(PLAN.num_batches)), final=True, nslots=2)
     session.stream = memory.open(o, 0.0)
 
 

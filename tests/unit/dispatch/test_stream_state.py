@@ -1,16 +1,16 @@
 """StreamState under random interleavings (hypothesis state machine).
 
-A model drives the pure stream state the way the dispatcher does: credits, tasks handed to
-workers, tasks that finish (ok, with skipped samples, or failed), workers lost (crash or
-deadline), sends completing in any order, and retire. After every step: every slot is held by
-exactly one thing; nothing was dispatched past the credit; batches left in order, each once;
-no task is lost (every granted batch is sent, waiting, or in work). At the end, once every
+A model drives the pure stream state the way the dispatcher does: batches asked for (a few at
+a time, the last ask final), tasks handed to workers, tasks that finish (ok, with skipped
+samples, or failed), workers lost (crash or deadline), sends completing in any order, and
+retire. After every step: every slot is held by exactly one thing; nothing was dispatched
+before it was asked for; batches left in the order asked, each once; no task is lost (every
+batch asked is sent, waiting, or in work). At the end, once every
 event has been delivered, the stream is finished or failed, and a retired stream is idle.
 """
 
 from __future__ import annotations
 
-import tracemalloc
 
 import pytest
 
@@ -29,15 +29,16 @@ def _indices(b: int):
 
 
 class StreamModel(RuleBasedStateMachine):
-    @initialize(n=st.integers(0, 12), slots=st.integers(1, 4), granted=st.integers(1, 5),
-                start=st.integers(0, 3), skip=st.booleans(), cap=st.sampled_from([0, 2, 50]), run=st.booleans())
-    def setup(self, n, slots, granted, start, skip, cap, run):
-        self.order = list(range(min(start, n), n))
+    @initialize(n=st.integers(0, 12), slots=st.integers(1, 4), first=st.integers(0, 5),
+                start=st.integers(0, 3), skip=st.booleans(), cap=st.sampled_from([0, 2, 50]), shuffled=st.booleans())
+    def setup(self, n, slots, first, start, skip, cap, shuffled):
+        self.plan = list(range(min(start, n), n))  # what the client will ask, in its order
+        if shuffled:
+            self.plan.reverse()
         limits = StreamLimits(on_error="skip" if skip else "raise", max_skipped=cap)
-        # ``run``: the order as the range a plain stream has (admission), else as a list
-        order = range(min(start, n), n) if run else self.order
-        self.s = StreamState(order, slots, granted, _indices, lambda i: f"file{i}", limits)
-        self.granted = granted
+        self.order = self.plan[:first]  # asked so far
+        self.s = StreamState(self.order, slots, _indices, lambda i: f"file{i}", limits,
+                             final=len(self.order) == len(self.plan))
         self.sent: list = []
         self.sending: list = []  # slots whose send is in flight
         self.outcome = None  # "finished" | "failed"
@@ -60,10 +61,12 @@ class StreamModel(RuleBasedStateMachine):
                 assert e.code in (SAMPLE_FAILED, TOO_MANY_SKIPPED)
                 self.outcome = "failed"
 
-    @rule(n=st.integers(1, 3))
-    def credit(self, n):
-        self.s.grant(n)
-        self.granted += n
+    @precondition(lambda self: not self.s.final)
+    @rule(n=st.integers(0, 3), final=st.booleans())
+    def ask(self, n, final):
+        more = self.plan[len(self.order): len(self.order) + n]
+        self.order = self.order + more
+        self._apply(self.s.extend(more, final=final and len(self.order) == len(self.plan)))
 
     @rule()
     def dispatch(self):
@@ -124,9 +127,9 @@ class StreamModel(RuleBasedStateMachine):
         assert sorted(holders) == list(range(self.s.num_slots)), holders
 
     @invariant()
-    def order_and_credit(self):
+    def order_and_asks(self):
         assert self.sent == self.order[: len(self.sent)], "batches left out of order or twice"
-        assert self.s.next_dispatch <= min(self.granted, len(self.order)), "dispatched past the credit"
+        assert list(self.s.order) == self.order and self.s.next_dispatch <= len(self.order), "dispatched unasked"
 
     @invariant()
     def no_task_lost(self):
@@ -149,8 +152,10 @@ class StreamModel(RuleBasedStateMachine):
             elif self.s.tasks:
                 self._apply(self.s.task_done(next(iter(self.s.tasks))))
             else:
-                self.s.grant(1)
-                self.granted += 1
+                if not self.s.final:  # the client's last ask
+                    more = self.plan[len(self.order):]
+                    self.order = self.order + more
+                    self._apply(self.s.extend(more, final=True))
                 self.s.next_task(self.next_id)
                 self.next_id += 1
         assert self.s.idle
@@ -165,7 +170,7 @@ TestStreamState.settings = settings(max_examples=300, stateful_step_count=60, de
 
 
 def test_a_batch_that_keeps_losing_workers_is_isolated_and_its_poison_sample_skipped():
-    s = StreamState([0, 1], 2, 2, _indices, lambda i: f"file{i}", StreamLimits(on_error="skip"))
+    s = StreamState([0, 1], 2, _indices, lambda i: f"file{i}", StreamLimits(on_error="skip"), final=True)
     assert s.start() == []
     a, b = s.next_task(1), s.next_task(2)
     assert (a.batch, b.batch) == (0, 1)
@@ -186,8 +191,8 @@ def test_a_batch_that_keeps_losing_workers_is_isolated_and_its_poison_sample_ski
 
 
 def test_raise_policy_fails_the_stream_naming_the_file():
-    s = StreamState([0], 1, 1, _indices, lambda i: f"/data/x{i}.jpg", StreamLimits(on_error="raise",
-                                                                                    max_sample_attempts=1))
+    s = StreamState([0], 1, _indices, lambda i: f"/data/x{i}.jpg",
+                    StreamLimits(on_error="raise", max_sample_attempts=1), final=True)
     s.next_task(1)
     s.task_lost(1, "hung")
     s.task_lost(s.next_task(2).task, "hung")
@@ -198,7 +203,7 @@ def test_raise_policy_fails_the_stream_naming_the_file():
 
 
 def test_more_skipped_samples_than_the_cap_fail_the_stream_with_the_list():
-    s = StreamState([0, 1], 2, 2, _indices, lambda i: f"f{i}", StreamLimits(on_error="skip", max_skipped=2))
+    s = StreamState([0, 1], 2, _indices, lambda i: f"f{i}", StreamLimits(on_error="skip", max_skipped=2), final=True)
     s.next_task(1), s.next_task(2)
     (sent,) = s.task_done(1, [(0, 0, "bad"), (1, 1, "bad")])
     assert isinstance(sent, SendBatch)
@@ -206,30 +211,11 @@ def test_more_skipped_samples_than_the_cap_fail_the_stream_with_the_list():
     assert fail.code == TOO_MANY_SKIPPED and "3 samples skipped" in fail.message and "3 (f3): truncated" in fail.message
 
 
-def _allocated(make) -> int:
-    """Bytes still allocated by what ``make()`` returns (tracemalloc)."""
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        kept = make()
-        after = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
-    del kept
-    return after - before
-
-
-def test_a_plain_streams_state_costs_the_same_whatever_the_length_of_its_epoch():
-    """A stream over the rest of an epoch (a range) keeps no per-batch list: 10,000 flooding
-    connections with batch 1 once held 150 KB each in lists and dicts of batch numbers (issue 32)."""
-    short = _allocated(lambda: StreamState(range(5, 10), 1, 1, _indices, str))
-    long = _allocated(lambda: StreamState(range(5, 100_000), 1, 1, _indices, str))
-    assert long - short < 1024, f"{long - short} bytes more for a longer epoch"
-
-
-def test_a_run_that_is_extended_keeps_its_order_and_refuses_a_batch_twice():
-    s = StreamState(range(2, 4), 1, 0, _indices, str, final=False)
+def test_an_extended_stream_keeps_its_order_and_refuses_a_batch_twice():
+    s = StreamState([2, 3], 1, _indices, str)
     s.extend([7])
-    assert list(s.order) == [2, 3, 7] and s.granted == 1
+    assert list(s.order) == [2, 3, 7] and s.not_started == 3
     with pytest.raises(ValueError, match="batch 3 is already part of this stream"):
         s.extend([3])
+    with pytest.raises(ValueError, match="lists a batch twice"):
+        StreamState([1, 1], 1, _indices, str)

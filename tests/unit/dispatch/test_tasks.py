@@ -27,7 +27,7 @@ def stream() -> Stream:
     pipe = job_pipeline(Registry(), SPEC)
     layout = BatchLayout.of(pipe, 4)
     return Stream(ident=b"a", hello=P.Hello(stream=1, spec=SPEC, epoch=3), source=types.SimpleNamespace(name="demo"),
-                  plan=plan, pipe=pipe, layout=layout, state=StreamState([0, 1], 2, 2, plan.batch, str),
+                  plan=plan, pipe=pipe, layout=layout, state=StreamState([0, 1], 2, plan.batch, str),
                   segment=types.SimpleNamespace(name="seg-1"), lookahead=False, asked_at=0.0)
 
 

@@ -12,10 +12,11 @@ from wire.jobspec import JobSpec
 
 SAMPLES = [
     P.Hello(stream=1, spec=JobSpec(batch_size=32, image_size=224, seed=3, world_size=4, shuffle=False, drop_last=True,
-                                   train=False, dataset="demo"), epoch=2, rank=1, start_batch=5, prefetch=8, job="resnet"),
+                                   train=False, dataset="demo"), epoch=2, rank=1, prefetch=8, job="resnet",
+            batches=[5, 6], window=12),
     P.Hello(stream=2, spec=JobSpec(batch_size=8, image_size=64, scale=[0.25, 1.0], pipeline="multicrop",
                                    pipeline_args={"crops": 2})),
-    P.Credit(stream=3, n=2, wait_s=1.5, h2d_s=0.25, consumed=9),
+    P.Request(stream=3, batches=[2, 9], wait_s=1.5, h2d_s=0.25, consumed=9, final=True),
     P.Bye(),
     P.Describe(dataset=None),
     P.Accept(stream=1, epoch=0, num_batches=10, num_samples=300, dataset_length=300, dataset="demo", service="x"),
@@ -81,7 +82,8 @@ def header(**fields):
     (header(t=1, stream=1, spec={"batch_size": 2, "scale": [0.5, 2]}), P.ErrorCode.BAD_JOB, "scale max"),
     (header(t=1, stream=1, spec={"batch_size": 2}, evil=1), P.ErrorCode.BAD_MESSAGE, "no field"),
     (header(t=1, stream=1, spec={"batch_size": 2, "evil": 1}), P.ErrorCode.BAD_MESSAGE, "JobSpec has no field"),
-    (header(t=2, stream=1, n=0), P.ErrorCode.BAD_JOB, "Credit.n"),
+    (header(t=2, stream=1, n=1), P.ErrorCode.BAD_MESSAGE, "unknown message type 2"),
+    (header(t=1, stream=1, spec={"batch_size": 2}, on_demand=True), P.ErrorCode.BAD_MESSAGE, "no field"),
     (msgpack.packb({"v": 1, "t": 1, 5: 1}), P.ErrorCode.BAD_MESSAGE, "not valid msgpack"),
 ])
 def test_malformed_headers_name_the_problem(frame, code, match):
@@ -168,4 +170,4 @@ def test_dropping_any_required_field_is_refused(msg, data):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_floats_are_refused(bad):
     with pytest.raises(P.ProtocolError, match="finite float"):
-        P.decode([header(t=int(P.MsgType.CREDIT), stream=1, n=1, wait_s=bad)])
+        P.decode([header(t=int(P.MsgType.REQUEST), stream=1, batches=[1], wait_s=bad)])
