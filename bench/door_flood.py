@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     proc = psutil.Process(svc.proc.pid)
     try:
         holder = dealer(svc.endpoint)
-        holder.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, prefetch=16, batches=[0])))
+        holder.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, slots=16, batches=[0])))
         assert isinstance(_answer(holder), P.Accept)
         time.sleep(2.0)  # its batch made and read: quiet
         before = proc.memory_info().rss
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         end = time.monotonic() + a.seconds
         while time.monotonic() < end:
             stream += 1
-            flood.send_multipart(P.encode(P.Hello(stream=stream, spec=BIG, prefetch=16,
+            flood.send_multipart(P.encode(P.Hello(stream=stream, spec=BIG, slots=16,
                                                   window=P.MAX_WINDOW)))
             for k in range(4):
                 flood.send_multipart(P.encode(P.Request(stream=stream, batches=list(range(k << 16, (k + 1) << 16)))))

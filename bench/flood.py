@@ -51,7 +51,7 @@ def _flood(endpoint: str, n: int, ready) -> None:
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
             s.connect(endpoint)
-            s.send_multipart(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), prefetch=1,
+            s.send_multipart(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), slots=1,
                                               client=uuid.uuid4().hex, batches=[0])), zmq.NOBLOCK)
             socks.append(s)
         except zmq.ZMQError as exc:  # out of descriptors: hold what was made

@@ -113,7 +113,7 @@ class Connections:
         stream = next(self._stream_ids)
         r.hello(stream, P.Hello(
             stream=stream, spec=c.spec, epoch=epoch, rank=c.rank, origin=self.origin, entry=self.entry,
-            prefetch=c.prefetch, job=c.job, window=min(self.window, P.MAX_WINDOW),
+            slots=c.prefetch, job=c.job, window=min(self.window, P.MAX_WINDOW),
             batches=list(batches), lookahead=lookahead, client=self._client_id))
 
     def start_epoch(self, epoch: int, start: int, total: int, lookahead: bool = False, origin: int = 0,

@@ -122,12 +122,12 @@ class EpochFlow:
         self._busy_since[replica] = now
         return True
 
-    def ready(self) -> bool:
+    def next_received(self) -> bool:
         """Whether the next batch to yield has been received."""
         return self.next_yield in self.received
 
     def take(self) -> int:
-        """Yield the next batch (it must be :meth:`ready`); returns its number."""
+        """Yield the next batch (it must be :meth:`next_received`); returns its number."""
         b = self.next_yield
         self.received.remove(b)
         self.next_yield += 1

@@ -27,7 +27,7 @@ from wire.jobspec import JobSpec, check_pipeline
 # 5: Hello.window, what a stream may have asked and not been sent (the service refuses more); a
 # service of 4 would refuse the new field by its name, so the version says what is wrong instead;
 # 6: one kind of stream: every batch is asked for by a Request (Credit, Hello.on_demand and
-# Hello.start_batch removed; message type 2 stays unused)
+# Hello.start_batch removed; message type 2 stays unused); Hello.prefetch renamed slots (what it is)
 PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
@@ -81,8 +81,8 @@ class Hello(Message):
     reconnect; the service drops whatever it still had for that client's older streams.
 
     The service computes exactly the batches asked for, ``batches`` now and more with each
-    :class:`Request`, and sends them in the order asked; ``prefetch`` is the number of batch
-    slots the service keeps for the stream.
+    :class:`Request`, and sends them in the order asked, from ``slots`` batch slots it keeps
+    for the stream (the RemoteLoader asks for as many as its ``prefetch``).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
@@ -92,7 +92,7 @@ class Hello(Message):
     rank: int = 0
     origin: int = 0  # the plan begins at this position of the epoch's global order (an elastic resume)
     entry: int = 0  # the job's position where this rank's run of the epoch began (0, or a loaded state's)
-    prefetch: int = 4
+    slots: int = 4
     job: str = ""
     batches: list = field(default_factory=list)
     lookahead: bool = False  # the next epoch, started early: served only when nothing else waits
@@ -110,7 +110,7 @@ class Hello(Message):
         _range(self, "rank", 0, self.spec.world_size - 1)
         _range(self, "origin", 0)
         _range(self, "entry", 0)
-        _range(self, "prefetch", 1, 256)
+        _range(self, "slots", 1, 256)
         if len(self.job) > 256 or len(self.client) > 64:
             raise ProtocolError("job name longer than 256 characters, or client id longer than 64", ErrorCode.BAD_JOB)
 

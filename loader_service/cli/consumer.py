@@ -57,7 +57,7 @@ class Consumer:
         self.stream += 1
         self.wait_s, consumed = 0.0, 0
         spec = JobSpec(batch_size=self.batch_size, image_size=self.image_size, seed=self.seed, dataset=self.dataset)
-        self.sock.send_multipart(P.encode(P.Hello(stream=self.stream, spec=spec, epoch=epoch, prefetch=self.prefetch,
+        self.sock.send_multipart(P.encode(P.Hello(stream=self.stream, spec=spec, epoch=epoch, slots=self.prefetch,
                                                   job=self.job, window=self.prefetch)))
         asked = 0  # batches asked for: the first ``prefetch`` once the epoch's length is known, then one per batch
         reported = 0.0  # of ``wait_s``, what the service was told already (the protocol sends deltas)

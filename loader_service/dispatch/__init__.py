@@ -25,12 +25,31 @@ ident
 session
     What the dispatcher knows of one ident: its fd, its client, job and rank, its stream.
 stream
-    One connection's pass over one rank's epoch (``Hello.stream``): a list of batches to send
-    in order, from one segment of slots.
+    One connection's pass over one rank's epoch (``Hello.stream``): the batches its client
+    asked for (``Hello.batches``, then ``Request``), sent in the order asked, from one segment of
+    ``Hello.slots`` slots. There is one kind of stream (protocol 6).
+life
+    Where a stream is (``door.Life``): waiting, running, caught up, quiet, lent, starved,
+    ending, ended.
 task
     One piece of work a worker does: a whole batch, or one sample of a batch being isolated.
 slot
-    Room for one batch in a segment; a worker writes into it, the send reads from it.
+    Room for one batch in a segment; a worker writes into it, the send reads from it. (The
+    client's pinned buffers are *buffers*, never slots.)
+made
+    A batch a worker finished whose send waits for the batches before it (``StreamState.made``).
+window
+    The most batches a stream may have asked and not yet been sent (``Hello.window``): the
+    client's ordering window, ``prefetch x replicas`` (``shuffle_window`` is the plan's).
+prefetch
+    Fetching ahead of use: the batches a client asks ahead (``RemoteLoader(prefetch=)``), the
+    shards a remote source downloads ahead (``--shard-prefetch``). Never a count of slots.
+ready
+    A worker said Ready: the service can serve (``/readyz``). A stream with work to do is
+    *offered* to the scheduler (``Scheduler.offer``).
+event, command
+    What goes into ``DispatchState.handle`` and what comes out (``events.py``); a stream's
+    own outputs (send a batch, finish, fail) are its *effects*.
 segment
     One named shared-memory region (``shm.Segment``) holding a stream's slots, or kept as its
     ident's reserve for the next stream.

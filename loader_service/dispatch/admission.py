@@ -147,4 +147,4 @@ class Admission:
             return Refuse(P.ErrorCode.BAD_JOB, str(exc))
         layout = BatchLayout.of(pipe, hello.spec.batch_size)
         return Opening(session, hello, source, plan, pipe, layout, self.limits, list(hello.batches), False,
-                       max(1, min(hello.prefetch, nb)))
+                       max(1, min(hello.slots, nb)))

@@ -13,20 +13,20 @@ Nothing tells a new client from a new flood connection before its first batch, s
 that has been sent nothing is in the first tier (a newcomer's first task waits one round of
 the first tier: see below); a client that reads its first batch stays there.
 
-Least recently served, not a turn counter: a counter over the streams that happen to be ready
-starves a stream that is always ready when another one's readiness comes and goes (one worker
+Least recently served, not a turn counter: a counter over the streams that happen to have work
+starves a stream that always has work when another one's work comes and goes (one worker
 idle per call, B and C alternating, A never served). Waiting longest wins, whatever the pattern.
 
 A new stream joins at the back of the line, not the front: with "never served first", every new
 stream went ahead of every stream already served, so a flood of connections that each said
 Hello kept a real client from its second batch for as long as new streams kept coming (issue
 32: 10,000 one-image streams, 0 images/s for the real client). At the back, every stream that
-stays ready gets one task per round of the ready streams, however many join.
+keeps work gets one task per round of the streams with work, however many join.
 
 The cost of a decision does not grow with the number of streams (a flood holds thousands that
 cannot take a task): the scheduler keeps a line of *candidates*, streams that may have a task,
 as a heap by the time they last got one. The caller says when a stream may have become able to
-take a task (:meth:`ready`: it opened, got credit, a slot came free, a task was lost...); a
+take a task (:meth:`offer`: it opened, asked for batches, a slot came free, a task was lost...); a
 candidate found unable to take one when its turn comes leaves the line until then.
 """
 
@@ -54,7 +54,7 @@ def tier(lookahead: bool, sent: int, asked: bool) -> int:
 class Scheduler(Generic[T]):
     """Least recently served first, lower tiers first (:func:`tier`; a bool works as one: a
     lookahead flag). Pure: streams are compared by identity (hashable objects); the caller tells
-    it which may take a task (:meth:`ready`), which ended (:meth:`forget`), and at :meth:`pick`
+    it which may take a task (:meth:`offer`), which ended (:meth:`forget`), and at :meth:`pick`
     which really can."""
 
     def __init__(self) -> None:
@@ -77,7 +77,7 @@ class Scheduler(Generic[T]):
         """Streams in the line now."""
         return len(self._queued)
 
-    def ready(self, s: T, tier: int) -> None:
+    def offer(self, s: T, tier: int) -> None:
         """``s`` may be able to take a task now (or its tier changed). Idempotent."""
         if s not in self._served:
             self._tick += 1
@@ -106,11 +106,11 @@ class Scheduler(Generic[T]):
                 continue  # stale: forgotten, or queued again since with another place or tier
             del self._queued[s]
             now_t = int(tier(s))
-            if t != now_t:  # its tier changed without a ready(): its right place
+            if t != now_t:  # its tier changed without an offer(): its right place
                 self._enqueue(s, now_t)
                 continue
             if not dispatchable(s):
-                continue  # out of the line until the caller says it may be ready again
+                continue  # out of the line until the caller offers it again
             take(s)
             given += 1
             if s not in self._served:

@@ -404,7 +404,7 @@ class DispatchState:
         on a stream, so the batch memory's indexes (quiet streams, current epochs) follow too."""
         self.memory.changed(s)
         if not s.state.done:
-            self.scheduler.ready(s, s.tier)
+            self.scheduler.offer(s, s.tier)
 
     def _end_stream(self, s: Union[Stream, Opening], e: Effect) -> None:
         """Tell the client how its stream ended (``Finish`` or ``Fail``), then retire it (a

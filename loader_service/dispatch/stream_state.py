@@ -1,4 +1,4 @@
-"""One stream's progress as a pure state machine: events in, effects out.
+"""One stream's batches as a pure state machine: events in, effects out.
 
 A *stream* is one client connection's pass over the batches of one rank's epoch plan that
 its client asks of this replica, in the order asked. Its state is which batches were asked
@@ -130,7 +130,8 @@ class StreamState:
         self.redo: List[Tuple[int, int]] = []  # heap of (position in order, batch)
         self.isolated: Dict[int, _Isolation] = {}
         self.attempts: Dict[int, int] = {}  # batch -> workers lost on it
-        self.ready: Dict[int, Tuple[int, Tuple[Tuple[int, int, str], ...], bool]] = {}
+        # batches made and not yet sent (they leave in order): batch -> (slot, skipped, compact)
+        self.made: Dict[int, Tuple[int, Tuple[Tuple[int, int, str], ...], bool]] = {}
         self.sending: Set[int] = set()
         self.next_dispatch = 0
         self.next_send = 0
@@ -201,7 +202,7 @@ class StreamState:
             iso.pending.discard(t.pos)
             iso.skipped += [(t.pos, int(idx), str(why)) for _, idx, why in skipped]
             return self._finish_isolated(t.batch)
-        self.ready[t.batch] = (t.slot, tuple((int(p), int(i), str(r)) for p, i, r in skipped), False)
+        self.made[t.batch] = (t.slot, tuple((int(p), int(i), str(r)) for p, i, r in skipped), False)
         return self._flush()
 
     def task_lost(self, task_id: int, reason: str) -> List[Effect]:
@@ -246,12 +247,12 @@ class StreamState:
         if self.done:
             return
         self.done = True
-        for slot, _, _ in self.ready.values():
+        for slot, _, _ in self.made.values():
             self.free.append(slot)
         for batch, iso in self.isolated.items():
             if not any(t.batch == batch for t in self.tasks.values()):
                 self.free.append(iso.slot)  # no one-sample task still writes into it
-        self.ready.clear()
+        self.made.clear()
         self.redo.clear()
         self.isolated.clear()
 
@@ -265,7 +266,7 @@ class StreamState:
     def caught_up(self) -> bool:
         """Live, and every batch asked for is made and sent: at most sends still read slots
         (libzmq lets go of a sent frame a moment later). Settled once they complete."""
-        return not self.done and not self.tasks and not self.ready and not self.isolated and self.not_started == 0
+        return not self.done and not self.tasks and not self.made and not self.isolated and self.not_started == 0
 
     @property
     def settled(self) -> bool:
@@ -283,7 +284,7 @@ class StreamState:
         return len(self.order)
 
     def slot_holders(self) -> Dict[int, str]:
-        """Who holds each slot (for invariant checks and status): free, task, isolated, ready, sending."""
+        """Who holds each slot (for invariant checks and status): free, task, isolated, made, sending."""
         out: Dict[int, str] = {}
 
         def put(slot: int, what: str) -> None:
@@ -300,8 +301,8 @@ class StreamState:
                 put(t.slot, "task")
             elif t.batch not in self.isolated:
                 put(t.slot, "task")  # a one-sample task of a batch dropped by retire or fail
-        for s, _, _ in self.ready.values():
-            put(s, "ready")
+        for s, _, _ in self.made.values():
+            put(s, "made")
         for s in self.sending:
             put(s, "sending")
         return out
@@ -328,7 +329,7 @@ class StreamState:
             return []
         del self.isolated[batch]
         skipped = tuple(sorted(iso.skipped))
-        self.ready[batch] = (iso.slot, skipped, bool(skipped))
+        self.made[batch] = (iso.slot, skipped, bool(skipped))
         return self._flush()
 
     def _release(self, t: _Task) -> None:
@@ -341,9 +342,9 @@ class StreamState:
 
     def _flush(self) -> List[Effect]:
         out: List[Effect] = []
-        while self.next_send < len(self.order) and self.order[self.next_send] in self.ready:
+        while self.next_send < len(self.order) and self.order[self.next_send] in self.made:
             batch = self.order[self.next_send]
-            slot, skipped, compact = self.ready.pop(batch)
+            slot, skipped, compact = self.made.pop(batch)
             self.next_send += 1
             if skipped:
                 self.skipped += len(skipped)

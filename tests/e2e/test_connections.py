@@ -33,7 +33,7 @@ def dispatcher(demo_source):
 
 
 def _hello(stream: int = 1) -> P.Hello:
-    return P.Hello(stream=stream, spec=JobSpec(batch_size=4, image_size=32), prefetch=2)
+    return P.Hello(stream=stream, spec=JobSpec(batch_size=4, image_size=32), slots=2)
 
 
 def test_disconnect_of_an_earlier_connection_on_the_same_fd_keeps_the_new_client(dispatcher):
@@ -82,7 +82,7 @@ def tight_dispatcher(demo_source):
 
 
 def _big_hello(stream: int = 1, **kw) -> P.Hello:
-    return P.Hello(stream=stream, spec=JobSpec(batch_size=64, image_size=128), prefetch=2, **kw)
+    return P.Hello(stream=stream, spec=JobSpec(batch_size=64, image_size=128), slots=2, **kw)
 
 
 def test_a_stream_waits_for_the_slots_of_a_stream_that_is_still_ending(tight_dispatcher):
@@ -123,7 +123,7 @@ def test_a_stream_that_cannot_fit_even_after_the_ending_ones_is_refused_at_once(
     deliver(d, first, _big_hello(stream=2), fd=21)  # its next epoch, while a task reads the old slots
     assert d.sessions.get(first).stream is None and first in d.memory.waiting  # its own old slots: it waits
 
-    deliver(d, second, P.Hello(stream=1, spec=JobSpec(batch_size=64, image_size=128), prefetch=4), fd=22)  # 12 MiB > 10
+    deliver(d, second, P.Hello(stream=1, spec=JobSpec(batch_size=64, image_size=128), slots=4), fd=22)  # 12 MiB > 10
     assert d.sessions.get(second).stream is None and second not in d.memory.waiting
     refusal = [m for i, m in d.sent if i == second]
     assert len(refusal) == 1 and refusal[0].code == P.ErrorCode.NO_CAPACITY and refusal[0].fatal
@@ -140,8 +140,8 @@ def test_a_stream_that_lent_its_slots_waits_for_them_then_takes_them_from_one_th
                                reclaim_idle_s=0), demo_source, workers=1)
     try:
         a, b = uuid.uuid4().bytes, uuid.uuid4().bytes
-        deliver(d, a, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), prefetch=48), fd=100)
-        deliver(d, b, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), prefetch=48,
+        deliver(d, a, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), slots=48), fd=100)
+        deliver(d, b, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), slots=48,
                               batches=[0]), fd=101)
         sa, sb = d.sessions.get(a).stream, d.sessions.get(b).stream
         assert sa.segment is None and sb.segment is not None  # a asked for nothing: it lent its slots to b
@@ -237,7 +237,7 @@ def test_after_many_sessions_come_and_go_the_dispatcher_holds_nothing_of_them(di
     disconnect, by Bye, and by disconnect of a connection that never said Hello)."""
     d = dispatcher
     idents = [uuid.uuid4().bytes for _ in range(300)]
-    hello = P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), prefetch=1, client="flood")
+    hello = P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), slots=1, client="flood")
     for k, ident in enumerate(idents):
         deliver(d, ident, hello, fd=100 + k)
     d.event(zmq.EVENT_ACCEPTED, fd=99)  # one that never says Hello

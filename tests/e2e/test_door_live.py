@@ -37,7 +37,7 @@ def _hold_most_of_the_memory(endpoint: str) -> zmq.Socket:
     """A: a stream with 12 of the 16 MiB of slots; it asks for one batch and reads it, then goes
     quiet (its slots lendable only after --reclaim-idle)."""
     a = dealer(endpoint)
-    a.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, prefetch=4, batches=[0], job="holder")))
+    a.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, slots=4, batches=[0], job="holder")))
     assert isinstance(_next(a), P.Accept)
     assert isinstance(_next(a), P.Batch)
     return a
@@ -46,7 +46,7 @@ def _hold_most_of_the_memory(endpoint: str) -> zmq.Socket:
 def _waiting_stream(svc, endpoint: str) -> zmq.Socket:
     """B: a stream that needs 6 MiB more than is free: it waits for A's quiet slots."""
     b = dealer(endpoint)
-    b.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, prefetch=2, window=2, job="waiter")))
+    b.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, slots=2, window=2, job="waiter")))
     wait_for(lambda: status(svc)["connections"]["waiting"] == 1, what="B's stream to wait for memory")
     return b
 
@@ -115,7 +115,7 @@ def test_a_flood_of_asks_from_a_waiting_stream_costs_its_window_not_gigabytes(ma
     a = _hold_most_of_the_memory(svc.endpoint)
     b = dealer(svc.endpoint)
     try:
-        b.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, prefetch=2, window=P.MAX_WINDOW,
+        b.send_multipart(P.encode(P.Hello(stream=1, spec=BIG, slots=2, window=P.MAX_WINDOW,
                                           job="waiter")))
         wait_for(lambda: status(svc)["connections"]["waiting"] == 1, what="B's stream to wait for memory")
         # 65,536 batch numbers a message (the protocol's most), as in the issue: the plan has 4
@@ -124,7 +124,7 @@ def test_a_flood_of_asks_from_a_waiting_stream_costs_its_window_not_gigabytes(ma
         err = _next(b, (P.Error,))
         assert err.code == "bad_message" and f"more than its window of {P.MAX_WINDOW}" in err.message
         assert status(svc)["connections"]["waiting"] == 0  # it no longer waits: nothing of it is kept
-        b.send_multipart(P.encode(P.Hello(stream=2, spec=BIG, prefetch=2, job="waiter",
+        b.send_multipart(P.encode(P.Hello(stream=2, spec=BIG, slots=2, job="waiter",
                                           batches=[0])))
         wait_for(lambda: status(svc)["connections"]["waiting"] == 1, what="B's next stream to wait")
         b.send_multipart(P.encode(P.Request(stream=2, batches=[10**6])))

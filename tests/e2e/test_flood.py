@@ -37,7 +37,7 @@ def one():
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
     s.connect(endpoint)
-    s.send_multipart(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), prefetch=1,
+    s.send_multipart(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), slots=1,
                                       client=uuid.uuid4().hex, batches=[0])))
     return s
 held = [one() for _ in range(n)]
@@ -98,7 +98,7 @@ for _ in range(n):
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
     s.connect(endpoint)
-    s.send_multipart(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), prefetch=1,
+    s.send_multipart(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=1, image_size=16), slots=1,
                                       client=uuid.uuid4().hex, batches=[0])))
     held.append(s)
 print("open", flush=True)

@@ -220,10 +220,10 @@ def test_bad_job_spec_gets_an_error_naming_the_field(service):
         s.send_multipart(P.encode(P.Hello(stream=2, spec=JobSpec(batch_size=4, image_size=32), batches=[10**6])))
         err = reply(s)
         assert err.code == "bad_job" and "past the end of the epoch" in err.message
-        s.send_multipart(P.encode(P.Hello(stream=3, spec=JobSpec(batch_size=4, image_size=32), prefetch=256)))
+        s.send_multipart(P.encode(P.Hello(stream=3, spec=JobSpec(batch_size=4, image_size=32), slots=256)))
         # 256 slots x 12 KiB fits, but an absurd batch does not
         assert isinstance(reply(s), P.Accept)
-        s.send_multipart(P.encode(P.Hello(stream=4, spec=JobSpec(batch_size=60000, image_size=4096), prefetch=8)))
+        s.send_multipart(P.encode(P.Hello(stream=4, spec=JobSpec(batch_size=60000, image_size=4096), slots=8)))
         err = reply(s)
         assert err.code == "no_capacity" and "raise --max-shm-mb" in err.message
     finally:

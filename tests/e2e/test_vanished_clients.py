@@ -28,7 +28,7 @@ for rank in range(first, first + n):
     s.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
     s.connect(endpoint)
     s.send_multipart(P.encode(P.Hello(stream=1, job="vanishing", rank=rank, client=uuid.uuid4().hex,
-                                      spec=JobSpec(batch_size=4, image_size=32, world_size=world), prefetch=2,
+                                      spec=JobSpec(batch_size=4, image_size=32, world_size=world), slots=2,
                                       batches=[0, 1])))
     socks.append(s)
 print("sent", flush=True)

@@ -24,7 +24,7 @@ def dispatcher(demo_source):
 
 def _two_tasks_on_one_worker(d):
     ident = uuid.uuid4().bytes
-    deliver(d, ident, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), prefetch=2, batches=[0, 1]))
+    deliver(d, ident, P.Hello(stream=1, spec=JobSpec(batch_size=4, image_size=32), slots=2, batches=[0, 1]))
     s = d.sessions.get(ident).stream
     d.tick()  # the one worker takes a task and queues the next behind it
     first, second = d.assigned

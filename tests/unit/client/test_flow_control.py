@@ -173,7 +173,7 @@ def test_the_slow_replica_takes_a_smaller_share():
         if queues[r]:
             flow.on_batch(r, queues[r].popleft(), t)
             served[r] += 1
-        while flow.ready():
+        while flow.next_received():
             flow.take()
         for rr, bs in flow.assign([0, 1], t).items():
             queues[rr].extend(bs)

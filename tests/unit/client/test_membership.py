@@ -247,7 +247,7 @@ class FleetDuringAnEpoch(RuleBasedStateMachine):
 
     @rule()
     def the_trainer_takes_the_next_batch(self):
-        assume(self.flow.ready())
+        assume(self.flow.next_received())
         self.yielded.append(self.flow.take())
         self._ask()
 
@@ -334,7 +334,7 @@ class FleetDuringAnEpoch(RuleBasedStateMachine):
                     self.fleet.delivered(self.conns, r, self.clock.now, self.flow)
                     if r not in self.conns.replicas:
                         break
-            while self.flow.ready():
+            while self.flow.next_received():
                 self.yielded.append(self.flow.take())
             self._ask()
         assert sorted(self.yielded) == list(range(TOTAL))

@@ -44,7 +44,7 @@ def admission() -> Admission:
 
 
 def hello(stream: int = 1, spec: JobSpec = SPEC, **kw) -> P.Hello:
-    return P.Hello(stream=stream, spec=spec, **{"prefetch": 2, **kw})
+    return P.Hello(stream=stream, spec=spec, **{"slots": 2, **kw})
 
 
 def connected(ident: bytes, client: str = "", job: str = "", rank: int = -1, spec: JobSpec = None) -> Session:
@@ -54,7 +54,7 @@ def connected(ident: bytes, client: str = "", job: str = "", rank: int = -1, spe
 # ---------------------------------------------------------------------------- open
 def test_a_hello_opens_with_the_batches_it_asks_for(admission):
     session = connected(b"a")
-    v = admission.admit(session, hello(batches=[4, 1], prefetch=3), [session])
+    v = admission.admit(session, hello(batches=[4, 1], slots=3), [session])
     o = v.outcome
     assert isinstance(o, Opening) and v.takeovers == [] and v.spec is None  # no job: no rules, no rank kept
     assert o.session is session and o.source.name == "demo" and o.plan.num_batches == 6  # 22 samples / 4
@@ -65,7 +65,7 @@ def test_a_hello_opens_with_the_batches_it_asks_for(admission):
 
 
 def test_slots_never_outnumber_the_batches_of_the_epoch(admission):
-    o = admission.admit(connected(b"a"), hello(batches=[4, 1], prefetch=16), []).outcome
+    o = admission.admit(connected(b"a"), hello(batches=[4, 1], slots=16), []).outcome
     assert (o.order, o.nslots) == ([4, 1], 6)  # slots: at most the epoch's 6
     empty = admission.admit(connected(b"a"), hello(), []).outcome  # asks for nothing yet
     assert (empty.order, empty.nslots, empty.final) == ([], 2, False)

@@ -60,8 +60,8 @@ def test_nothing_may_be_asked_after_final():
 
 def test_the_window_is_what_the_client_says_else_the_cap_and_never_past_it():
     spec = JobSpec(batch_size=4, image_size=32)
-    assert door.window_of(P.Hello(stream=1, spec=spec, prefetch=3)) == P.MAX_WINDOW
-    assert door.window_of(P.Hello(stream=1, spec=spec, prefetch=3, window=12)) == 12
+    assert door.window_of(P.Hello(stream=1, spec=spec, slots=3)) == P.MAX_WINDOW
+    assert door.window_of(P.Hello(stream=1, spec=spec, slots=3, window=12)) == 12
     with pytest.raises(P.ProtocolError, match="Hello.window must be"):
         P.Hello(stream=1, spec=spec, window=P.MAX_WINDOW + 1).check()
 
@@ -153,7 +153,7 @@ class DoorMachine(RuleBasedStateMachine):
             batches = list(range(min(prefetch, 4)))
         if not stale:
             self.stream_ids[client] += 1
-        msg = P.Hello(stream=max(self.stream_ids[client], 1), spec=SPEC, prefetch=prefetch,
+        msg = P.Hello(stream=max(self.stream_ids[client], 1), spec=SPEC, slots=prefetch,
                       window=window, batches=[b for b in batches if b >= 0], job=f"job-{client}", lookahead=lookahead)
         self._send(client, msg)
 
@@ -162,7 +162,7 @@ class DoorMachine(RuleBasedStateMachine):
         """A stream whose slots take most of the memory and that asks for nothing yet: the next
         one like it waits (or lends, with reclaim 0)."""
         self.stream_ids[client] += 1
-        self._send(client, P.Hello(stream=self.stream_ids[client], spec=SPEC, prefetch=prefetch,
+        self._send(client, P.Hello(stream=self.stream_ids[client], spec=SPEC, slots=prefetch,
                                    job=f"job-{client}"))
 
     @rule(client=st.sampled_from(["a", "b"]), past=st.booleans())

@@ -72,7 +72,7 @@ SOURCE = types.SimpleNamespace(name="demo", describe=lambda i: f"sample {i}")
 
 def opening(session: Session, stream: int, nslots: int, first: int = 0, lookahead: bool = False) -> Opening:
     """What admission makes of an on-demand Hello asking at once for batches ``0..first-1``."""
-    hello = P.Hello(stream=stream, spec=SPEC, prefetch=nslots, batches=list(range(first)),
+    hello = P.Hello(stream=stream, spec=SPEC, slots=nslots, batches=list(range(first)),
                     lookahead=lookahead)
     return Opening(session, hello, SOURCE, PLAN, job_pipeline(Registry(), SPEC), LAYOUT, StreamLimits(),
                    order=list(range(first)), final=False, nslots=nslots)
@@ -283,7 +283,7 @@ class MemoryModel(RuleBasedStateMachine):
         m = self.loop.memory
         for session in self.loop.sessions.values():
             s = session.stream
-            if s is not None and (s.state.tasks or s.state.ready or s.state.sending):
+            if s is not None and (s.state.tasks or s.state.made or s.state.sending):
                 assert s.segment is not None, f"stream {s.id} works without slots"
             assert not (s is not None and session.ident in m.waiting), "streaming and waiting at once"
         for s in m.starved:

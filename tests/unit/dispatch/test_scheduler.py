@@ -44,7 +44,7 @@ def pick(sched: Scheduler, streams: list[FakeStream], idle: int) -> list[str]:
         given.append(s.name)
 
     for s in streams:
-        sched.ready(s, s.tier)
+        sched.offer(s, s.tier)
     n = sched.pick(idle, lambda s: s.work > 0, lambda s: s.tier, take)
     assert n == len(given), "pick() must return how many tasks it handed out"
     return given
@@ -194,7 +194,7 @@ def test_a_pick_asks_only_the_streams_in_the_line_however_many_cannot_take_a_tas
     def take(s):
         s.work -= 1
 
-    sched.ready(a, False)
+    sched.offer(a, False)
     for _ in range(10):
         assert sched.pick(1, dispatchable, lambda s: s.lookahead, take) == 1
     assert a.work == 90
@@ -205,7 +205,7 @@ def test_a_forgotten_stream_is_never_given_a_task_and_the_line_does_not_keep_it(
     sched = Scheduler()
     ss = [FakeStream(f"S{i}", 5) for i in range(200)]
     for s in ss:
-        sched.ready(s, False)
+        sched.offer(s, False)
     for s in ss[:199]:
         sched.forget(s)
     given = []
@@ -291,7 +291,7 @@ class SchedulerModel(RuleBasedStateMachine):
         self.clock += 1
         self.joined[s.name] = self.clock
         self._has_work(s, work)
-        self.sched.ready(s, s.tier)
+        self.sched.offer(s, s.tier)
 
     @precondition(lambda self: self.streams)
     @rule(data=st.data())
@@ -304,7 +304,7 @@ class SchedulerModel(RuleBasedStateMachine):
     def _tier_changed(self, s: FakeStream, before: int) -> None:
         if s.tier != before and s.name in self.since:
             self.since[s.name] = Counter()  # it waits in another tier from now on
-        self.sched.ready(s, s.tier)
+        self.sched.offer(s, s.tier)
 
     @precondition(lambda self: self.streams)
     @rule(data=st.data(), more=st.integers(0, 4))

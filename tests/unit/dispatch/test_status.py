@@ -28,7 +28,7 @@ class _Source:
 
 
 def _serve(memory: BatchMemory, session: Session, lookahead: bool = False) -> None:
-    hello = P.Hello(stream=1, spec=SPEC, prefetch=2, lookahead=lookahead, client=session.client)
+    hello = P.Hello(stream=1, spec=SPEC, slots=2, lookahead=lookahead, client=session.client)
     o = Opening(session, hello, _Source(), PLAN, job_pipeline(Registry(), SPEC), LAYOUT, StreamLimits(),
                 order=list(range(PLAN.num_batches)), final=True, nslots=2)
     session.stream = memory.open(o, 0.0)

@@ -138,7 +138,7 @@ class StreamModel(RuleBasedStateMachine):
         s = self.s
         in_work = {t.batch for t in s.tasks.values()} | set(s.isolated) | {b for _, b in s.redo}
         for b in self.order[len(self.sent): s.next_dispatch]:
-            assert b in in_work or b in s.ready, f"batch {b} was dispatched and then lost"
+            assert b in in_work or b in s.made, f"batch {b} was dispatched and then lost"
 
     def teardown(self):
         if not hasattr(self, "s"):

@@ -12,7 +12,7 @@ from wire.jobspec import JobSpec
 
 SAMPLES = [
     P.Hello(stream=1, spec=JobSpec(batch_size=32, image_size=224, seed=3, world_size=4, shuffle=False, drop_last=True,
-                                   train=False, dataset="demo"), epoch=2, rank=1, prefetch=8, job="resnet",
+                                   train=False, dataset="demo"), epoch=2, rank=1, slots=8, job="resnet",
             batches=[5, 6], window=12),
     P.Hello(stream=2, spec=JobSpec(batch_size=8, image_size=64, scale=[0.25, 1.0], pipeline="multicrop",
                                    pipeline_args={"crops": 2})),
