@@ -12,5 +12,5 @@ What the scripts share lives in :mod:`bench.harness` (service launching, timing,
 CPU pinning); :mod:`bench.plots` draws the figures; :mod:`bench.doubles` holds the ``blank``
 pipeline the transport benchmark registers (decoding off, with no hook in the product);
 :mod:`bench.models` is the GPU benchmark's network.
-A service in its own process comes from :mod:`tests.support.service`, the same helper the tests use.
+A service in its own process comes from :mod:`testkit.service`, the same helper the tests use.
 """

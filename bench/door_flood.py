@@ -20,8 +20,8 @@ import psutil
 import zmq
 
 from bench.harness import command, machine, table_head, table_row
-from tests.support.helpers import dealer
-from tests.support.service import ServiceProcess
+from testkit.helpers import dealer
+from testkit.service import ServiceProcess
 from wire import protocol as P
 from wire.jobspec import JobSpec
 

@@ -24,7 +24,7 @@ from typing import List, Optional
 from bench.harness import command, save_json, forever, table_head, table_row
 from bench.replicas import _serve
 from client import RemoteLoader
-from tests.support.dns import DnsServer, port_free_on
+from testkit.dns import DnsServer, port_free_on
 
 NAME = "loader-fleet"
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")

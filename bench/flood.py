@@ -28,7 +28,7 @@ from typing import List, Optional
 import psutil
 
 from bench.harness import command, log, machine, raise_on_sigterm, table_head, table_row
-from tests.support.service import ServiceProcess
+from testkit.service import ServiceProcess
 
 SERVICE_NOFILE = 20000  # the service's descriptor limit: 10,000 connections and room to spare
 

@@ -2,7 +2,7 @@
 CPU accounting, medians over runs, markdown tables, CPU pinning, the run's header facts.
 
 Scripts run from the repository root (``python -m bench.<name>``), where ``tests`` is a package
-too: the service process comes from :mod:`tests.support.service`, the helper the tests use.
+too: the service process comes from :mod:`testkit.service`, the helper the tests use.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 import psutil
 
-from tests.support.service import ROOT, ServiceProcess  # noqa: F401  (ROOT: the checkout, for the scripts)
+from testkit.service import ROOT, ServiceProcess  # noqa: F401  (ROOT: the checkout, for the scripts)
 
 START_TIMEOUT_S = 180.0  # for decode processes and the service to come up
 

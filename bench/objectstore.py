@@ -2,7 +2,7 @@
 
     python -m bench.objectstore [--objects 50] [--mb 4] [--runs 3]
 
-Starts moto's standalone S3 server on 127.0.0.1 (:class:`tests.support.stores.MotoServer`),
+Starts moto's standalone S3 server on 127.0.0.1 (:class:`testkit.stores.MotoServer`),
 uploads ``--objects`` objects of ``--mb`` MiB of random bytes, then, for each library, in this
 process, one request at a time (the way one decode process reads):
 
@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Tuple
 import psutil
 
 from bench.harness import command, log, machine, table_head, table_row
-from tests.support.stores import TEST_KEY, MotoServer
+from testkit.stores import TEST_KEY, MotoServer
 
 BUCKET = "bench"
 

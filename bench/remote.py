@@ -7,7 +7,7 @@ HTTP server, through the shard cache cold and warm (issue 29).
 The real-photo set (``python -m bench.photo_sets`` builds it) is packed once with ``loader-service
 pack --format webdataset`` into a temporary folder, then served three ways, each on 127.0.0.1:
 ``local`` (``--data FOLDER``, the page cache warm), ``s3`` (``python -m moto.server``,
-``tests.support.stores.MotoServer``) and ``http`` (``tests.support.stores.RangeHTTPServer``, a
+``testkit.stores.MotoServer``) and ``http`` (``testkit.stores.RangeHTTPServer``, a
 threaded server in this process, each response paced to ``--http-mbps``: a store farther away
 than loopback, where a download takes time rather than the CPU the decoders need). The cap is above the dataset. Each run starts a fresh service
 on an empty shard folder (the index, built by a first start, is kept: a restart reads no shard
@@ -52,7 +52,7 @@ from bench.harness import command, log, machine, raise_on_sigterm, save_json, st
 from client import RemoteLoader
 from loader_service.sources import open_path
 from loader_service.sources.remote.store import RemoteSettings
-from tests.support.stores import TEST_KEY, MotoServer, RangeHTTPServer
+from testkit.stores import TEST_KEY, MotoServer, RangeHTTPServer
 
 PHOTOS = os.path.expanduser("~/.cache/remote-loader/photos/imagenet")
 BUCKET = "bench"
@@ -216,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 def _counting_moto() -> MotoServer:
     try:
         return MotoServer(counting=True)
-    except TypeError:  # an older checkout's tests.support (the "before" run of --only-start)
+    except TypeError:  # an older checkout's testkit (the "before" run of --only-start)
         return MotoServer()
 
 
@@ -274,7 +274,7 @@ def folder_table(args, head: str) -> None:
 
 def start_table(args, head: str) -> None:
     """Time to first batch on ``--start-shards`` small shards in moto, an empty cache each run."""
-    from tests.support.stores import write_shards
+    from testkit.stores import write_shards
 
     work = tempfile.mkdtemp(prefix="bench-remote-start-")
     rows: Dict[str, List[dict]] = {}

@@ -33,7 +33,7 @@ from typing import List, Optional
 
 from bench.harness import command, save_json, median_of, table_head, table_row
 from client import RemoteLoader
-from tests.support.service import free_port
+from testkit.service import free_port
 
 
 def _serve(port: int, workers: int, delay_s: float, demo_size: int, data: Optional[str], ready, stop,
@@ -44,7 +44,7 @@ def _serve(port: int, workers: int, delay_s: float, demo_size: int, data: Option
     from loader_service.service import Service
     from loader_service.sources import open_path
     from loader_service.sources.demo import ensure_demo
-    from tests.support.fault_source import FaultSource
+    from testkit.fault_source import FaultSource
 
     logging.basicConfig(level=logging.WARNING)
     src = open_path(data) if data else ensure_demo(demo_size, quiet=True)

@@ -22,7 +22,7 @@ import urllib.request
 
 from bench.harness import command, table_head, table_row
 from client import RemoteLoader
-from tests.support.service import ServiceProcess, free_port
+from testkit.service import ServiceProcess, free_port
 
 
 def latencies(url: str, n: int) -> list:

@@ -19,7 +19,7 @@ import threading
 import time
 
 from client import RemoteLoader
-from tests.support.service import ServiceProcess, free_port
+from testkit.service import ServiceProcess, free_port
 from wire.plan import epoch_permutation
 
 EVENTS = ("kill_worker", "scale", "restart_client", "restart_service_kill", "restart_service_term")

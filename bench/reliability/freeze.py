@@ -18,7 +18,7 @@ import time
 
 from bench.harness import table_head, table_row
 from client import RemoteLoader
-from tests.support.service import ServiceProcess, free_port
+from testkit.service import ServiceProcess, free_port
 
 POINTS = {"start": 1 / 15, "middle": 7 / 15, "end": 14 / 15}  # share of each rank's epoch taken first
 

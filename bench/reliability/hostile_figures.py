@@ -19,10 +19,9 @@ import psutil  # noqa: E402
 
 from bench.harness import table_head, table_row  # noqa: E402
 from client import LoaderError, RemoteLoader  # noqa: E402
-from tests.support.service import ServiceProcess, free_port  # noqa: E402
-from tests.e2e.test_http_limits import half_open  # noqa: E402
-from tests.e2e.test_pool_hygiene import _workers, _zombies  # noqa: E402
-from tests.e2e.test_rogue_peer import CLAIM, RoguePeer  # noqa: E402
+from testkit.service import ServiceProcess, free_port  # noqa: E402
+from testkit.hostile import CLAIM, RoguePeer, half_open  # noqa: E402
+from testkit.hostile import workers as _workers, zombies as _zombies  # noqa: E402
 
 N = 240
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tests.support.bench import run_bench
-from tests.support.dns import dnsmasq_or_skip
+from testkit.bench import run_bench
+from testkit.dns import dnsmasq_or_skip
 
 
 @pytest.mark.slow

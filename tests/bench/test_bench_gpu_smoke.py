@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.support.bench import ROOT, run_bench
+from testkit.bench import ROOT, run_bench
 
 SCRIPT = "bench.gpu"
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.support.bench import ROOT, run_bench
+from testkit.bench import ROOT, run_bench
 
 SCRIPT = "bench.throughput"
 

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from bench import harness
-from tests.support.service import ROOT
+from testkit.service import ROOT
 
 
 def test_tables_are_markdown_with_the_alignment_asked_for():

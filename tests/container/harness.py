@@ -40,7 +40,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from tests.support.service import free_port
+from testkit.service import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("LOADER_CONTAINER_CACHE")

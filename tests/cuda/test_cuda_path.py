@@ -203,7 +203,7 @@ def test_breaking_out_and_closing_never_hangs(service):
 # ------------------------------------------------------------------------------ several outputs
 def test_every_output_of_a_pipeline_is_copied_and_normalized_as_on_the_cpu(make_service):
     """Each output gets its own pinned slot and copy; normalize applies to the outputs named."""
-    svc = make_service(pipeline=("two=tests.support.pipeline_doubles:two_views",))
+    svc = make_service(pipeline=("two=testkit.pipeline_doubles:two_views",))
     kw = dict(batch_size=16, seed=3, pipeline="two", pipeline_args={"size": 32}, normalize=["big"])
     with RemoteLoader(svc.endpoint, **kw) as cpu:
         want = [{k: v.clone() for k, v in {**b.outputs, "labels": b.labels}.items()} for b in cpu]

@@ -27,7 +27,7 @@ from dataclasses import fields
 import pytest
 
 from loader_service.config import ServiceConfig
-from tests.support.deploy import (  # noqa: F401 (what this module and its tests use)
+from testkit.deploy import (  # noqa: F401 (what this module and its tests use)
     BASE, CLUSTER_SCOPED, K8S, OVERLAY, ROOT, Unsupported, _ComposeLoader, _KUSTOMIZATION_KEYS, _VAR, _compose, _containers, _key, _merge, _one, _split_image, interpolate, render, yaml)
 
 

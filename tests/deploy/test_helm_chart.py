@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.deploy.test_deploy import K8S_VERSIONS, _normalize
-from tests.support.deploy import BASE, K8S, OVERLAY, ROOT, render, yaml
+from testkit.deploy import BASE, K8S, OVERLAY, ROOT, render, yaml
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) missing")
 

@@ -17,7 +17,7 @@ import pytest
 
 from loader_service.control.autoscale import AutoscalePolicy
 from tests.deploy.test_deploy import K8S_VERSIONS, _exported_metrics
-from tests.support.deploy import K8S, ROOT, _key, render, yaml
+from testkit.deploy import K8S, ROOT, _key, render, yaml
 
 KEDA, HPA = K8S / "overlays" / "stall-keda", K8S / "overlays" / "stall-hpa"
 ADAPTER = ROOT / "deploy" / "prometheus" / "adapter-rules.yaml"

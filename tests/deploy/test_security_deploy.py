@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.deploy import BASE, OVERLAY, _compose, _key, _one, interpolate, render
+from testkit.deploy import BASE, OVERLAY, _compose, _key, _one, interpolate, render
 
 
 def test_compose_publishes_on_loopback_unless_told():

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 
 
 @pytest.mark.parametrize("script", ["install.sh", "run-tests.sh", ".ci/run"])

@@ -9,13 +9,13 @@ import subprocess
 
 import pytest
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 
 README = os.path.join(REPO_ROOT, "README.md")
 CODE = (".py", ".c", ".h", ".sh")
 NOT_NAMED = {"__init__.py", "__main__.py", "conftest.py"}  # every package has them; the map names what differs
 # top-level folders whose every module the map names (tests/ by its folders: test files are many)
-MAPPED = ("wire", "loader_service", "client", "bench", "examples", "tests/support")
+MAPPED = ("wire", "loader_service", "client", "bench", "examples", "testkit")
 
 
 def _sections() -> dict:
@@ -41,8 +41,6 @@ def _tracked(folder: str) -> list:
 
 
 def _section_of(folder: str, sections: dict) -> str:
-    if folder.startswith("tests/"):
-        return sections["tests"]
     return sections[folder]
 
 
@@ -64,8 +62,6 @@ def test_every_module_the_map_names_exists_in_its_folder():
     wrong = []
     for folder in MAPPED:
         names = {os.path.basename(p) for p in _tracked(folder)} | NOT_NAMED
-        if folder.startswith("tests/"):  # the tests section names test folders and support/'s modules
-            names |= {os.path.basename(p) for p in _tracked("tests")}
         for name in set(re.findall(r"(?<![\w./])(\w+\.(?:py|c|h|sh))\b", _section_of(folder, sections))):
             if name not in names:
                 wrong.append(f"{folder}/: {name}")
@@ -74,7 +70,7 @@ def test_every_module_the_map_names_exists_in_its_folder():
 
 def test_the_map_lists_the_top_level_folders_and_the_test_folders():
     sections = _sections()
-    for folder in ("wire", "loader_service", "client", "tests", "bench", "examples", "deploy"):
+    for folder in ("wire", "loader_service", "client", "tests", "testkit", "bench", "examples", "deploy"):
         assert folder in sections and os.path.isdir(os.path.join(REPO_ROOT, folder)), folder
     tests_text = sections["tests"]
     test_dirs = sorted(d for d in os.listdir(os.path.join(REPO_ROOT, "tests"))

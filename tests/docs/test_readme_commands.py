@@ -5,7 +5,7 @@ try)."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 import glob
 import os
 import re

@@ -8,7 +8,7 @@ import os
 import re
 import stat
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 
 
 def _read(*parts: str) -> str:

@@ -15,8 +15,8 @@ import pytest
 
 from loader_service.control import auth
 from loader_service.control.auth import resolve_token
-from tests.support.paths import REPO_ROOT
-from tests.support.service import ServiceProcess, free_port
+from testkit.paths import REPO_ROOT
+from testkit.service import ServiceProcess, free_port
 
 
 @pytest.fixture

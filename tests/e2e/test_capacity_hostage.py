@@ -13,7 +13,7 @@ import pytest
 from client import LoaderTimeout, RemoteLoader
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, status, wait_for
+from testkit.helpers import collect, indices_of, status, wait_for
 
 KW = dict(batch_size=32, image_size=64, prefetch=4, epoch_lookahead=False)  # 4 x 384 KiB = 1.5 MiB of slots
 SLOTS = 4 * 32 * 64 * 64 * 3

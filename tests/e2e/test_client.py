@@ -124,7 +124,7 @@ def test_stats_count_batches_samples_bytes_and_stall(service):
 
 
 def test_stall_reaches_the_service(service):
-    from tests.support.helpers import status
+    from testkit.helpers import status
 
     with RemoteLoader(service.endpoint, batch_size=16, image_size=32, prefetch=2) as ld:
         list(ld)
@@ -166,7 +166,7 @@ def test_a_new_iter_ends_the_previous_pass_and_starts_the_epoch_again(service):
     """As a DataLoader: a framework that leaves a pass after its batch limit (Lightning's sanity
     check, limit_val_batches) iterates the loader again. The new pass is the whole epoch from its
     first batch; the old iterator is ended, and using it says so instead of ending silently."""
-    from tests.support.helpers import status
+    from testkit.helpers import status
 
     with RemoteLoader(service.endpoint, **KW) as ld:
         first = iter(ld)

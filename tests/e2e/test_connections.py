@@ -6,7 +6,7 @@ The dispatcher learns of disconnects from a socket monitor that names the connec
 and of messages from the ROUTER, each tagged with its connection's fd (SRCFD). A client that
 leaves and a new one that arrives at once get the same fd number, and the new one's Hello can
 be read before the monitor's report of the old one's disconnect. Here the state is driven by
-hand (tests/support/dispatcher.py), with monitor events fed in that exact order: the disconnect
+hand (testkit/dispatcher.py), with monitor events fed in that exact order: the disconnect
 must not drop the new client.
 """
 
@@ -22,7 +22,7 @@ from wire import protocol as P
 from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
 
-from tests.support.dispatcher import FD, close, deliver, loopless, sent_to
+from testkit.dispatcher import FD, close, deliver, loopless, sent_to
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ the dataset has them, and the demo command runs where torch cannot be imported."
 
 from __future__ import annotations
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 import io
 import os
 import subprocess

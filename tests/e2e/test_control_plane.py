@@ -1,6 +1,6 @@
 """REST control plane: live scaling keeps exactly-once, auth, validation, metrics, autoscaler."""
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 import itertools
 import json
 import os
@@ -22,7 +22,7 @@ from client import RemoteLoader
 from loader_service.control.http_api import scale_request_model
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import status, wait_for
+from testkit.helpers import status, wait_for
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

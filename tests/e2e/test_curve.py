@@ -20,7 +20,7 @@ from loader_service.dispatch.curve import RefusalLog
 from wire.keys import make_keys
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, status, wait_for
+from testkit.helpers import collect, indices_of, status, wait_for
 
 FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
 

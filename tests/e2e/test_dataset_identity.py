@@ -11,7 +11,7 @@ import pytest
 from client import LoaderError, RemoteLoader
 
 from tests.conftest import write_imagefolder
-from tests.support.helpers import status, wait_for
+from testkit.helpers import status, wait_for
 
 # prefetch=1: after 2 batches taken, at most one more can be in flight, so the rest of the epoch
 # must come from the restarted service (with the default window the whole epoch could already be here)

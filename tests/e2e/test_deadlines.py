@@ -23,11 +23,11 @@ import httpx
 import pytest
 
 from client import LoaderError, LoaderTimeout, RemoteLoader
-from tests.support.fault_source import FaultSource
-from tests.support.service import ROOT, free_port
+from testkit.fault_source import FaultSource
+from testkit.service import ROOT, free_port
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, status, wait_for
+from testkit.helpers import collect, indices_of, status, wait_for
 
 KW = dict(batch_size=16, image_size=32, shuffle=True, seed=3, timeout=60, epoch_lookahead=False)
 

@@ -2,7 +2,7 @@
 their header with the file named, truncated JPEGs are errors under both on_error policies, and a
 worker's memory stays bounded."""
 
-from tests.support.paths import TEST_DATA
+from testkit.paths import TEST_DATA
 import os
 import struct
 import zlib
@@ -13,7 +13,7 @@ import pytest
 from client import LoaderError, RemoteLoader
 
 from tests.conftest import write_imagefolder
-from tests.support.helpers import collect, indices_of, status
+from testkit.helpers import collect, indices_of, status
 
 PHOTO = os.path.join(TEST_DATA, "grace_hopper.jpg")
 

@@ -19,7 +19,7 @@ from wire import protocol as P
 from wire.jobspec import JobSpec
 
 from tests.conftest import DEMO_SIZE, write_imagefolder
-from tests.support.helpers import collect, dealer, indices_of, status, wait_for
+from testkit.helpers import collect, dealer, indices_of, status, wait_for
 
 BIG = JobSpec(batch_size=64, image_size=128)  # 3 MiB a slot
 SMALL = dict(batch_size=16, image_size=32, prefetch=2, epoch_lookahead=False)

@@ -8,7 +8,7 @@ import pytest
 from client import LoaderError, RemoteLoader
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, run_ranks
+from testkit.helpers import collect, run_ranks
 
 N = DEMO_SIZE  # 240
 KW = dict(image_size=32, seed=11, epoch_lookahead=False)
@@ -90,7 +90,7 @@ def test_a_shuffle_window_resumes_at_another_shape_exactly_once(make_service, tm
     global order (the service uses the shards' blocks), and a resume at another world size and batch
     size serves exactly the rest; the state names the window."""
     from loader_service.sources import open_path
-    from tests.support.stores import write_shards
+    from testkit.stores import write_shards
     from wire.plan import PlanSpec, epoch_order
 
     shards, per_shard, window = 10, 6, 3

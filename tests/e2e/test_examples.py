@@ -3,7 +3,7 @@ stopped mid-epoch and started again from its checkpoint; every sample of every e
 on exactly once across ranks and restarts. Works with 0, 1 or several GPUs: two ranks use one
 GPU each where the machine has two, else the CPU (gloo); one rank uses the GPU where there is one."""
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 import importlib.util
 import json
 import os

@@ -1,6 +1,6 @@
 """Faults and bad input: nothing lost, nothing doubled, clear errors, no hangs."""
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 import json
 import os
 import random
@@ -18,11 +18,11 @@ import zmq
 from client import LoaderError, RemoteLoader
 from wire import protocol as P
 from wire.jobspec import JobSpec
-from tests.support.fault_source import FaultSource
-from tests.support.service import ServiceProcess, free_port
+from testkit.fault_source import FaultSource
+from testkit.service import ServiceProcess, free_port
 
 from tests.conftest import DEMO_SIZE, write_imagefolder
-from tests.support.helpers import collect, indices_of, status, wait_for
+from testkit.helpers import collect, indices_of, status, wait_for
 
 ROOT = REPO_ROOT
 KW = dict(batch_size=8, image_size=32, seed=4)

@@ -8,7 +8,7 @@ from client import RemoteLoader
 from loader_service.sources import demo
 
 from tests.conftest import write_imagefolder
-from tests.support.helpers import collect, indices_of
+from testkit.helpers import collect, indices_of
 
 
 def test_demo_is_not_served_beside_a_users_dataset(make_service, tmp_path, caplog):

@@ -17,10 +17,10 @@ from client import LoaderTimeout, RemoteLoader
 from client.replica import Replica
 
 from tests.conftest import DEMO_SIZE
-from tests.support.dns import DnsServer, port_free_on
-from tests.support.helpers import collect, status
-from tests.support.proxy import Stranger
-from tests.support.service import ServiceProcess
+from testkit.dns import DnsServer, port_free_on
+from testkit.helpers import collect, status
+from testkit.proxy import Stranger
+from testkit.service import ServiceProcess
 
 NAME = "loader-fleet"
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")

@@ -14,8 +14,8 @@ import pytest
 
 from client import RemoteLoader
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, status, wait_for
-from tests.support.service import ServiceProcess
+from testkit.helpers import collect, indices_of, status, wait_for
+from testkit.service import ServiceProcess
 
 HELD = 300
 

@@ -16,11 +16,11 @@ import pytest
 from client import LoaderTimeout, RemoteLoader
 from client.lookahead import Lookahead
 from loader_service.shm import sweep_stale
-from tests.support.proxy import Listener, pump
-from tests.support.service import ServiceProcess, free_port
+from testkit.proxy import Listener, pump
+from testkit.service import ServiceProcess, free_port
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, status, wait_for
+from testkit.helpers import collect, indices_of, status, wait_for
 
 N = DEMO_SIZE
 

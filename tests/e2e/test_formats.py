@@ -29,7 +29,7 @@ from loader_service.sources.webdataset import ShardError, WebDatasetSource
 from loader_service.decode.transforms import decode
 
 from tests.conftest import write_imagefolder
-from tests.support.helpers import collect, indices_of, run_ranks
+from testkit.helpers import collect, indices_of, run_ranks
 
 h5py = pytest.importorskip("h5py")
 
@@ -581,18 +581,18 @@ print("opened:", type(src).__name__, len(src), src.read(3) == src.inner.read(3))
 
 def test_a_source_kind_registered_outside_the_package_reaches_a_fresh_process(demo_source):
     """What a spawned worker does: a kind the service registered from its own module (here the
-    fault double of tests/support) is unknown to a fresh interpreter until it imports the
+    fault double of testkit) is unknown to a fresh interpreter until it imports the
     modules ``kind_modules`` names; then the spec opens."""
     import subprocess
     import sys
 
     from loader_service.sources.base import kind_modules
-    from tests.support.fault_source import FaultSource
-    from tests.support.service import ROOT
+    from testkit.fault_source import FaultSource
+    from testkit.service import ROOT
 
     spec = FaultSource(demo_source, crash=[7]).spec()
     modules = kind_modules([spec, demo_source.spec()])
-    assert "tests.support.fault_source" in modules
+    assert "testkit.fault_source" in modules
     out = subprocess.run([sys.executable, "-c", KIND_IN_A_FRESH_PROCESS], input=pickle.dumps((spec, modules)),
                          capture_output=True, cwd=ROOT, timeout=120,
                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))

@@ -11,7 +11,7 @@ from loader_service.sources.detect import open_path
 from loader_service.sources.files import read_regular
 
 from tests.conftest import write_imagefolder
-from tests.support.helpers import collect, indices_of, status
+from testkit.helpers import collect, indices_of, status
 
 CAP = 1 << 20  # max_sample_bytes in these tests
 

@@ -1,7 +1,6 @@
 """Hostile REST clients cost bounded descriptors, time, memory and log lines: slowloris,
 connection floods, huge bodies, non-finite numbers."""
 
-import json
 import socket
 import threading
 
@@ -11,19 +10,13 @@ import pytest
 
 from client import RemoteLoader
 from loader_service.control.http_limits import RateLimitFilter
-from tests.support.service import ServiceProcess, free_port
+from testkit.service import ServiceProcess, free_port
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, wait_for
+from testkit.helpers import collect, indices_of, wait_for
+from testkit.hostile import half_open
 
 TOKEN = {"Authorization": "Bearer secret"}
-HALF_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: "  # headers never end
-
-
-def half_open(port: int, timeout: float = 10.0) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    s.sendall(HALF_REQUEST)
-    return s
 
 
 def closed_by_server(s: socket.socket) -> bytes:

@@ -11,7 +11,7 @@ from client import LoaderError, RemoteLoader
 from client.loader import default_job
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, status
+from testkit.helpers import collect, indices_of, status
 
 N = DEMO_SIZE
 KW = dict(batch_size=16, image_size=32, seed=3, epoch_lookahead=False)

@@ -15,8 +15,8 @@ from loader_service.cli.main import main as cli_main
 from loader_service.sources.remote.webdataset import INDEX_FILE
 from loader_service.sources.webdataset import LABEL_MAP_NAME
 from tests.conftest import write_imagefolder
-from tests.support.helpers import collect, indices_of
-from tests.support.stores import moto_with_test_key
+from testkit.helpers import collect, indices_of
+from testkit.stores import moto_with_test_key
 
 CLASSES, PER_CLASS, SHARD_SIZE = 3, 6, 4
 N = CLASSES * PER_CLASS

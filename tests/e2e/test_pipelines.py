@@ -14,12 +14,12 @@ from loader_service.decode.pipelines import Item, Registry, run_one
 from loader_service.service import Service
 from loader_service.decode.transforms import sample_rng
 
-from tests.support import pipeline_doubles as D
+from testkit import pipeline_doubles as D
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of
+from testkit.helpers import collect, indices_of
 
-DOUBLES = ("two=tests.support.pipeline_doubles:two_views", "returns=tests.support.pipeline_doubles:returns_arrays",
-           "raises=tests.support.pipeline_doubles:raises")
+DOUBLES = ("two=testkit.pipeline_doubles:two_views", "returns=testkit.pipeline_doubles:returns_arrays",
+           "raises=testkit.pipeline_doubles:raises")
 
 
 def expected_outputs(source, name: str, args: dict, seed: int, epoch: int, index: int) -> dict:
@@ -99,9 +99,9 @@ def refused(make_service, pipeline: str, args: dict) -> LoaderError:
 
 @pytest.mark.parametrize("entry, message", [
     ("x=no_such_module_here:make", "pipeline 'x': module 'no_such_module_here' does not import: ModuleNotFoundError"),
-    ("x=tests.support.pipeline_doubles:missing", "pipeline 'x': module 'tests.support.pipeline_doubles' has no 'missing'"),
-    ("x=tests.support.pipeline_doubles", "expected NAME=MODULE:CALLABLE"),
-    ("train=tests.support.pipeline_doubles:raises", "the name 'train' is already taken (built in)"),
+    ("x=testkit.pipeline_doubles:missing", "pipeline 'x': module 'testkit.pipeline_doubles' has no 'missing'"),
+    ("x=testkit.pipeline_doubles", "expected NAME=MODULE:CALLABLE"),
+    ("train=testkit.pipeline_doubles:raises", "the name 'train' is already taken (built in)"),
 ])
 def test_a_pipeline_that_cannot_load_stops_the_service_from_starting(entry, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -15,31 +15,11 @@ import psutil
 
 from client import RemoteLoader
 from loader_service import shm
-from tests.support.service import ROOT, ServiceProcess, free_port
+from testkit.service import ROOT, ServiceProcess, free_port
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, status, wait_for
-
-
-def _workers(proc: psutil.Process) -> list:
-    out = []
-    for p in proc.children():
-        try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
-def _zombies(proc: psutil.Process) -> int:
-    n = 0
-    for p in proc.children():
-        try:
-            n += p.status() == psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            pass
-    return n
+from testkit.helpers import collect, indices_of, status, wait_for
+from testkit.hostile import workers as _workers, zombies as _zombies
 
 
 def test_scale_storm_while_streaming_leaves_no_zombies_no_fds_and_starts_no_burst(demo_source):
@@ -104,7 +84,7 @@ SERVE_WITH_UNOPENABLE_DATA = textwrap.dedent("""
     import sys
     from loader_service import service
     from loader_service.cli.main import main
-    from tests.support.fault_source import FaultSource
+    from testkit.fault_source import FaultSource
     real = service.open_datasets
     # the test double: every worker fails to open the dataset, as in a container without the mount
     service.open_datasets = lambda config: {n: FaultSource(s, unopenable=True) for n, s in real(config).items()}

@@ -11,7 +11,7 @@ import pytest
 
 from loader_service.sources import open_path
 from loader_service.sources.remote.store import RemoteSettings
-from tests.support.stores import RangeHTTPServer, shard_set
+from testkit.stores import RangeHTTPServer, shard_set
 
 SHARDS, PER_SHARD, PAD = 3, 6, 2000
 

@@ -12,8 +12,8 @@ import pytest
 
 from loader_service.sources import open_path
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
-from tests.support.service import free_port
-from tests.support.stores import TEST_KEY, MotoServer, RangeHTTPServer, shard_set
+from testkit.service import free_port
+from testkit.stores import TEST_KEY, MotoServer, RangeHTTPServer, shard_set
 
 CAUSES = {
     "no bucket": "s3://nobucket/train/: listing bucket not found",

@@ -2,7 +2,7 @@
 ``--cache-max-gb``, each image GET once, then every later epoch served with no GET; a unit damaged
 on disk or left half-written by a killed process is never used; a cap below the dataset reads
 straight from the store. Against moto's S3 server on loopback, behind a counter of the GETs it
-serves (:class:`tests.support.stores.MotoServer` with ``counting``)."""
+serves (:class:`testkit.stores.MotoServer` with ``counting``)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from loader_service.sources.imagefolder import ImageFolderSource
 from loader_service.sources.remote import imagefolder
 from loader_service.sources.remote.cache import PART
 from loader_service.sources.remote.store import RemoteSettings
-from tests.support.helpers import collect, indices_of, status
-from tests.support.stores import TEST_KEY, MotoServer, write_image_folder
+from testkit.helpers import collect, indices_of, status
+from testkit.stores import TEST_KEY, MotoServer, write_image_folder
 
 FILES = {f"{c}/{i:02d}.jpg": k * 100 + i for k, c in enumerate(("cat", "dog", "emu")) for i in range(10)}
 N = len(FILES)

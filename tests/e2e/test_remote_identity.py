@@ -12,7 +12,7 @@ import pytest
 from client import LoaderError, RemoteLoader
 from loader_service.sources import open_path
 from loader_service.sources.remote.store import RemoteSettings
-from tests.support.stores import TEST_KEY, MotoServer, write_shards
+from testkit.stores import TEST_KEY, MotoServer, write_shards
 
 SHARDS, PER_SHARD = 4, 8
 # prefetch=1: after 2 batches at most one more is in flight, so the rest must come from the restarted service

@@ -16,8 +16,8 @@ from loader_service.sources.imagefolder import ImageFolderSource
 from loader_service.sources.remote.imagefolder import RemoteImageFolderSource
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
 from loader_service.sources.remote.webdataset import RemoteWebDatasetSource
-from tests.support.helpers import collect, indices_of, status
-from tests.support.stores import TEST_KEY, MotoServer, same_epoch_as_local, RangeHTTPServer, tiny_jpeg, write_image_folder, write_shards
+from testkit.helpers import collect, indices_of, status
+from testkit.stores import TEST_KEY, MotoServer, same_epoch_as_local, RangeHTTPServer, tiny_jpeg, write_image_folder, write_shards
 
 # nested folders, upper-case extensions, files beside images that are no samples, a hidden
 # folder and a top-level file (neither a class), a class with no image (still a class, as locally)

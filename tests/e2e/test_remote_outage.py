@@ -14,8 +14,8 @@ import pytest
 from client import RemoteLoader
 from loader_service.sources import open_path
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
-from tests.support.helpers import collect, indices_of, status, wait_for
-from tests.support.stores import RangeHTTPServer, shard_set
+from testkit.helpers import collect, indices_of, status, wait_for
+from testkit.stores import RangeHTTPServer, shard_set
 
 SHARDS, PER_SHARD, PAD = 5, 8, 3000
 N = SHARDS * PER_SHARD

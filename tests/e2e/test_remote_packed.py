@@ -15,7 +15,7 @@ from loader_service.sources.packed import PackedSource, write_packed
 from loader_service.sources.remote.packed import RemotePackedSource
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
 from loader_service.sources.remote.webdataset import RemoteWebDatasetSource
-from tests.support.stores import TEST_KEY, MotoServer, same_epoch_as_local, RangeHTTPServer, tiny_jpeg, write_shards
+from testkit.stores import TEST_KEY, MotoServer, same_epoch_as_local, RangeHTTPServer, tiny_jpeg, write_shards
 
 N = 20
 CLASSES = ["a", "b", "c"]

@@ -11,8 +11,8 @@ import pytest
 
 from client import RemoteLoader
 from loader_service.sources.packed import write_packed
-from tests.support.helpers import collect, indices_of, status
-from tests.support.stores import TEST_KEY, MotoServer, RangeHTTPServer, tiny_jpeg, write_image_folder
+from testkit.helpers import collect, indices_of, status
+from testkit.stores import TEST_KEY, MotoServer, RangeHTTPServer, tiny_jpeg, write_image_folder
 
 THROTTLED = 5
 KW = dict(batch_size=4, image_size=16, seed=5)

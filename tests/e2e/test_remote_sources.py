@@ -16,8 +16,8 @@ from loader_service.sources import open_path
 from loader_service.sources.remote.cache import PART
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
 from loader_service.sources.remote.webdataset import OPEN_SHARDS
-from tests.support.helpers import collect, indices_of, status
-from tests.support.stores import TEST_KEY, Blackhole, MotoServer, RangeHTTPServer, shard_set, write_shards
+from testkit.helpers import collect, indices_of, status
+from testkit.stores import TEST_KEY, Blackhole, MotoServer, RangeHTTPServer, shard_set, write_shards
 
 SHARDS, PER_SHARD, PAD = 5, 8, 3000
 N = SHARDS * PER_SHARD

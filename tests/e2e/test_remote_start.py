@@ -17,8 +17,8 @@ from client import RemoteLoader
 from loader_service.sources import open_path
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
 from loader_service.sources.remote.webdataset import INDEX_FILE, write_index_file
-from tests.support.helpers import collect, indices_of
-from tests.support.stores import TEST_KEY, MotoServer, shard_set
+from testkit.helpers import collect, indices_of
+from testkit.stores import TEST_KEY, MotoServer, shard_set
 
 SHARDS, PER_SHARD = 12, 5
 N = SHARDS * PER_SHARD

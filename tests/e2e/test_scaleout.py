@@ -8,10 +8,10 @@ import socket
 import pytest
 
 from client import LoaderError, RemoteLoader, resolve_endpoints
-from tests.support.service import ServiceProcess, free_port
+from testkit.service import ServiceProcess, free_port
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, status
+from testkit.helpers import collect, indices_of, status
 
 KW = dict(batch_size=8, image_size=32, seed=6)
 

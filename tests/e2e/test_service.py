@@ -1,6 +1,6 @@
 """End-to-end invariants of the data plane, against a live service on loopback."""
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 import os
 import subprocess
 import sys
@@ -19,7 +19,7 @@ from wire.plan import PlanSpec, epoch_permutation, make_plan
 from loader_service.shm import list_segments
 
 from tests.conftest import DEMO_SIZE, write_imagefolder
-from tests.support.helpers import collect, image_array, indices_of, run_ranks, status, wait_for
+from testkit.helpers import collect, image_array, indices_of, run_ranks, status, wait_for
 
 N = DEMO_SIZE
 KW = dict(batch_size=16, image_size=32, seed=5)

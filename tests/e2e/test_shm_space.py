@@ -8,7 +8,7 @@ namespace."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 import errno
 import logging
 import os
@@ -101,7 +101,7 @@ needs_mount_ns = pytest.mark.skipif(not _unshare_ok(), reason="needs a private m
 SCRIPT = textwrap.dedent("""
     import sys, urllib.request
     from client import LoaderError, RemoteLoader
-    from tests.support.service import ServiceProcess, free_port
+    from testkit.service import ServiceProcess, free_port
     svc = ServiceProcess(free_port(), ["--demo", "--demo-size", "256", "--workers", "1"])
     try:
         with RemoteLoader(svc.endpoint, batch_size=8, image_size=32, prefetch=2, timeout=60) as ld:

@@ -11,9 +11,9 @@ import pytest
 from client import LoaderError, LoaderTimeout, RemoteLoader
 
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import wait_for
-from tests.support.proxy import Proxy, Stranger
-from tests.support.service import ServiceProcess, free_port
+from testkit.helpers import wait_for
+from testkit.proxy import Proxy, Stranger
+from testkit.service import ServiceProcess, free_port
 
 KW = dict(batch_size=8, image_size=32, seed=4, prefetch=1, epoch_lookahead=False)
 DOWN_S = 2.5  # how long the service stays away in the restart stories (the scenario, not a wait)

@@ -12,7 +12,7 @@ import pytest
 
 from client import RemoteLoader
 from tests.conftest import DEMO_SIZE
-from tests.support.helpers import collect, indices_of, status, wait_for
+from testkit.helpers import collect, indices_of, status, wait_for
 
 PROCS, SOCKETS = 4, 50  # 200 Hellos, as in the issue
 

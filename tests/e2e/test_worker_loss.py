@@ -11,7 +11,7 @@ from wire import protocol as P
 from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
 
-from tests.support.dispatcher import close, deliver, loopless
+from testkit.dispatcher import close, deliver, loopless
 
 
 @pytest.fixture

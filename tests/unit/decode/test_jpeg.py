@@ -14,7 +14,7 @@ import simplejpeg
 
 from loader_service.decode import jpeg as J
 from loader_service.decode import transforms as T
-from tests.support.jpegs import PHOTO, _pil, _restart_markers, bomb_jpeg, photo, variants  # noqa: F401 (fixtures)
+from testkit.jpegs import PHOTO, _pil, _restart_markers, bomb_jpeg, photo, variants  # noqa: F401 (fixtures)
 
 native = pytest.mark.skipif(J._jpegroi is None, reason="the native kernel is not built (pip install -e .)")
 

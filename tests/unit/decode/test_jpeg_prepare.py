@@ -6,7 +6,7 @@ The JPEG variants (grey, CMYK, progressive, restart markers, 4:4:4, 4:2:2, odd-s
 the real photo are tests/unit/decode/test_jpeg.py's.
 """
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 import os
 import shutil
 import subprocess
@@ -21,7 +21,7 @@ from loader_service.decode import jpeg_prepare as JP
 from loader_service.cli.main import main as cli_main
 
 from tests.conftest import write_imagefolder
-from tests.support.jpegs import bomb_jpeg, photo, variants  # noqa: F401 (fixtures)
+from testkit.jpegs import bomb_jpeg, photo, variants  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(not JP.available(), reason="the _jpegprep extension is not built (pip install -e .)")
 ROOT = REPO_ROOT

@@ -40,7 +40,7 @@ class Dataset:
 @pytest.fixture
 def admission() -> Admission:
     return Admission({"demo": Dataset("demo", 22), "other": Dataset("other", 8)},
-                     Registry(["views=tests.support.pipeline_doubles:two_views"]), StreamLimits(on_error="skip"))
+                     Registry(["views=testkit.pipeline_doubles:two_views"]), StreamLimits(on_error="skip"))
 
 
 def hello(stream: int = 1, spec: JobSpec = SPEC, **kw) -> P.Hello:

@@ -2,7 +2,7 @@
 
 The pure checks first; then a hypothesis state machine that drives the real
 :class:`~loader_service.dispatch.state.DispatchState` through its one door (no zmq, no loop, no
-processes: tests/support/dispatcher.py) with every message type a client can send, well-formed
+processes: testkit/dispatcher.py) with every message type a client can send, well-formed
 or not, while streams wait for memory, run, are caught up, lend their slots, starve and end;
 two workers take tasks as the state hands them out and finish, fail or lose them at random,
 libzmq lets go of sent batches in any order, time passes past deadlines and reclaim times.
@@ -30,7 +30,7 @@ from loader_service.config import ServiceConfig
 from loader_service.dispatch import door
 from loader_service.dispatch.door import MAY_BECOME, Asked, Life
 from loader_service.dispatch.streams import Stream
-from tests.support.dispatcher import close, deliver, loopless
+from testkit.dispatcher import close, deliver, loopless
 
 
 def _asked(**kw) -> Asked:

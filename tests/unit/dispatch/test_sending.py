@@ -22,7 +22,7 @@ TWO_VIEWS = {"big": (2, 16, 16, 3), "small": (8, 8), "stamp": (4,)}  # tests/pip
 
 
 def _named(outputs=TWO_VIEWS) -> JobPipeline:
-    return JobPipeline("views", "tests.support.pipeline_doubles:two_views", {}, Pipeline(outputs, lambda item, out: None), True)
+    return JobPipeline("views", "testkit.pipeline_doubles:two_views", {}, Pipeline(outputs, lambda item, out: None), True)
 
 
 def test_a_named_pipeline_lays_its_outputs_out_one_block_after_another():

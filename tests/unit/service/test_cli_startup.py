@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tests.support.paths import REPO_ROOT
-from tests.support.service import free_port
+from testkit.paths import REPO_ROOT
+from testkit.service import free_port
 
 HEAVY = ("numpy", "pydantic", "loader_service.config", "loader_service.cli.settings", "fastapi", "zmq")
 

@@ -4,7 +4,7 @@ classes, samples and order for the same tree."""
 from __future__ import annotations
 
 from loader_service.sources.imagefolder import ImageFolderSource, layout
-from tests.support.stores import write_image_folder
+from testkit.stores import write_image_folder
 
 NAMES = ["b/z.jpg", "b/sub/a.jpg", "b/a.PNG", "a/2.jpeg", "a/10.jpg", "a/x/y/z.jpg", "a/x/b.jpg", "a/notes.txt",
          ".git/c.jpg", "top.jpg", "c/readme.md", "b/sub2/q.webp"]

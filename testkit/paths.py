@@ -2,5 +2,5 @@
 
 import os
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_DATA = os.path.join(REPO_ROOT, "tests", "data")

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from typing import Dict, Optional
 
-from tests.support.service import free_port
+from testkit.service import free_port
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
@@ -50,10 +50,10 @@ class MotoServer:
         self.counting = counting
 
     def __enter__(self) -> "MotoServer":
-        argv = ([sys.executable, "-m", "tests.support.stores", str(self.port)] if self.counting else
+        argv = ([sys.executable, "-m", "testkit.stores", str(self.port)] if self.counting else
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)])
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
@@ -643,7 +643,7 @@ def same_epoch_as_local(make_service, local_path: str, url: str, s3: Optional[Mo
     import json
 
     from client import RemoteLoader
-    from tests.support.helpers import collect, indices_of, status
+    from testkit.helpers import collect, indices_of, status
 
     local = make_service(data=(local_path,), demo=False, workers=2)
     with RemoteLoader(local.endpoint, **kw) as ld:

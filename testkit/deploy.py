@@ -4,7 +4,7 @@ variables interpolated. Shared by the deployment and security tests."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO_ROOT
+from testkit.paths import REPO_ROOT
 import base64
 import copy
 import re

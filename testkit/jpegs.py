@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import simplejpeg
 
-from tests.support.paths import TEST_DATA
+from testkit.paths import TEST_DATA
 
 PHOTO = os.path.join(TEST_DATA, "grace_hopper.jpg")
 

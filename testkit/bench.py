@@ -9,7 +9,7 @@ import uuid
 import psutil
 import pytest
 
-from tests.support.paths import REPO_ROOT as ROOT
+from testkit.paths import REPO_ROOT as ROOT
 
 
 def _tagged_processes(tag: str) -> list:

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from typing import Dict, List, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_RE = re.compile(r"loader-service ready: data (tcp://\S+)\s+REST (http://\S+)")
 STOP_TIMEOUT_S = 30.0
 
