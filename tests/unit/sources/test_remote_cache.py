@@ -238,3 +238,13 @@ def test_urls(url, base, prefix, names):
 def test_bad_urls(url, why):
     with pytest.raises(ValueError, match=why):
         Location.parse(url)
+
+
+def test_an_etag_is_one_version_with_or_without_its_quotes():
+    """A store may list an object's ETag bare and send it quoted with the GET (fake-gcs-server
+    does; S3 quotes both): the same version, while another value is another version."""
+    from loader_service.sources.remote.store import etag_value, same_etag
+
+    assert same_etag('"9b2cf535f27731c974343645a3985328"', "9b2cf535f27731c974343645a3985328")
+    assert same_etag('W/"abc"', '"abc"') and etag_value(' "abc" ') == "abc"
+    assert not same_etag('"abc"', '"abd"') and not same_etag("abc", "")
