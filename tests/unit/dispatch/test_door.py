@@ -279,6 +279,27 @@ class DoorMachine(RuleBasedStateMachine):
                 assert m.code in (P.ErrorCode.NO_CAPACITY, P.ErrorCode.SAMPLE_FAILED) or not m.fatal, m
 
     @invariant()
+    def work_has_slots_and_nothing_waits_for_room_that_exists(self):
+        """The memory policy's own invariants (tests/unit/dispatch/test_memory.py checks them on
+        BatchMemory alone), here through the real DispatchState's glue."""
+        if self.d is None:
+            return
+        m, now = self.d.memory, self.d.now
+        for s in self.d.sessions.streams():
+            if s.state.tasks or s.state.made or s.state.sending:
+                assert s.segment is not None, f"stream {s.id} works without slots"
+            assert s.ident not in m.waiting, "streaming and waiting at once"
+        for s in m.starved:
+            assert s.segment is None
+        lendable = [s for s in self.d.sessions.streams() if s.segment is not None and s.state.settled
+                    and now - s.asked_at >= m.reclaim_idle_s]
+        free = m.max_bytes - m.in_use() + m.reserved() + sum(s.nbytes for s in lendable)
+        for o in m.waiting.values():
+            assert o.nbytes > free, "a new stream waits although there is room"
+        for s in m.starved:
+            assert s.nbytes > free, "a stream waits for its slots although there is room"
+
+    @invariant()
     def the_memory_s_counts_and_each_life_move_are_right(self):
         if self.d is None:
             return
