@@ -43,7 +43,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from loader_service import shm
 from loader_service.dispatch import heap
-from loader_service.dispatch.door import Life
+from loader_service.dispatch.door import MAY_BECOME, Life
 from loader_service.dispatch.streams import Opening, Stream
 from loader_service.shm import NoSpace, Segment
 
@@ -321,12 +321,13 @@ class BatchMemory:
         try:
             s.segment = self._acquire_lending(s.ident, s.nbytes, s.what, now)
         except NoCapacity:
-            if s not in self.starved:
+            if s.life is not Life.STARVED:
                 self.starved.append(s)
+                self._moved(s)
                 log.info("client %s stream %d waits for %.1f MiB of slots (in use by other jobs)",
                          s.ident.hex()[:12], s.id, s.nbytes / 2**20)
             return
-        if s in self.starved:
+        if s.life is Life.STARVED:
             self.starved.remove(s)
         self.changed(s)
         self._woken.append(s)
@@ -337,8 +338,8 @@ class BatchMemory:
         if s in self.retiring:
             return []
         s.state.retire()
-        self.changed(s)
         self.retiring.append(s)
+        self.changed(s)
         return self.release_idle(now)
 
     def release_idle(self, now: float) -> List[Tuple[Opening, Opened]]:
@@ -348,15 +349,18 @@ class BatchMemory:
             self._close_let_go()
         if not self.retiring:
             return []
-        keep = []
+        keep, gone = [], []
         for s in self.retiring:
             if s.state.idle:
                 if s.segment is not None:
                     self.release(s.segment, s.ident if self._connected(s.ident) else None)
+                gone.append(s)
             else:
                 keep.append(s)
         released = len(keep) < len(self.retiring)
         self.retiring = keep
+        for s in gone:
+            self._moved(s)
         return self.retry(now) if released else []
 
     def leave(self, ident: bytes, s: Optional[Stream], now: float) -> List[Tuple[Opening, Opened]]:
@@ -464,6 +468,7 @@ class BatchMemory:
             self._later_bytes += q.size  # _advance moves it to _due when its quiet time is up
             heapq.heappush(self._later, (q.asked_at, q.seq, s))
         self._drop_stale()
+        self._moved(s)
 
     def _drop_stale(self, every: bool = False) -> None:
         """Rebuild the queues without their stale entries once those are most of them (or ``every``
@@ -504,13 +509,24 @@ class BatchMemory:
         return None
 
     # ------------------------------------------------------------------ status
+    def _moved(self, s: Stream) -> None:
+        """``s`` may have moved on in its life: its ``life`` follows, if :data:`MAY_BECOME` allows
+        the move (else a bug: raised, and the dispatcher fails that client alone)."""
+        new = self.life(s)
+        if new is not s.life:
+            if new not in MAY_BECOME[s.life]:
+                raise AssertionError(f"stream {s.id} of client {s.ident.hex()[:12]} cannot go from {s.life.value} "
+                                     f"to {new.value}")
+            s.life = new
+
     def life(self, s: Union[Stream, Opening]) -> Life:
-        """Where ``s`` is in its life (:class:`~loader_service.dispatch.door.Life`), from the one
-        place each part of it is kept: this memory's lists and the stream's state."""
+        """Where ``s`` is in its life (:class:`~loader_service.dispatch.door.Life`), worked out from
+        the one place each part of it is kept: this memory's lists and the stream's state. A
+        stream's ``life`` is this, kept at every move (:meth:`_moved`)."""
         if isinstance(s, Opening):
             return Life.WAITING if self.waiting.get(s.ident) is s else Life.ENDED
-        if s.state.done:
-            return Life.ENDING if s in self.retiring else Life.ENDED
+        if s.state.done:  # ending while a task or a send still reads its slots
+            return Life.ENDING if not s.state.idle and s in self.retiring else Life.ENDED
         if s in self.starved:
             return Life.STARVED
         if s.segment is None:
@@ -555,6 +571,7 @@ class BatchMemory:
         self._drop_stale()
         self.release(s.segment, None)
         s.segment = None
+        self._moved(s)
         log.info("client %s stream %d has asked for nothing for %.0fs: its %.1f MiB of slots go to a job that "
                  "needs them", s.ident.hex()[:12], s.id, now - s.asked_at, s.nbytes / 2**20)
 

@@ -40,6 +40,7 @@ import numpy as np
 from wire import protocol as P
 from loader_service.config import ServiceConfig
 from loader_service.dispatch import door, heap, sending, status
+from loader_service.dispatch.door import Life
 from loader_service.dispatch import events as E
 from loader_service.decode.pipelines import Registry
 from loader_service.dispatch.admission import Admission, Refuse
@@ -364,7 +365,7 @@ class DispatchState:
             return
         if msg.probe:
             self._send(ident, status.progress(self.workers, self.tasks, s.id, s, s.state.not_started,
-                                              s in self.memory.starved, now))
+                                              s.life is Life.STARVED, now))
         if msg.batches:
             s.asked_at, s.asked = now, True
         s.wait_s += msg.wait_s

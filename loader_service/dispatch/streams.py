@@ -1,6 +1,7 @@
 """A stream as the dispatcher holds it: an :class:`Opening` (admitted, all but its slots) and a
-:class:`Stream` (served). Records only: a stream's progress is its
-:class:`~loader_service.dispatch.stream_state.StreamState`, its memory :mod:`memory`'s."""
+:class:`Stream` (served). Records only: a stream's batches are its
+:class:`~loader_service.dispatch.stream_state.StreamState`, its slots and its ``life`` are
+:mod:`memory`'s."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from wire import protocol as P
 from wire.plan import RankPlan
 from loader_service.decode.pipelines import JobPipeline
 from loader_service.dispatch import scheduler
-from loader_service.dispatch.door import Asked, window_of
+from loader_service.dispatch.door import Asked, Life, window_of
 from loader_service.dispatch.sending import BatchLayout
 from loader_service.dispatch.sessions import Session
 from loader_service.dispatch.stream_state import StreamLimits, StreamState
@@ -40,6 +41,7 @@ class Stream:
     asked: bool = False  # the client asked for more since the stream began: it reads what it is sent
     wait_s: float = 0.0  # the client's stall figures during this stream (sum of its deltas)
     h2d_s: float = 0.0
+    life: Life = Life.RUNNING  # where it is; moved by its BatchMemory only, as door.MAY_BECOME allows
 
     @property
     def id(self) -> int:

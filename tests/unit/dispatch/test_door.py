@@ -309,6 +309,8 @@ class DoorMachine(RuleBasedStateMachine):
             self.held[id(x)] = x
         for key, x in self.held.items():
             life = self.d.memory.life(x)
+            if isinstance(x, Stream):  # the life each stream keeps is the one its parts say
+                assert x.life is life, f"stream {x.id} keeps {x.life}, its parts say {life}"
             before = self.lives.get(key)
             if before is not None and before != life:
                 assert life in REACHABLE[before], f"{before} -> {life}"
