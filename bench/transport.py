@@ -55,6 +55,8 @@ How to read the table:
   service process plus its workers). On a machine with few cores these two compete with each
   other and with anything else running, so the CPU columns say more than the rates about
   where the difference comes from.
+* ``sending process CPU us / image``: the sending process alone (the service's dispatcher and
+  ZeroMQ I/O threads, without its workers; or the raw sender), per image: the service's I/O CPU.
 
 The PASS/MISS line checks the project's target; the exit status does not depend on it.
 """
@@ -117,6 +119,7 @@ class Run:
     sender_cpu_s: float
     image_bytes: int
     batch_size: int
+    sender_io_cpu_s: float = 0.0  # of the sending process alone (the service's, without its workers)
 
     @property
     def batches_per_s(self) -> float:
@@ -136,7 +139,14 @@ class Run:
     def to_json(self) -> dict:
         return {**asdict(self), "batches_per_s": self.batches_per_s, "images_per_s": self.images_per_s,
                 "mb_per_s": self.mb_per_s, "receiver_cpu_ms_per_batch": self.cpu_ms_per_batch(self.receiver_cpu_s),
-                "sender_cpu_ms_per_batch": self.cpu_ms_per_batch(self.sender_cpu_s)}
+                "sender_cpu_ms_per_batch": self.cpu_ms_per_batch(self.sender_cpu_s),
+                "sender_io_cpu_us_per_image": self.io_us_per_image}
+
+    @property
+    def io_us_per_image(self) -> float:
+        """CPU of the sending process alone per image: the service's dispatcher and ZeroMQ I/O
+        threads (its workers apart), or the raw sender."""
+        return 1e6 * self.sender_io_cpu_s / (self.batches * self.batch_size) if self.batches else 0.0
 
 
 def timed(next_batch: Callable[[], None], settings: Settings, senders: Callable[[], List[psutil.Process]]) -> Run:
@@ -144,7 +154,7 @@ def timed(next_batch: Callable[[], None], settings: Settings, senders: Callable[
     for _ in range(settings.warmup):
         next_batch()
     me, procs = psutil.Process(), senders()
-    cpu0, scpu0 = cpu_seconds([me]), cpu_seconds(procs)
+    cpu0, scpu0, io0 = cpu_seconds([me]), cpu_seconds(procs), cpu_seconds(procs[:1])
     n, t0 = 0, time.perf_counter()
     while True:
         next_batch()
@@ -155,8 +165,8 @@ def timed(next_batch: Callable[[], None], settings: Settings, senders: Callable[
         elif time.perf_counter() - t0 >= settings.seconds:
             break
     t1 = time.perf_counter()
-    cpu, scpu = cpu_seconds([me]) - cpu0, cpu_seconds(procs) - scpu0
-    return Run(n, t1 - t0, cpu, scpu, settings.image_bytes, settings.batch_size)
+    cpu, scpu, io = cpu_seconds([me]) - cpu0, cpu_seconds(procs) - scpu0, cpu_seconds(procs[:1]) - io0
+    return Run(n, t1 - t0, cpu, scpu, settings.image_bytes, settings.batch_size, io)
 
 
 # ---------------------------------------------------------------------------------- raw pyzmq
@@ -312,6 +322,7 @@ def summarize(runs: List[Run]) -> dict:
             "mb_per_s": med(lambda r: r.mb_per_s),
             "receiver_cpu_ms_per_batch": med(lambda r: r.cpu_ms_per_batch(r.receiver_cpu_s)),
             "sender_cpu_ms_per_batch": med(lambda r: r.cpu_ms_per_batch(r.sender_cpu_s)),
+            "sender_io_cpu_us_per_image": med(lambda r: r.io_us_per_image),
             "batches": sum(r.batches for r in runs), "seconds": sum(r.seconds for r in runs)}
 
 
@@ -325,7 +336,8 @@ def report(results: dict, header: dict) -> dict:
           f"per round after {s['warmup']} warm-up batches, {header['rounds']} round(s), median shown | "
           f"transport: tcp://127.0.0.1 (ipc: {header['ipc']}) | command: `{header['command']}`\n")
     print(table_head(["row", "processes (sender -> receiver)", "batches/s", "images/s", "MB/s", "% of raw",
-                      "receiver CPU ms / batch", "sender CPU ms / batch"], "llrrrrrr"))
+                      "receiver CPU ms / batch", "sender CPU ms / batch", "sending process CPU us / image"],
+                     "llrrrrrrr"))
     raw = max(results[RAW]["summary"]["batches_per_s"], results[RAW_ZC]["summary"]["batches_per_s"])
     procs = {RAW: "1 -> 1", RAW_ZC: "1 -> 1", SERVICE: f"1 + {s['workers']} workers -> 1"}
     for name, r in results.items():
@@ -333,7 +345,7 @@ def report(results: dict, header: dict) -> dict:
         pct = 100.0 * m["batches_per_s"] / raw if raw else 0.0
         print(table_row([LABELS[name], procs[name], f"{m['batches_per_s']:.1f}", f"{m['images_per_s']:.0f}",
                          f"{m['mb_per_s']:.0f}", f"{pct:.1f}%", f"{m['receiver_cpu_ms_per_batch']:.2f}",
-                         f"{m['sender_cpu_ms_per_batch']:.2f}"]))
+                         f"{m['sender_cpu_ms_per_batch']:.2f}", f"{m['sender_io_cpu_us_per_image']:.1f}"]))
     ratios = [100.0 * sv.batches_per_s / max(rw.batches_per_s, zc.batches_per_s, 1e-9)
               for rw, zc, sv in zip(results[RAW]["runs"], results[RAW_ZC]["runs"], results[SERVICE]["runs"])]
     if len(ratios) > 1:

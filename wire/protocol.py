@@ -25,13 +25,21 @@ from wire.jobspec import JobSpec, check_pipeline
 # 4: augmentation draws from a counter-based hash (decode.transforms.SampleRandom): the same sample
 # gives other bytes than under 3, so a client or replica of 3 is refused, never mixed in;
 # 5: Hello.window, what a stream may have asked and not been sent (the service refuses more); a
-# service of 4 would refuse the new field by its name, so the version says what is wrong instead
-PROTOCOL_VERSION = 5
+# service of 4 would refuse the new field by its name, so the version says what is wrong instead;
+# 6: Batch.chunk (an output larger than FRAME_MAX_BYTES crosses the wire in several frames)
+PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
 MAX_WINDOW = 1 << 14  # the most batches a stream may have asked and not yet been sent (Hello.window)
 MAX_ERROR_MESSAGE = 2048  # characters of an Error's message (its traceback is the worker's own, kept whole)
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, zmq copying is cheaper than tracking a buffer
+# The largest data frame the service sends: a larger output goes in frames of this size. libzmq
+# receives every frame into a malloc of its own, and glibc maps an allocation above 32 MiB (its
+# largest mmap threshold) afresh every time: a 38.5 MB frame (batch 256 at 224 px) cost the
+# receiver 9,400 page faults, 25 ms of CPU per batch (docs/benchmarks.md section 17). Frames of
+# 16 MiB stay below that threshold, so glibc reuses their memory.
+FRAME_MAX_BYTES = 16 << 20
+MAX_CHUNK_BYTES = 1 << 31  # a Batch.chunk beyond this is refused (no frame is that large)
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -221,8 +229,14 @@ class Batch(Message):
     skipped: list = field(default_factory=list)  # [[dataset index, reason], ...]
     dtype: str = "uint8"
     outputs: list = field(default_factory=list)  # [[name, per-sample shape], ...]; empty: one image frame
+    # > 0: each output goes in frames of this many bytes, its last frame the rest (frame_sizes);
+    # 0: one frame per output
+    chunk: int = 0
 
     def check(self) -> None:
+        if self.chunk and not ZERO_COPY_MIN_BYTES <= self.chunk <= MAX_CHUNK_BYTES:
+            raise ProtocolError(f"Batch.chunk must be 0 or in [{ZERO_COPY_MIN_BYTES}, {MAX_CHUNK_BYTES}], "
+                                f"got {self.chunk}")
         if self.dtype != "uint8":
             raise ProtocolError(f"unsupported dtype {brief(self.dtype)}")
         if self.outputs:
@@ -238,7 +252,8 @@ class Batch(Message):
         _range(self, "padding", 0, len(self.indices))
 
     def data_frames(self) -> int:
-        return len(self.outputs) + 1 if self.outputs else 2
+        """Frames after the header: each output's (several when chunked), then the labels'."""
+        return sum(frame_count(math.prod(s), self.chunk) for _, s in self.output_shapes()) + 1
 
     def output_shapes(self) -> list:
         """[(name, full shape of its frame), ...]; the unnamed single output is ``image``."""
@@ -460,10 +475,25 @@ def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
     """Check the number and byte sizes of ``msg``'s data frames."""
     if len(sizes) != msg.data_frames():
         raise ProtocolError(f"{type(msg).__name__} takes {msg.data_frames()} data frames, got {len(sizes)}")
-    if isinstance(msg, Batch):
-        want = [math.prod(s) for _, s in msg.output_shapes()] + [8 * len(msg.indices)]
+    if isinstance(msg, Batch):  # the count matched, so these lists are as long as what came
+        want = [n for _, s in msg.output_shapes() for n in frame_sizes(math.prod(s), msg.chunk)]
+        want.append(8 * len(msg.indices))
         if list(sizes) != want:
             raise ProtocolError(f"Batch frames are {list(sizes)} bytes, header says {want}")
+
+
+def frame_sizes(nbytes: int, chunk: int) -> list:
+    """The frames an output of ``nbytes`` goes in: ``chunk`` bytes each, the last the rest
+    (``chunk`` 0, or an output no larger: one frame)."""
+    if chunk <= 0 or nbytes <= chunk:
+        return [nbytes]
+    full, rest = divmod(nbytes, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+def frame_count(nbytes: int, chunk: int) -> int:
+    """``len(frame_sizes(nbytes, chunk))`` without building the list (a hostile shape may be huge)."""
+    return 1 if chunk <= 0 or nbytes <= chunk else -(-nbytes // chunk)
 
 
 def _build(cls: type, header: dict) -> Any:

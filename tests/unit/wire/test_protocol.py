@@ -169,3 +169,28 @@ def test_dropping_any_required_field_is_refused(msg, data):
 def test_non_finite_floats_are_refused(bad):
     with pytest.raises(P.ProtocolError, match="finite float"):
         P.decode([header(t=int(P.MsgType.CREDIT), stream=1, n=1, wait_s=bad)])
+
+
+# ------------------------------------------------------------------ an output in several frames
+def test_an_output_larger_than_a_chunk_crosses_in_frames_of_that_size():
+    chunk = P.ZERO_COPY_MIN_BYTES
+    msg = P.Batch(stream=1, epoch=0, index=0, indices=[0, 1], shape=[2, 256, 256, 3], chunk=chunk)
+    image = 2 * 256 * 256 * 3  # 393,216 bytes: 6 whole chunks
+    assert P.frame_sizes(image, chunk) == [chunk] * 6 and msg.data_frames() == 7
+    assert P.frame_sizes(image + 5, chunk) == [chunk] * 6 + [5]
+    assert P.frame_sizes(chunk, chunk) == [chunk] and P.frame_sizes(10, 0) == [10]
+    frames = [bytes(chunk)] * 6 + [bytes(16)]
+    got, data = P.decode(P.encode(msg, *frames))
+    assert got == msg and len(data) == 7
+    with pytest.raises(P.ProtocolError, match="takes 7 data frames, got 2"):
+        P.decode([P.encode_header(msg), bytes(image), bytes(16)])  # one frame where the header says six
+    with pytest.raises(P.ProtocolError, match="Batch frames are"):
+        P.decode([P.encode_header(msg), *[bytes(chunk)] * 5, bytes(chunk - 1), bytes(16)])
+
+
+@pytest.mark.parametrize("chunk", [1, P.ZERO_COPY_MIN_BYTES - 1, P.MAX_CHUNK_BYTES + 1, -5])
+def test_a_chunk_out_of_range_is_refused_before_any_frame_is_counted(chunk):
+    """A hostile chunk of 1 byte on a huge shape would ask the receiver for billions of frames."""
+    with pytest.raises(P.ProtocolError, match="Batch.chunk must be 0 or in"):
+        P.decode([header(t=int(P.MsgType.BATCH), stream=1, epoch=0, index=0, indices=[0],
+                         shape=[1, 1 << 20, 1 << 20, 3], chunk=chunk), b"", b""])
