@@ -60,6 +60,7 @@ from wire import protocol as P
 from client.batch import Batch
 from client.config import LoaderConfig
 from client.errors import LoaderError
+from client.local import Mappings
 from client.transform import Normalize
 
 
@@ -151,6 +152,23 @@ def _recv_size(sock: zmq.Socket, into: Optional[np.ndarray]) -> int:
     return len(sock.recv()) if into is None else sock.recv_into(into)
 
 
+def _copy_lent(mappings: Mappings, msg: P.Batch, outputs: List[np.ndarray]) -> None:
+    """A lent batch (co-located, ``msg.local``): each output's block of the service's slot copied
+    once into ``outputs`` (the Release that follows gives the slot back)."""
+    name, blocks = msg.local
+    for dst, (offset, nbytes) in zip(outputs, blocks):
+        if dst.nbytes != nbytes:
+            raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"a lent block of {nbytes} bytes for an output of {dst.nbytes}")
+        if nbytes:
+            np.copyto(dst.reshape(-1), mappings.block(name, offset, nbytes))
+
+
+def _recv_labels(sock: zmq.Socket, msg: P.Batch) -> torch.Tensor:
+    """The labels frame of a lent batch (its only data frame)."""
+    (frame,) = _recv_data_frames(sock, msg)
+    return torch.from_numpy(np.frombuffer(frame.bytes, dtype=np.int64).copy())
+
+
 def _recv_data_frames(sock: zmq.Socket, msg: P.Batch) -> List[zmq.Frame]:
     """The rest of a Batch message as zmq frames, without copying; sizes checked."""
     frames = []
@@ -181,9 +199,15 @@ class HostSink:
         self.outputs = outputs or legacy_outputs(config)
         self.normalize = _normalizers(config, self.outputs)
         self.buffers = HostBuffers(held + 2)  # the window, the batch the trainer holds, the one arriving
+        self.mappings = Mappings()  # the service's segments, for lent batches (co-located)
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch):
+        if msg.local:
+            shapes = _check_outputs(msg, self.outputs)
+            raw = [self.buffers.take(math.prod(shape))[:math.prod(shape)].reshape(shape) for _, shape in shapes]
+            _copy_lent(self.mappings, msg, raw)
+            return [torch.from_numpy(r) for r in raw], _recv_labels(sock, msg)
         *frames, label_frame = _recv_data_frames(sock, msg)
         raw, at = [], 0
         for _, shape in _check_outputs(msg, self.outputs):
@@ -210,7 +234,7 @@ class HostSink:
         pass
 
     def close(self) -> None:
-        pass
+        self.mappings.close()
 
 
 class HostBuffers:
@@ -269,6 +293,7 @@ class CudaSink:
         self._free: Deque[_Slot] = deque(self._slots)  # oldest copy first: most likely finished
         self._done: Dict[int, torch.cuda.Event] = {}  # batch index -> its copy + normalize finished
         self._handed: Optional[Tuple[int, torch.cuda.Event]] = None  # the last batch handed over (echo)
+        self.mappings = Mappings()  # the service's segments, for lent batches (co-located)
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch):
@@ -281,7 +306,12 @@ class CudaSink:
         host = [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(slot.outputs, shapes)]
         labels = slot.labels[:n]
         try:
-            _recv_frames(sock, msg, host, labels)
+            if msg.local:  # co-located: one copy from the service's slot into the pinned one
+                _copy_lent(self.mappings, msg, [h.numpy() for h in host])
+                labels = slot.labels[:n]
+                labels.copy_(_recv_labels(sock, msg))
+            else:
+                _recv_frames(sock, msg, host, labels)
         except BaseException:
             self._free.append(slot)
             raise
@@ -349,3 +379,4 @@ class CudaSink:
     def close(self) -> None:
         self.end()
         self._slots, self._free = [], deque()
+        self.mappings.close()

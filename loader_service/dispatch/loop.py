@@ -49,7 +49,7 @@ import zmq
 from wire import protocol as P
 from loader_service.config import ServiceConfig
 from loader_service.decode.pipelines import Registry
-from loader_service.dispatch import door, heap, sending, status
+from loader_service.dispatch import door, heap, local, sending, status
 from loader_service.dispatch.admission import Admission, Refuse
 from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
 from loader_service.dispatch.deadlines import TaskDeadlines
@@ -91,6 +91,7 @@ class Dispatcher:
         self.pool = WorkerPool(self.pool_ctx, [s.spec() for s in sources.values()], config.start_method,
                                config.decode_options, config.worker_start_s)
         self.mailbox = Mailbox()  # functions other threads hand to this one
+        self.colocation = local.Colocation()  # the probe a co-located client reads (issue 41)
         self.sessions = Sessions()
         cap, hint = slot_cap(config.max_shm_bytes)
         self.scheduler: Scheduler[Stream] = Scheduler()
@@ -337,7 +338,7 @@ class Dispatcher:
             if session is not None and session.fd != fd:
                 self._bind_fd(session, fd)
         try:
-            msg, _ = P.decode(frames[1:], expect=(P.Hello, P.Credit, P.Request, P.Bye, P.Describe))
+            msg, _ = P.decode(frames[1:], expect=(P.Hello, P.Credit, P.Request, P.Bye, P.Describe, P.Release))
         except P.ProtocolError as exc:
             self.totals.bad_messages += 1
             log.warning("refused a message from client %s: %s", ident.hex()[:12], exc)
@@ -362,8 +363,10 @@ class Dispatcher:
             self._on_hello(session, msg)
         elif isinstance(msg, (P.Credit, P.Request)):
             self._on_credit(ident, session, msg)
+        elif isinstance(msg, P.Release):
+            self._on_release(session, msg)
         elif isinstance(msg, P.Describe):
-            self._send(ident, self.admission.describe(msg))
+            self._send(ident, self.colocation.describe(self.admission.describe(msg)))
         elif isinstance(msg, P.Bye):
             self._drop_client(ident, "said bye")
 
@@ -506,6 +509,22 @@ class Dispatcher:
         self._memory_outboxes()
         self._may_take_task(s)
 
+    def _on_release(self, session: Optional[Session], msg: P.Release) -> None:
+        """A co-located client handed slots back (:mod:`.local`); one its stream did not lend ends
+        that stream. A Release for a stream that already ended is late, not wrong: retiring gave
+        its slots back."""
+        s = session.stream if session is not None else None
+        if s is None or s.id != msg.stream:
+            return
+        slots = local.release(s, msg)
+        if isinstance(slots, door.Refusal):
+            self.totals.refused_asks += 1
+            log.warning("client %s stream %d: refused Release: %s", session.name, msg.stream, slots.message)
+            return self._end_stream(s, Fail(slots.code, slots.message))
+        for slot in slots:
+            s.state.send_complete(slot)
+        self._may_take_task(s)
+
     def _drop_client(self, ident: bytes, why: str) -> None:
         session = self.sessions.pop(ident)
         if session is None:
@@ -583,6 +602,9 @@ class Dispatcher:
 
     def _send_batch(self, s: Stream, e: SendBatch) -> None:
         out = sending.outgoing(s.layout, s.plan, s.id, s.hello.epoch, e)
+        lent = s.hello.local and s.segment is not None  # co-located: the client reads the slot (local.py)
+        if lent:
+            out = local.lend(s, e, out)
         if out.keep is not None:
             for idx, reason in out.message.skipped:
                 self.recent_skips.append(SkippedSample(dataset=s.source.name, index=int(idx), reason=str(reason)))
@@ -600,14 +622,14 @@ class Dispatcher:
             if not pending[0]:
                 self._send_complete(s, slot)
 
-        frames, nbytes = [], 0
+        frames, nbytes, frame = [], 0, None
         for offset, size in out.blocks:
             frame, zero_copy = sending.frame(s.segment, offset, size, lambda: self.post(sent))
             frames.append(frame)
             pending[0] += zero_copy
             nbytes += size
         delivered = self._send_frames(s.ident, [header, *frames, labels], copy=False)
-        if not pending[0]:
+        if not pending[0] and not lent:
             state.send_complete(slot)
         del frames, frame  # unsent zero-copy frames are released here: their ``sent`` runs all the same
         if not delivered:
@@ -748,6 +770,7 @@ class Dispatcher:
             self.ctx.term()  # returns once zmq has released every zero-copy frame
             self.pool_ctx.term()
             self.memory.close()
+            self.colocation.close()
             self.mailbox.close()
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from loader_service import shm
-from loader_service.dispatch import heap
+from loader_service.dispatch import heap, local
 from loader_service.dispatch.door import Life
 from loader_service.dispatch.streams import Opening, Stream
 from loader_service.shm import NoSpace, Segment
@@ -333,6 +333,7 @@ class BatchMemory:
         send still uses them (at once if none does: then what waits is retried, see :meth:`retry`)."""
         if s in self.retiring:
             return []
+        local.give_back(s)  # slots lent to a co-located client: it reads none of them any more
         s.state.retire()
         self.changed(s)
         self.retiring.append(s)

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Set, Union
+from typing import Dict, List, Optional, Set, Union
 
 from wire import protocol as P
 from wire.plan import RankPlan
@@ -40,6 +40,8 @@ class Stream:
     asked: bool = False  # the client asked for more since the stream began: it reads what it is sent
     wait_s: float = 0.0  # the client's stall figures during this stream (sum of its deltas)
     h2d_s: float = 0.0
+    # co-located (Hello.local): batch -> slot lent to the client until its Release (dispatch/local.py)
+    lent: Dict[int, int] = field(default_factory=dict)
 
     @property
     def id(self) -> int:

@@ -162,15 +162,17 @@ class DoorMachine(RuleBasedStateMachine):
     @rule(client=st.sampled_from(CLIENTS), prefetch=st.sampled_from([48, 16, 2, 1]),
           on_demand=st.sampled_from([True, True, False]), window=st.sampled_from([0, 2, 5, P.MAX_WINDOW]),
           batches=st.one_of(st.lists(IN_PLAN, max_size=3, unique=True), st.lists(HOSTILE_INTS, max_size=6, unique=True)),
-          stale=st.sampled_from([False, False, False, True]), lookahead=st.sampled_from([False, False, True]))
-    def hello(self, client, prefetch, on_demand, window, batches, stale, lookahead):
+          stale=st.sampled_from([False, False, False, True]), lookahead=st.sampled_from([False, False, True]),
+          local=st.booleans())
+    def hello(self, client, prefetch, on_demand, window, batches, stale, lookahead, local):
         if client == "c":  # the bystander: a good client's Hello
-            on_demand, window, stale, lookahead = True, 4, False, False
+            on_demand, window, stale, lookahead, local = True, 4, False, False, False
             batches = list(range(min(prefetch, 4)))
         if not stale:
             self.stream_ids[client] += 1
         msg = P.Hello(stream=max(self.stream_ids[client], 1), spec=SPEC, prefetch=prefetch, on_demand=on_demand,
-                      window=window, batches=[b for b in batches if b >= 0], job=f"job-{client}", lookahead=lookahead)
+                      window=window, batches=[b for b in batches if b >= 0], job=f"job-{client}", lookahead=lookahead,
+                      local=local)
         self._send(client, msg)
 
     @rule(client=st.sampled_from(["a", "b"]), prefetch=st.sampled_from([48, 16]))
@@ -219,6 +221,21 @@ class DoorMachine(RuleBasedStateMachine):
         header = {"t": int(mtype), "stream": stream, "n": 1, "batches": [0]}
         header[field] = value
         self._send(client, header)
+
+    @rule(client=st.sampled_from(["a", "b"]), batches=st.lists(HOSTILE_INTS, max_size=4),
+          lent=st.sampled_from([True, True, False]), which=st.sampled_from([0, 0, -1, 1]))
+    def release(self, client, batches, lent, which):
+        """A co-located client's Release (issue 41): of batches its stream lent (a good one), of
+        others, twice, or for another stream, in whatever life the stream is."""
+        stream = max(self.stream_ids[client] + which, 0)
+        s = self._current(client)
+        if lent and isinstance(s, Stream) and s.lent:
+            batches = sorted(s.lent)[:2] + batches[:1]
+        batches = [b for b in batches if b >= 0]
+        if len(set(batches)) != len(batches):
+            self._send(client, {"t": int(P.MsgType.RELEASE), "stream": stream, "batches": batches})
+        else:
+            self._send(client, P.Release(stream=stream, batches=batches))
 
     @rule(client=st.sampled_from(["a", "b"]))
     def disconnect(self, client):
@@ -276,6 +293,17 @@ class DoorMachine(RuleBasedStateMachine):
             if s.hello.on_demand:
                 assert len(s.state.order) - s.state.next_send <= door.window_of(s.hello)
             assert len({t.slot for t in s.state.tasks.values()}) <= s.state.num_slots
+
+    @invariant()
+    def a_lent_slot_is_a_slot_in_flight(self):
+        """Every batch lent to a co-located client holds its slot as a send in flight, so the slot
+        is neither written nor lent to another stream until it comes back."""
+        if self.d is None:
+            return
+        for s in self.d.sessions.streams():
+            assert set(s.lent.values()) <= s.state.sending
+        for s in self.d.memory.retiring:
+            assert not s.lent  # a retired stream gave every lent slot back
 
     @invariant()
     def no_batch_leaves_twice(self):

@@ -1,0 +1,101 @@
+"""Co-located mode (issue 41): a trainer on the service's host reads its batches straight from the
+slots the workers wrote, instead of receiving them over the socket.
+
+* The service keeps a tiny **probe** segment in its shared memory holding its own name, named in
+  every DatasetInfo (:meth:`Colocation.describe`). A client that can read it shares the service's
+  /dev/shm (the same host, or a container sharing it) and asks for ``Hello.local``.
+* A local stream's batch is **lent** (:func:`lend`): the Batch message names the segment and each
+  output's block in it (``Batch.local``), only the labels cross the socket, and the slot stays in
+  the stream's ``sending`` set, as a batch that zmq still reads does.
+* The client copies the blocks out and hands the batch back with a **Release** (:func:`release`),
+  checked like every client message: a batch not lent to that stream is refused
+  (``bad_release``) and ends that stream alone.
+* A stream that retires (replaced, ended, its client gone, SIGKILLed included) gives back every
+  slot it still had lent (:func:`give_back`, called by :meth:`BatchMemory.retire`): the client
+  reads a slot only between receiving its batch and sending the Release, on the same connection,
+  so once the service has read a newer Hello or seen the connection close, nothing of the old
+  stream is read again. Its batches still in flight are stale to the client, never read.
+
+Pure bookkeeping beside the stream's :class:`~loader_service.dispatch.stream_state.StreamState`;
+the dispatcher's loop calls it in three places (sending, a Release, a Describe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import List, Optional, Union
+
+from wire import protocol as P
+from loader_service.dispatch.door import Refusal
+from loader_service.dispatch.sending import Outgoing
+from loader_service.dispatch.stream_state import SendBatch
+from loader_service.dispatch.streams import Stream
+from loader_service.shm import NoSpace, Segment
+
+log = logging.getLogger("loader_service.dispatch.local")
+
+PROBE_BYTES = 4096
+
+
+class Colocation:
+    """The service's probe segment (none where shared memory cannot hold one: then no client is
+    ever co-located, and all go over the socket)."""
+
+    def __init__(self) -> None:
+        self.probe: Optional[Segment] = None
+        try:
+            seg = Segment.create(PROBE_BYTES, tag="probe")
+        except (OSError, NoSpace) as exc:
+            log.warning("no co-located mode: cannot create a probe segment in shared memory: %s", exc)
+            return
+        name = seg.name.encode()
+        seg.array("u1", (len(name),))[:] = list(name)
+        self.probe = seg
+
+    @property
+    def name(self) -> str:
+        return self.probe.name if self.probe is not None else ""
+
+    def describe(self, info: P.Message) -> P.Message:
+        """A DatasetInfo with the probe named (other answers unchanged)."""
+        if isinstance(info, P.DatasetInfo) and self.probe is not None:
+            return dataclasses.replace(info, probe=self.probe.name)
+        return info
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None
+
+
+def lend(s: Stream, e: SendBatch, out: Outgoing) -> Outgoing:
+    """``out`` as a lent batch: the message names the segment and each output's block, no output
+    frame is sent, and the slot is lent until the client's Release (or the stream's end)."""
+    assert s.segment is not None, "a stream sends from its own slots"
+    s.lent[e.batch] = e.slot
+    n, base = len(out.indices), e.slot * s.layout.slot_bytes
+    blocks = [[base + o.offset, n * o.sample_bytes] for o in s.layout.outputs]
+    message = dataclasses.replace(out.message, chunk=0, local=[s.segment.name, blocks])
+    return dataclasses.replace(out, message=message, blocks=[])
+
+
+def release(s: Stream, msg: P.Release) -> Union[List[int], Refusal]:
+    """The slots ``msg`` hands back, or why it is refused (nothing is given back then)."""
+    unknown = [b for b in msg.batches if b not in s.lent]
+    if unknown or len(set(msg.batches)) != len(msg.batches):
+        lent = sorted(s.lent)
+        return Refusal(P.ErrorCode.BAD_RELEASE, (
+            f"Release of batch(es) {unknown[:8]} that stream {s.id} has not lent out (lent now: {lent[:8]}"
+            f"{' ...' if len(lent) > 8 else ''}); a co-located client hands back each batch it received, once"))
+    return [s.lent.pop(b) for b in msg.batches]
+
+
+def give_back(s: Stream) -> None:
+    """The stream retires: every slot it still has lent is free again (see the module doc)."""
+    for slot in s.lent.values():
+        s.state.send_complete(slot)
+    s.lent.clear()
+
+
+__all__ = ["Colocation", "give_back", "lend", "release"]

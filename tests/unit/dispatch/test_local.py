@@ -1,0 +1,130 @@
+"""The co-located mode's service half (loader_service/dispatch/local.py), driven through the real
+dispatcher without a loop (tests/support/dispatcher.py): a local stream's batch is lent, not
+sent; a Release gives its slot back; a Release of anything else ends that stream alone; a stream
+that retires or whose connection drops gives back what it still had lent."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import zmq
+
+from wire import protocol as P
+from wire.jobspec import JobSpec
+from loader_service.config import ServiceConfig
+from loader_service.dispatch.streams import Stream
+from tests.support.dispatcher import close, deliver, loopless
+
+SPEC = JobSpec(batch_size=4, image_size=16, shuffle=False)
+
+
+@pytest.fixture
+def d():
+    from loader_service.sources.demo import ensure_demo
+
+    source = ensure_demo(64, quiet=True)
+    disp = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0), source)
+    disp.frames = []
+    disp._send_frames = lambda ident, frames, copy=True: disp.frames.append((ident, frames)) or True
+    yield disp
+    close(disp)
+    source.close()
+
+
+def _open(d, local=True, fd=20):
+    ident = uuid.uuid4().bytes
+    deliver(d, ident, P.Hello(stream=1, spec=SPEC, prefetch=2, on_demand=True, batches=[0, 1], local=local), fd=fd)
+    s = d.sessions.get(ident).stream
+    assert isinstance(s, Stream)
+    return ident, s
+
+
+def _finish_one(d, s) -> int:
+    """A worker does the stream's next task; the batch goes out (lent, for a local stream)."""
+    tid = d.tasks.next_id()
+    t = s.state.next_task(tid)
+    d._apply(s, s.state.task_done(tid))
+    return t.batch
+
+
+def _batches(d, ident):
+    return [(P.decode_header(f[0]), f[1:]) for i, f in d.frames if i == ident]
+
+
+def test_a_local_batch_is_lent_in_place_and_its_release_frees_the_slot(d):
+    ident, s = _open(d)
+    batch = _finish_one(d, s)
+    (msg, data), = _batches(d, ident)
+    assert isinstance(msg, P.Batch) and msg.index == batch and len(data) == 1  # the labels alone
+    name, blocks = msg.local
+    assert name == s.segment.name
+    slot = s.lent[batch]
+    assert blocks == [[slot * s.layout.slot_bytes, 4 * 16 * 16 * 3]]
+    assert slot in s.state.sending  # lent: held as a send in flight
+    deliver(d, ident, P.Release(stream=1, batches=[batch]), fd=20)
+    assert s.lent == {} and slot not in s.state.sending and slot in s.state.free
+
+
+def test_a_stream_over_the_socket_sends_its_frames_and_lends_nothing(d):
+    ident, s = _open(d, local=False)
+    _finish_one(d, s)
+    (msg, data), = _batches(d, ident)
+    assert not msg.local and len(data) == 2 and s.lent == {}
+
+
+@pytest.mark.parametrize("release", [[5], [0, 0], "twice", []])
+def test_a_release_of_what_was_not_lent_ends_that_stream_alone(d, release):
+    ident, s = _open(d)
+    other, s2 = _open(d, fd=21)
+    batch = _finish_one(d, s)
+    _finish_one(d, s2)
+    if release == "twice":
+        deliver(d, ident, P.Release(stream=1, batches=[batch]), fd=20)
+        release = [batch]
+    if release == [0, 0]:  # a repeated batch: refused by the wire's checks before the stream sees it
+        import msgpack
+        deliver(d, ident, [msgpack.packb({"v": P.PROTOCOL_VERSION, "t": int(P.MsgType.RELEASE), "stream": 1,
+                                          "batches": [batch, batch]})], fd=20)
+        errors = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
+        assert errors and errors[-1].code == P.ErrorCode.BAD_JOB and "twice" in errors[-1].message
+        return
+    deliver(d, ident, P.Release(stream=1, batches=release), fd=20)
+    errors = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
+    if not release:  # an empty Release hands nothing back: nothing wrong
+        assert errors == [] and s.lent
+        return
+    (err,) = errors
+    assert err.code == P.ErrorCode.BAD_RELEASE and err.fatal and err.stream == 1
+    assert "has not lent out" in err.message
+    assert d.sessions.get(ident).stream is None  # that stream ended ...
+    assert d.memory.retiring == [] or all(not x.lent for x in d.memory.retiring)  # ... and gave its lent slot back
+    assert d.sessions.get(other).stream is s2 and s2.lent  # the other client's goes on
+    assert [m for i, m in d.sent if i == other and isinstance(m, P.Error)] == []
+    assert d.totals.internal_errors == 0
+
+
+def test_a_new_stream_or_a_dropped_connection_gives_back_what_was_lent(d):
+    ident, s = _open(d)
+    _finish_one(d, s)
+    assert s.lent
+    deliver(d, ident, P.Hello(stream=2, spec=SPEC, prefetch=2, on_demand=True, batches=[0], local=True), fd=20)
+    assert s.lent == {} and not s.state.sending  # the old stream retired: nothing of it is read again
+    s2 = d.sessions.get(ident).stream
+    _finish_one(d, s2)
+    assert s2.lent
+    deliver(d, ident, P.Release(stream=1, batches=[0]), fd=20)  # late, for the old stream: ignored
+    assert [m for i, m in d.sent if i == ident and isinstance(m, P.Error)] == []
+    d.event(zmq.EVENT_DISCONNECTED, 20)
+    d._read_monitor()
+    d._release_idle_streams()
+    assert s2.lent == {} and d.memory.retiring == [] and d.sessions.get(ident) is None
+
+
+def test_the_dataset_description_names_the_probe_which_holds_its_own_name(d):
+    ident = uuid.uuid4().bytes
+    deliver(d, ident, P.Describe(), fd=22)
+    (info,) = [m for i, m in d.sent if i == ident]
+    assert isinstance(info, P.DatasetInfo) and info.probe == d.colocation.name
+    from client.local import reachable
+    assert reachable(info.probe) and not reachable("loader_service-1-probe-nothere") and not reachable("")
