@@ -297,7 +297,7 @@ def bench_service(settings: Settings, local: bool = False) -> "tuple[Run, bool]"
     try:
         with RemoteLoader(svc.endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
                           prefetch=settings.window, drop_last=True, pipeline="blank",
-                          pipeline_args={"size": settings.image_size}, local=local) as loader:
+                          pipeline_args={"size": settings.image_size}, **({"local": True} if local else {})) as loader:
             batches = forever(loader)
             try:
                 first = next(batches)
