@@ -10,14 +10,18 @@ slots the workers wrote, instead of receiving them over the socket.
 * The client copies the blocks out and hands the batch back with a **Release** (:func:`release`),
   checked like every client message: a batch not lent to that stream is refused
   (``bad_release``) and ends that stream alone.
-* A stream that retires (replaced, ended, its client gone, SIGKILLed included) gives back every
-  slot it still had lent (:func:`give_back`, called by :meth:`BatchMemory.retire`): the client
-  reads a slot only between receiving its batch and sending the Release, on the same connection,
-  so once the service has read a newer Hello or seen the connection close, nothing of the old
-  stream is read again. Its batches still in flight are stale to the client, never read.
+* A stream that ends (finished, failed, replaced) keeps what it lent: its client may still be
+  reading its last batches, and hands them back with Releases as usual (:func:`retired` finds the
+  ended stream). Once the client **moves on** (its next Hello on that connection, or the
+  connection gone, SIGKILL included), every slot its streams still had lent is given back
+  (:func:`give_back`, from :meth:`BatchMemory.moved_on`): the client reads a slot only between
+  receiving its batch and sending the Release, on the same connection, so once the service has
+  read a newer Hello or seen the connection close, nothing of the old streams is read again
+  (their batches still in flight are stale to the client, never read).
 
 Pure bookkeeping beside the stream's :class:`~loader_service.dispatch.stream_state.StreamState`;
-the dispatcher's loop calls it in three places (sending, a Release, a Describe).
+the dispatcher's loop calls it in three places (sending, a Release, a Describe) and tells the
+batch memory when a client moves on.
 """
 
 from __future__ import annotations
@@ -91,11 +95,16 @@ def release(s: Stream, msg: P.Release) -> Union[List[int], Refusal]:
     return [s.lent.pop(b) for b in msg.batches]
 
 
+def retired(retiring: List[Stream], ident: bytes, stream: int) -> Optional[Stream]:
+    """The ended stream ``stream`` of client ``ident`` whose slots are not back yet, if any."""
+    return next((s for s in retiring if s.ident == ident and s.id == stream), None)
+
+
 def give_back(s: Stream) -> None:
-    """The stream retires: every slot it still has lent is free again (see the module doc)."""
+    """Its client moved on: every slot ``s`` still has lent is free again (see the module doc)."""
     for slot in s.lent.values():
         s.state.send_complete(slot)
     s.lent.clear()
 
 
-__all__ = ["Colocation", "give_back", "lend", "release"]
+__all__ = ["Colocation", "give_back", "lend", "release", "retired"]

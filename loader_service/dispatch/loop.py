@@ -397,6 +397,7 @@ class Dispatcher:
             return self._refuse(session.ident, hello, stale)
         session.stream_id, session.job, session.client = hello.stream, hello.job, hello.client
         self.memory.waiting.pop(session.ident, None)
+        self.memory.moved_on(session.ident, session.stream)  # co-located: it reads nothing it was lent any more
         if session.stream is not None:
             self._retire(session.stream)
         verdict = self.admission.admit(session, hello, self.sessions.of_job(hello.job), self.pool.broken)
@@ -510,12 +511,15 @@ class Dispatcher:
         self._may_take_task(s)
 
     def _on_release(self, session: Optional[Session], msg: P.Release) -> None:
-        """A co-located client handed slots back (:mod:`.local`); one its stream did not lend ends
-        that stream. A Release for a stream that already ended is late, not wrong: retiring gave
-        its slots back."""
-        s = session.stream if session is not None else None
-        if s is None or s.id != msg.stream:
+        """A co-located client handed slots back (:mod:`.local`), of its stream or of one that ended
+        (finished, failed, replaced: it keeps what it lent until its client moves on); one the
+        stream did not lend ends that stream."""
+        if session is None:
             return
+        s = session.stream if session.stream is not None and session.stream.id == msg.stream else \
+            local.retired(self.memory.retiring, session.ident, msg.stream)
+        if s is None:
+            return  # a stream its client already moved on from: what it lent is back
         slots = local.release(s, msg)
         if isinstance(slots, door.Refusal):
             self.totals.refused_asks += 1

@@ -333,7 +333,6 @@ class BatchMemory:
         send still uses them (at once if none does: then what waits is retried, see :meth:`retry`)."""
         if s in self.retiring:
             return []
-        local.give_back(s)  # slots lent to a co-located client: it reads none of them any more
         s.state.retire()
         self.changed(s)
         self.retiring.append(s)
@@ -361,9 +360,17 @@ class BatchMemory:
         """Connection ``ident`` is gone, ``s`` the stream it was served: nothing of it waits any
         more, its stream retires, its reserve goes back; then what waits is retried."""
         self.waiting.pop(ident, None)
+        self.moved_on(ident, s)
         opened = self.retire(s, now) if s is not None else []
         self.forget(ident)
         return opened + self.retry(now)
+
+    def moved_on(self, ident: bytes, s: Optional[Stream]) -> None:
+        """Client ``ident`` moved on (a new Hello, or its connection is gone): it reads nothing more
+        of ``s`` or of its retired streams, so what they lent it is theirs again (dispatch/local.py)."""
+        for x in [*self.retiring, s]:
+            if x is not None and x.ident == ident:
+                local.give_back(x)
 
     def retry(self, now: float) -> List[Tuple[Opening, Opened]]:
         """Retry whatever waits for slots: new streams first (oldest first), then lent ones.

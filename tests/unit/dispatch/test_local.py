@@ -97,10 +97,42 @@ def test_a_release_of_what_was_not_lent_ends_that_stream_alone(d, release):
     (err,) = errors
     assert err.code == P.ErrorCode.BAD_RELEASE and err.fatal and err.stream == 1
     assert "has not lent out" in err.message
-    assert d.sessions.get(ident).stream is None  # that stream ended ...
-    assert d.memory.retiring == [] or all(not x.lent for x in d.memory.retiring)  # ... and gave its lent slot back
+    assert d.sessions.get(ident).stream is None  # that stream ended
     assert d.sessions.get(other).stream is s2 and s2.lent  # the other client's goes on
     assert [m for i, m in d.sent if i == other and isinstance(m, P.Error)] == []
+    assert d.totals.internal_errors == 0
+
+
+def test_a_stream_that_ends_keeps_what_it_lent_until_its_client_hands_it_back(d):
+    """The last batches of a finished (or failed) stream may still be read by its client: their
+    slots stay lent, the segment is not given to anyone, until the Releases come."""
+    ident = uuid.uuid4().bytes
+    deliver(d, ident, P.Hello(stream=1, spec=SPEC, prefetch=2, on_demand=True, batches=[0, 1], local=True), fd=20)
+    s = d.sessions.get(ident).stream
+    deliver(d, ident, P.Request(stream=1, final=True), fd=20)  # nothing more: it ends once both are sent
+    first, second = _finish_one(d, s), _finish_one(d, s)
+    assert [type(m).__name__ for i, m in d.sent if i == ident][-1] == "EndOfEpoch"
+    assert d.sessions.get(ident).stream is None and s in d.memory.retiring
+    d._release_idle_streams()
+    assert s in d.memory.retiring and sorted(s.lent) == [first, second]  # still lent: not released
+    deliver(d, ident, P.Release(stream=1, batches=[first]), fd=20)
+    deliver(d, ident, P.Release(stream=1, batches=[second]), fd=20)
+    d._release_idle_streams()
+    assert s.lent == {} and s not in d.memory.retiring  # both back: its slots go back too
+    deliver(d, ident, P.Release(stream=1, batches=[first]), fd=20)  # once more: that stream is gone, nothing to refuse
+    assert [m for i, m in d.sent if i == ident and isinstance(m, P.Error)] == []
+
+
+def test_a_hostile_release_on_an_ended_stream_is_refused_and_what_it_lent_stays_lent(d):
+    ident = uuid.uuid4().bytes
+    deliver(d, ident, P.Hello(stream=1, spec=SPEC, prefetch=2, on_demand=True, batches=[0], local=True), fd=20)
+    s = d.sessions.get(ident).stream
+    deliver(d, ident, P.Request(stream=1, final=True), fd=20)
+    batch = _finish_one(d, s)
+    deliver(d, ident, P.Release(stream=1, batches=[batch + 3]), fd=20)
+    (err,) = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
+    assert err.code == P.ErrorCode.BAD_RELEASE and "has not lent out" in err.message
+    assert s.lent == {batch: s.lent[batch]}  # nothing came back on a refused Release
     assert d.totals.internal_errors == 0
 
 
