@@ -172,3 +172,22 @@ def test_a_client_killed_while_holding_a_slot_gives_it_back_and_leaves_nothing(s
     # and the service serves the next co-located client in full
     epochs, _ = _epochs(service.endpoint, epochs=1, local=True)
     assert sorted(i for idx, *_ in epochs[0] for i in idx) == list(range(DEMO_SIZE))
+
+
+def test_every_output_of_a_pipeline_is_lent_and_copied_out_exactly(make_service, monkeypatch):
+    """A pipeline with three outputs of different shapes: each output's block of the slot, copied
+    out, equals what the socket carries."""
+    svc = make_service(pipeline=("two=tests.support.pipeline_doubles:two_views",))
+    kw = dict(batch_size=16, seed=3, pipeline="two", pipeline_args={"size": 24, "small": 6}, epoch_lookahead=False)
+
+    def epoch(**more):
+        with RemoteLoader(svc.endpoint, **kw, **more) as ld:
+            return [(b.indices, {n: b[n].clone() for n in ("big", "small", "stamp", "labels")}) for b in ld]
+
+    over_tcp = epoch()
+    seen = _lent(monkeypatch)
+    local = epoch(local=True)
+    assert len(seen) == len(local) == DEMO_SIZE // 16
+    assert [idx for idx, _ in local] == [idx for idx, _ in over_tcp]
+    for (_, a), (_, b) in zip(over_tcp, local):
+        assert all(torch.equal(a[n], b[n]) for n in a)
