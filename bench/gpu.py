@@ -13,8 +13,15 @@ iterations (``--warmup``), ended by a synchronize:
                        normalize off (like with like), then on
   * receive only       recv_into a host buffer from a loopback ZeroMQ socket (no GPU)
   * receive + ring     the real path: CudaSink.receive (recv_into the pinned slot) -> push ->
-                       hand_over, from the same loopback socket
-  Target: pinned ring >= 90% of the raw pinned copy.
+                       hand_over, from the same loopback socket (frames of at most
+                       wire.protocol.FRAME_MAX_BYTES, as the service sends them)
+  * service -> loader  one client's receive end to end (issue 41): a local loader service with
+                       decoding off (bench.doubles' blank pipeline, --workers W) streaming to
+                       RemoteLoader(device, normalize off) over loopback TCP, and co-located
+                       (local=True: each batch copied from the service's shared memory into the
+                       pinned ring), GB/s of images handed over, the device synchronized at the end
+  Targets: pinned ring >= 90% of the raw pinned copy; one client's receive >= 5 GB/s over
+  loopback TCP and >= 10 GB/s co-located at batch 256 (issue 41).
 
 Part 2, a training step of a small ResNet (bench.models, bf16 autocast, channels_last):
   * resident     the same batch already on the GPU every step (no data loading at all)
@@ -134,9 +141,16 @@ class LoopbackSender:
 
     def _send(self) -> None:
         k = 0
+        flat = memoryview(self.images.reshape(-1))
+        chunk = P.FRAME_MAX_BYTES if flat.nbytes > P.FRAME_MAX_BYTES else 0
+        parts, at = [], 0
+        for n in P.frame_sizes(flat.nbytes, chunk):  # the image in frames as the service sends it
+            parts.append(flat[at:at + n])
+            at += n
         while not self._stop.is_set():
-            msg = P.Batch(stream=1, epoch=0, index=k, indices=list(range(self.shape[0])), shape=list(self.shape))
-            frames = P.encode(msg, self.images, self.labels)
+            msg = P.Batch(stream=1, epoch=0, index=k, indices=list(range(self.shape[0])), shape=list(self.shape),
+                          chunk=chunk)
+            frames = P.encode(msg, *parts, self.labels)
             try:
                 self.push.send_multipart(frames, copy=False, flags=0)
             except zmq.ZMQError:
@@ -166,9 +180,14 @@ def receive(batch: int, size: int, iters: int, warmup: int, cuda: bool) -> dict:
         host = torch.empty(sender.shape, dtype=torch.uint8)
         labels = torch.empty(batch, dtype=torch.int64)
 
+        flat = host.numpy().reshape(-1)
+
         def recv_only():
-            sender.recv_header()
-            sender.pull.recv_into(host.numpy())
+            msg = sender.recv_header()
+            at = 0
+            for n in P.frame_sizes(flat.nbytes, msg.chunk):
+                sender.pull.recv_into(flat[at:at + n])
+                at += n
             sender.pull.recv_into(labels.numpy())
 
         out["recv_only"] = gbps(nbytes, per_call(recv_only, iters, warmup, False))
@@ -184,6 +203,34 @@ def receive(batch: int, size: int, iters: int, warmup: int, cuda: bool) -> dict:
     finally:
         sender.close()
     return out
+
+
+def service_receive(args, cuda: bool, local: bool) -> float:
+    """One client's receive from a real service with decoding off: GB/s of images handed over
+    (into the pinned ring and onto the device with CUDA; host tensors without)."""
+    from bench import doubles
+
+    B, S = args.batch_size, args.image_size
+    dev = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+    svc = start_service(["--demo", "--demo-size", str(args.demo_size), "--workers", str(args.workers),
+                         "--pipeline", doubles.BLANK])
+    try:
+        with RemoteLoader(svc.endpoint, batch_size=B, image_size=S, device=dev, prefetch=args.prefetch, timeout=300,
+                          drop_last=True, pipeline="blank", pipeline_args={"size": S},
+                          **({"local": True} if local else {})) as ld:
+            batches = forever(ld)
+            for _ in range(args.warmup):
+                next(batches)
+            sync(cuda)
+            t0 = time.perf_counter()
+            for _ in range(args.h2d_iters):
+                next(batches)
+            sync(cuda)
+            seconds = time.perf_counter() - t0
+            batches.close()
+    finally:
+        svc.stop()
+    return gbps(B * S * S * 3 * args.h2d_iters, seconds)
 
 
 class StepClock:
@@ -234,7 +281,8 @@ def train(args, cuda: bool) -> dict:
     try:
         endpoint = svc.endpoint
         with RemoteLoader(endpoint, batch_size=B, image_size=S, device=str(dev), normalize=True,
-                          prefetch=args.prefetch, timeout=300, drop_last=True) as ld:
+                          prefetch=args.prefetch, timeout=300, drop_last=True,
+                          **({"local": True} if args.local else {})) as ld:
             batches = forever(ld)
             # the service alone: how fast it delivers with no model
             for _ in range(args.warmup):
@@ -286,6 +334,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--model-passes", type=int, default=1,
                    help="forward + backward passes per batch: a heavier model, so that the service can outpace it "
                         "and the stall measures the client's path rather than the service's rate")
+    p.add_argument("--local", action="store_true", help="the training part's loader co-located (local=True)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.warmup < MIN_WARMUP:
@@ -304,26 +353,34 @@ def main(argv: Optional[list] = None) -> int:
 
     h = h2d(B, S, args.h2d_iters, args.warmup) if cuda else {}
     h.update(receive(B, S, args.h2d_iters, args.warmup, cuda))
+    h["service_tcp"] = service_receive(args, cuda, local=False)
+    h["service_local"] = service_receive(args, cuda, local=True)
     print(f"## One batch host -> {'device' if cuda else 'host tensors'}, {B * S * S * 3 / 2**20:.2f} MiB uint8\n")
     rows = [("pageable", "pageable tensor.to(device)"), ("raw_pinned", "raw pinned, non_blocking"),
             ("ring", "pinned ring (CudaSink: slot wait, push, hand_over)"),
             ("ring_normalize", "pinned ring + normalize on GPU"),
             ("recv_only", "receive only: recv_into a host buffer (loopback tcp)"),
             ("recv_sink", "receive + pinned ring + H2D (CudaSink.receive/push/hand_over)" if cuda
-             else "receive + host sink (HostSink.receive/push)")]
+             else "receive + host sink (HostSink.receive/push)"),
+            ("service_tcp", f"service (decode off) -> RemoteLoader({'cuda' if cuda else 'cpu'}), loopback TCP"),
+            ("service_local", f"service (decode off) -> RemoteLoader({'cuda' if cuda else 'cpu'}, local=True), "
+                              "shared memory")]
     print(table_head(["path", "GB/s", "% of raw pinned"], "lrr"))
     for k, label in rows:
         if k in h:
             pct = f"{100 * h[k] / h['raw_pinned']:.1f}%" if "raw_pinned" in h else "-"
             print(table_row([label, f"{h[k]:.2f}", pct]))
     if cuda:
-        print(f"\nring >= 90% of raw pinned: {'PASS' if h['ring'] >= 0.9 * h['raw_pinned'] else 'MISS'}\n")
+        print(f"\nring >= 90% of raw pinned: {'PASS' if h['ring'] >= 0.9 * h['raw_pinned'] else 'MISS'}")
+        print(f"one client over loopback TCP >= 5 GB/s: {'PASS' if h['service_tcp'] >= 5 else 'MISS'}; co-located "
+              f">= 10 GB/s: {'PASS' if h['service_local'] >= 10 else 'MISS'} (targets at batch 256)\n")
     else:
         print("\nring vs raw pinned: skipped (no CUDA)\n")
 
     t = train(args, cuda)
     passes = f" x {args.model_passes} passes per batch" if args.model_passes > 1 else ""
-    print(f"## Training step, SmallResNet{passes}, batch {B}, {S}px, bf16 autocast, {args.workers} service workers, "
+    print(f"## Training step, SmallResNet{passes}, batch {B}, {S}px, bf16 autocast, {args.workers} service workers"
+          f"{', co-located loader' if args.local else ''}, "
           f"{args.steps} steps after {args.warmup} warm-up\n")
     print("| | value |\n|---|---:|")
     print(f"| step, data resident on the {'GPU' if cuda else 'CPU'} | {1e3 * t['resident_step_s']:.1f} ms "

@@ -6,7 +6,7 @@
 #   bash bench/gpu_session.sh tests    # ON THE GPU: tests/cuda plain, under TORCH_CUDA_SANITIZER=1,
 #                                      # and the mutant runs (tests/cuda/run_mutants.py)
 #   bash bench/gpu_session.sh suite    # ON THE GPU: the new CPU/GPU tests, then the quick suite
-#   bash bench/gpu_session.sh bench    # ON THE GPU: python -m bench.gpu at batch 128 and 256
+#   bash bench/gpu_session.sh bench    # ON THE GPU: python -m bench.gpu at batch 128 and 256, and 256 co-located
 #   bash bench/gpu_session.sh lease    # ON THE GPU: what one 15-minute lease holds, most telling
 #                                      # first, every part cut to what is left of LEASE_S (540 s):
 #                                      # tests/cuda, the 1-GPU torchrun example, bench.gpu at 256
@@ -140,6 +140,8 @@ case $STEP in
     for b in 128 256; do
       part "bench-gpu-$b" 270 pass "$PY" -m bench.gpu --batch-size "$b" --json "$RESULTS/bench-gpu-$b.json"
     done
+    # issue 41: the training part fed by a co-located loader (the receive rows have both paths in every run)
+    part bench-gpu-256-local 270 pass "$PY" -m bench.gpu --batch-size 256 --local --json "$RESULTS/bench-gpu-256-local.json"
     finish
     ;;
   lease)

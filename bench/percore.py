@@ -16,6 +16,10 @@ Per photo group, in one run, contenders interleaved (median of ``--runs``):
   counting batches) pinned to ``C``.
 * **shared**: the same three on every CPU of ``S`` and ``C`` together, the service's client
   beside it (the naive row is the naive N-process limit, no transport).
+* in both layouts, the service once more with its client **co-located** (issue 41:
+  ``RemoteLoader(local=True)``, each batch copied out of the service's shared memory instead of
+  received over loopback TCP); its targets: >= 0.9x the decode loop on a core of its own, >= 1.35x
+  the naive N-process limit on shared cores, trainer CPU per image <= 10 us.
 
 Each contender is given as images per second of wall time (per core) and as images per
 CPU-second of its own processes (the decode processes; for the service also its dispatcher's
@@ -57,7 +61,8 @@ from bench.photos import parse_epochs, photo_args, photo_group
 from loader_service.decode.jpeg import decode_path
 
 ROWS = [("naive", "naive loop (simplejpeg, slice, cv2 resize, flip)"), ("loop", "service decode loop (process_sample)"),
-        ("service", "service + RemoteLoader")]
+        ("service", "service + RemoteLoader (TCP)"),
+        ("local", "service + RemoteLoader(local=True) (co-located, shared memory)")]
 
 
 def pinned(cpus: Optional[set], fn, *args):
@@ -71,9 +76,10 @@ def pinned(cpus: Optional[set], fn, *args):
 
 
 def service_row(settings: B.Settings, dataset_args: List[str], service_cpus: Optional[set],
-                client_cpus: Optional[set], profile: Optional[str] = None) -> dict:
+                client_cpus: Optional[set], profile: Optional[str] = None, local: bool = False) -> dict:
     """The service with ``settings.workers`` decode processes on ``service_cpus``, a RemoteLoader on
-    ``client_cpus``: img/s, CPU per image per part, busy shares."""
+    ``client_cpus`` (``local``: co-located, reading the service's shared memory): img/s, CPU per
+    image per part, busy shares."""
     before = os.sched_getaffinity(0)
     try:
         set_affinity(service_cpus)  # the service and its decode processes inherit it
@@ -83,7 +89,8 @@ def service_row(settings: B.Settings, dataset_args: List[str], service_cpus: Opt
     spies: List[subprocess.Popen] = []
     try:
         with RemoteLoader(svc.endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
-                          seed=settings.seed, prefetch=max(4, 2 * settings.workers)) as loader:
+                          seed=settings.seed, prefetch=max(4, 2 * settings.workers),
+                          **({"local": True} if local else {})) as loader:
             loader.set_epoch(0)
             for _ in loader:  # warm-up: workers started, first stream set up
                 pass
@@ -203,16 +210,18 @@ def run_group(settings: B.Settings, dataset_args: List[str], split, profile: Opt
     return {
         "dedicated": {"naive": raw_row(service_cpus, replace(dedicated, fn="naive")),
                       "loop": raw_row(service_cpus, dedicated),
-                      "service": service_row(dedicated, dataset_args, service_cpus, client_cpus, profile)},
+                      "service": service_row(dedicated, dataset_args, service_cpus, client_cpus, profile),
+                      "local": service_row(dedicated, dataset_args, service_cpus, client_cpus, local=True)},
         "shared": {"naive": raw_row(everything, replace(shared, fn="naive")), "loop": raw_row(everything, shared),
-                   "service": service_row(shared, dataset_args, everything, everything)},
+                   "service": service_row(shared, dataset_args, everything, everything),
+                   "local": service_row(shared, dataset_args, everything, everything, local=True)},
     }
 
 
 def report(group: str, count: int, kib: float, layout: str, cpus: str, runs: List[dict]) -> dict:
     rs = [r[layout] for r in runs]
     med = {k: {m: statistics.median(r[k][m] for r in rs) for m in ("img_s", "img_cpu_s")} for k, _ in ROWS}
-    svc = {k: statistics.median(r["service"][k] for r in rs) for k in rs[0]["service"]}
+    parts = {row: {k: statistics.median(r[row][k] for r in rs) for k in rs[0][row]} for row in ("service", "local")}
     ncpu = len(cpus.split(","))
     print(f"\n### {group} ({count} photos, {kib:.0f} KiB mean), {layout}: service on CPU {cpus}"
           + (", client on the others" if layout == "dedicated" else ", client beside it") + f"; median of {len(rs)}\n")
@@ -224,12 +233,15 @@ def report(group: str, count: int, kib: float, layout: str, cpus: str, runs: Lis
             cells += [f"{med[k][m] / per:.0f}", " / ".join(f"{r[k][m] / per:.0f}" for r in rs),
                       f"{med[k][m] / med['naive'][m]:.2f}x", f"{med[k][m] / med['loop'][m]:.2f}x"]
         print(table_row(cells))
-    print(f"\nservice, CPU per image: decode processes {svc['worker_us']:.0f} us, dispatcher's process "
-          f"{svc['dispatcher_us']:.0f} us (of which ZeroMQ's I/O threads {svc['io_us']:.0f} us), client (trainer) {svc['client_us']:.0f} us; decode processes busy "
-          f"{100 * svc['busy_own']:.1f}% on samples (their own clock), {100 * svc['busy_dispatcher']:.1f}% holding a "
-          "task (the dispatcher's)")
-    return {k: med[k][m] for k in ("naive", "loop") for m in ("img_s",)} | \
-        {f"{k}_cpu": med[k]["img_cpu_s"] for k in ("naive", "loop")} | svc
+    for row, what in (("service", "service (TCP)"), ("local", "service co-located")):
+        svc = parts[row]
+        print(f"\n{what}, CPU per image: decode processes {svc['worker_us']:.0f} us, dispatcher's process "
+              f"{svc['dispatcher_us']:.0f} us (of which ZeroMQ's I/O threads {svc['io_us']:.0f} us), client (trainer) "
+              f"{svc['client_us']:.0f} us; decode processes busy {100 * svc['busy_own']:.1f}% on samples (their own "
+              f"clock), {100 * svc['busy_dispatcher']:.1f}% holding a task (the dispatcher's)")
+    base = {k: med[k][m] for k in ("naive", "loop") for m in ("img_s",)} | \
+        {f"{k}_cpu": med[k]["img_cpu_s"] for k in ("naive", "loop")}
+    return base | parts["service"] | {"local": base | parts["local"]}
 
 
 def main(argv=None) -> int:
@@ -277,6 +289,12 @@ def main(argv=None) -> int:
             check(f"{group} dedicated: service >= {target}x naive", ded, "naive", target),
             check(f"{group} shared: service + client >= 1.2x the naive {len(s_cpus | c_cpus)}-process limit", sh,
                   "naive", 1.2),
+            # issue 41: the co-located mode
+            check(f"{group} dedicated, co-located: service >= 0.9x its decode loop", ded["local"], "loop", 0.9),
+            check(f"{group} shared, co-located: service + client >= 1.35x the naive {len(s_cpus | c_cpus)}-process "
+                  "limit", sh["local"], "naive", 1.35),
+            (f"{group} shared, co-located: trainer CPU per image <= 10 us", sh["local"]["client_us"] <= 10,
+             f"{sh['local']['client_us']:.1f} us (over TCP {sh['client_us']:.1f} us)"),
         ]
     print_verdicts(verdicts)
     return 0

@@ -40,6 +40,11 @@ default ``max(4, 2 x workers)``, what ``bench.throughput`` gives ``RemoteLoader`
    its samples; the loop now in the row costs some tens of microseconds of worker CPU per
    sample: docs/benchmarks.md section 2.)
 
+3. with ``--local``, **service + RemoteLoader(local=True)**: the same service and loader in the
+   co-located mode (issue 41): each batch's image is read from the service's shared-memory slot
+   (one copy into a reused host buffer), the slot handed back with a Release; only the header
+   and labels cross the socket. The target (the % of raw column) is about the socket rows.
+
 The service binds tcp only (``Dispatcher`` has no ipc endpoint), so there is no ipc row.
 
 How to read the table:
@@ -55,6 +60,8 @@ How to read the table:
   service process plus its workers). On a machine with few cores these two compete with each
   other and with anything else running, so the CPU columns say more than the rates about
   where the difference comes from.
+* ``sending process CPU us / image``: the sending process alone (the service's dispatcher and
+  ZeroMQ I/O threads, without its workers; or the raw sender), per image: the service's I/O CPU.
 
 The PASS/MISS line checks the project's target; the exit status does not depend on it.
 """
@@ -84,9 +91,10 @@ from bench.harness import (START_TIMEOUT_S, command, cpu_seconds, forever, log, 
 from client import RemoteLoader
 from loader_service.sources.demo import ensure_demo
 
-RAW, RAW_ZC, SERVICE = "raw_pyzmq", "raw_pyzmq_zero_copy", "service_client"
+RAW, RAW_ZC, SERVICE, LOCAL = "raw_pyzmq", "raw_pyzmq_zero_copy", "service_client", "service_client_local"
 LABELS = {RAW: "raw pyzmq ROUTER -> DEALER, recv_into", RAW_ZC: "raw pyzmq ROUTER -> DEALER, recv(copy=False)",
-          SERVICE: "service (decode off) + RemoteLoader"}
+          SERVICE: "service (decode off) + RemoteLoader",
+          LOCAL: "service (decode off) + RemoteLoader(local=True), shared memory"}
 TARGET = 0.80  # DESIGN.md: transport alone >= 80% of raw pyzmq on the same socket type
 STOP_JOIN_S = 10.0
 
@@ -117,6 +125,7 @@ class Run:
     sender_cpu_s: float
     image_bytes: int
     batch_size: int
+    sender_io_cpu_s: float = 0.0  # of the sending process alone (the service's, without its workers)
 
     @property
     def batches_per_s(self) -> float:
@@ -136,7 +145,14 @@ class Run:
     def to_json(self) -> dict:
         return {**asdict(self), "batches_per_s": self.batches_per_s, "images_per_s": self.images_per_s,
                 "mb_per_s": self.mb_per_s, "receiver_cpu_ms_per_batch": self.cpu_ms_per_batch(self.receiver_cpu_s),
-                "sender_cpu_ms_per_batch": self.cpu_ms_per_batch(self.sender_cpu_s)}
+                "sender_cpu_ms_per_batch": self.cpu_ms_per_batch(self.sender_cpu_s),
+                "sender_io_cpu_us_per_image": self.io_us_per_image}
+
+    @property
+    def io_us_per_image(self) -> float:
+        """CPU of the sending process alone per image: the service's dispatcher and ZeroMQ I/O
+        threads (its workers apart), or the raw sender."""
+        return 1e6 * self.sender_io_cpu_s / (self.batches * self.batch_size) if self.batches else 0.0
 
 
 def timed(next_batch: Callable[[], None], settings: Settings, senders: Callable[[], List[psutil.Process]]) -> Run:
@@ -144,7 +160,7 @@ def timed(next_batch: Callable[[], None], settings: Settings, senders: Callable[
     for _ in range(settings.warmup):
         next_batch()
     me, procs = psutil.Process(), senders()
-    cpu0, scpu0 = cpu_seconds([me]), cpu_seconds(procs)
+    cpu0, scpu0, io0 = cpu_seconds([me]), cpu_seconds(procs), cpu_seconds(procs[:1])
     n, t0 = 0, time.perf_counter()
     while True:
         next_batch()
@@ -155,8 +171,8 @@ def timed(next_batch: Callable[[], None], settings: Settings, senders: Callable[
         elif time.perf_counter() - t0 >= settings.seconds:
             break
     t1 = time.perf_counter()
-    cpu, scpu = cpu_seconds([me]) - cpu0, cpu_seconds(procs) - scpu0
-    return Run(n, t1 - t0, cpu, scpu, settings.image_bytes, settings.batch_size)
+    cpu, scpu, io = cpu_seconds([me]) - cpu0, cpu_seconds(procs) - scpu0, cpu_seconds(procs[:1]) - io0
+    return Run(n, t1 - t0, cpu, scpu, settings.image_bytes, settings.batch_size, io)
 
 
 # ---------------------------------------------------------------------------------- raw pyzmq
@@ -273,14 +289,15 @@ def bench_raw(settings: Settings, zero_copy: bool = False) -> Run:
 
 
 # --------------------------------------------------------------- service + RemoteLoader
-def bench_service(settings: Settings) -> "tuple[Run, bool]":
-    """Returns the run and whether decoding was really off (the first batch is all zeros)."""
+def bench_service(settings: Settings, local: bool = False) -> "tuple[Run, bool]":
+    """Returns the run and whether decoding was really off (the first batch is all zeros).
+    ``local``: the co-located mode (batches read from the service's shared memory, one copy)."""
     svc = start_service(["--demo", "--demo-size", str(settings.demo_size), "--workers", str(settings.workers),
                          "--pipeline", doubles.BLANK])
     try:
         with RemoteLoader(svc.endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
                           prefetch=settings.window, drop_last=True, pipeline="blank",
-                          pipeline_args={"size": settings.image_size}) as loader:
+                          pipeline_args={"size": settings.image_size}, **({"local": True} if local else {})) as loader:
             batches = forever(loader)
             try:
                 first = next(batches)
@@ -312,6 +329,7 @@ def summarize(runs: List[Run]) -> dict:
             "mb_per_s": med(lambda r: r.mb_per_s),
             "receiver_cpu_ms_per_batch": med(lambda r: r.cpu_ms_per_batch(r.receiver_cpu_s)),
             "sender_cpu_ms_per_batch": med(lambda r: r.cpu_ms_per_batch(r.sender_cpu_s)),
+            "sender_io_cpu_us_per_image": med(lambda r: r.io_us_per_image),
             "batches": sum(r.batches for r in runs), "seconds": sum(r.seconds for r in runs)}
 
 
@@ -325,15 +343,17 @@ def report(results: dict, header: dict) -> dict:
           f"per round after {s['warmup']} warm-up batches, {header['rounds']} round(s), median shown | "
           f"transport: tcp://127.0.0.1 (ipc: {header['ipc']}) | command: `{header['command']}`\n")
     print(table_head(["row", "processes (sender -> receiver)", "batches/s", "images/s", "MB/s", "% of raw",
-                      "receiver CPU ms / batch", "sender CPU ms / batch"], "llrrrrrr"))
+                      "receiver CPU ms / batch", "sender CPU ms / batch", "sending process CPU us / image"],
+                     "llrrrrrrr"))
     raw = max(results[RAW]["summary"]["batches_per_s"], results[RAW_ZC]["summary"]["batches_per_s"])
-    procs = {RAW: "1 -> 1", RAW_ZC: "1 -> 1", SERVICE: f"1 + {s['workers']} workers -> 1"}
+    procs = {RAW: "1 -> 1", RAW_ZC: "1 -> 1", SERVICE: f"1 + {s['workers']} workers -> 1",
+             LOCAL: f"1 + {s['workers']} workers -> 1"}
     for name, r in results.items():
         m = r["summary"]
         pct = 100.0 * m["batches_per_s"] / raw if raw else 0.0
         print(table_row([LABELS[name], procs[name], f"{m['batches_per_s']:.1f}", f"{m['images_per_s']:.0f}",
                          f"{m['mb_per_s']:.0f}", f"{pct:.1f}%", f"{m['receiver_cpu_ms_per_batch']:.2f}",
-                         f"{m['sender_cpu_ms_per_batch']:.2f}"]))
+                         f"{m['sender_cpu_ms_per_batch']:.2f}", f"{m['sender_io_cpu_us_per_image']:.1f}"]))
     ratios = [100.0 * sv.batches_per_s / max(rw.batches_per_s, zc.batches_per_s, 1e-9)
               for rw, zc, sv in zip(results[RAW]["runs"], results[RAW_ZC]["runs"], results[SERVICE]["runs"])]
     if len(ratios) > 1:
@@ -342,7 +362,7 @@ def report(results: dict, header: dict) -> dict:
     check = {"target": f"transport alone (no decode) >= {100 * TARGET:.0f}% of raw pyzmq", "pass": pct >= 100 * TARGET,
              "pct_of_raw": pct, "pct_of_raw_per_round": ratios,
              "detail": f"{pct:.1f}% ({results[SERVICE]['summary']['batches_per_s']:.1f} vs {raw:.1f} batches/s)"}
-    if not results[SERVICE]["decode_skipped"]:
+    if not all(results[n]["decode_skipped"] for n in (SERVICE, LOCAL) if n in results):
         check["detail"] += "; WARNING: the service decoded, so this is not the transport alone"
     print(f"\n{'PASS' if check['pass'] else 'MISS'} {check['target']}: {check['detail']}")
     return check
@@ -360,6 +380,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=20, help="batches received before the clock starts")
     p.add_argument("--rounds", type=int, default=3, help="alternate raw and service this many times; medians shown")
     p.add_argument("--demo-size", type=int, default=2000, help="demo images the service serves (its epoch length)")
+    p.add_argument("--local", action="store_true", help="add a row: the co-located mode (RemoteLoader(local=True): "
+                   "batches read from the service's shared memory instead of the socket)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--plot", metavar="PNG", help="the table's figure (default: next to --json, else "
                                                  "results/bench_transport.png)")
@@ -385,6 +407,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               "ipc": "skipped: the service binds tcp only"}
     raise_on_sigterm()  # unwind through every finally: the raw process and the service stop
     results = {RAW: {"runs": []}, RAW_ZC: {"runs": []}, SERVICE: {"runs": [], "decode_skipped": True}}
+    if args.local:
+        results[LOCAL] = {"runs": [], "decode_skipped": True}
     try:
         ensure_demo(args.demo_size).close()  # generate it now if needed, not while the service starts
         log(f"transport benchmark: batch {args.batch_size} x {args.image_size}px "
@@ -396,11 +420,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 r = bench_raw(settings, zero_copy)
                 results[name]["runs"].append(r)
                 log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
-            log(f"round {i + 1}/{args.rounds}: {LABELS[SERVICE]} ...")
-            r, skipped = bench_service(settings)
-            results[SERVICE]["runs"].append(r)
-            results[SERVICE]["decode_skipped"] &= skipped
-            log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
+            for name in (SERVICE, LOCAL) if args.local else (SERVICE,):
+                log(f"round {i + 1}/{args.rounds}: {LABELS[name]} ...")
+                r, skipped = bench_service(settings, local=name == LOCAL)
+                results[name]["runs"].append(r)
+                results[name]["decode_skipped"] &= skipped
+                log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
     except KeyboardInterrupt:
         log("interrupted")
         return 130
@@ -413,7 +438,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         out = dict(header)
         out["rows"] = {name: {"label": LABELS[name], **r["summary"], "runs": [x.to_json() for x in r["runs"]],
-                              **({"decode_skipped": r["decode_skipped"]} if name == SERVICE else {})}
+                              **({"decode_skipped": r["decode_skipped"]} if name in (SERVICE, LOCAL) else {})}
                        for name, r in results.items()}
         out["target"] = check
         with open(args.json, "w") as f:

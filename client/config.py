@@ -42,6 +42,9 @@ class LoaderConfig:
     dns_refresh_s: float = 10.0
     dns_server: Optional[str] = None  # "ip[:port]": ask this DNS server (dnspython); None: env LOADER_DNS_SERVER, else the system's resolver
     expect_replicas: int = 0  # size the window (batches in flight, host memory) for this many replicas; 0: as many as at the start
+    # co-located mode: a replica whose shared memory this process reaches (same host, shared /dev/shm)
+    # lends its batches in place (one copy out of its slots, no socket); the others go over the socket
+    local: bool = False
 
     @classmethod
     def of(cls, endpoint: str, **settings: Any) -> "LoaderConfig":

@@ -31,6 +31,7 @@ import zmq
 from wire import protocol as P
 
 from client.config import LoaderConfig
+from client import local
 from client.curve import ClientKeys
 from client.errors import LoaderError, LoaderTimeout
 from client.flow import EpochFlow
@@ -70,6 +71,9 @@ class Connections:
         # endpoint -> why its service is refused, shared with the twin set; the (endpoint,
         # identity) pairs already named in the log, so each is named once
         self.refused: Dict[str, str] = {}
+        # endpoint -> its service's probe, read from here: its streams are co-located (config.local);
+        # shared with the twin set
+        self.colocated: Dict[str, str] = {}
         self._named: Set[Tuple[str, Tuple[int, str]]] = set()
         self.replicas: List[Replica] = []
         for e in endpoints:
@@ -100,6 +104,7 @@ class Connections:
                            frame_cap=self.frame_cap, window=self.window, client_id=self._client_id,
                            stream_ids=self._stream_ids, stats=self._stats)
         twin.identity, twin.refused, twin._named = self.identity, self.refused, self._named
+        twin.colocated = self.colocated
         return twin
 
     def close(self) -> None:
@@ -114,7 +119,8 @@ class Connections:
         r.hello(stream, P.Hello(
             stream=stream, spec=c.spec, epoch=epoch, rank=c.rank, origin=self.origin, entry=self.entry,
             slots=c.prefetch, job=c.job, window=min(self.window, P.MAX_WINDOW),
-            batches=list(batches), lookahead=lookahead, client=self._client_id))
+            batches=list(batches), lookahead=lookahead, client=self._client_id,
+            local=r.endpoint in self.colocated))
 
     def start_epoch(self, epoch: int, start: int, total: int, lookahead: bool = False, origin: int = 0,
                     entry: int = 0) -> EpochFlow:
@@ -170,6 +176,8 @@ class Connections:
         payload = None
         if isinstance(msg, P.Batch):
             payload = sink.receive(r.sock, msg)
+            if msg.local:  # copied out of the service's slot: hand it back
+                r.send(P.Release(stream=msg.stream, batches=[msg.index]))
             self._stats.bytes += msg.image_bytes
         else:
             r.drain()
@@ -288,7 +296,21 @@ class Connections:
                     msg, _ = self.recv(r, sink)
                     if isinstance(msg, P.DatasetInfo) and r.index not in answers:
                         answers[r.index] = (r, msg)
+                        self._colocate(r, msg.probe)
                         grace_end = min(grace_end, time.monotonic() + DESCRIBE_GRACE_S)
+
+    def _colocate(self, r: Replica, probe: str) -> None:
+        """With ``config.local``: ``r``'s streams' batches are handed over in place if its probe is readable here."""
+        if not self.config.local:
+            return
+        if local.reachable(probe):
+            if r.endpoint not in self.colocated:
+                log.info("service replica %s shares this host's shared memory: its batches are handed over in place",
+                         r.endpoint)
+            self.colocated[r.endpoint] = probe
+        elif self.colocated.pop(r.endpoint, None) is not None or probe:
+            log.info("service replica %s: its shared memory is not reachable from here (probe %r); its batches "
+                     "come over the socket", r.endpoint, probe)
 
     def _most_served(self, answers: List[Tuple[Replica, P.DatasetInfo]]) -> Tuple[str, P.DatasetInfo]:
         groups: Dict[Tuple[int, str], List[Tuple[Replica, P.DatasetInfo]]] = {}

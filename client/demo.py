@@ -40,12 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--local", action="store_true", help="co-located: read batches from the service's shared memory "
+                   "when it is reachable (same host or a shared /dev/shm), else over the socket")
     return p
 
 
 def main() -> int:
     a = build_parser().parse_args()
-    consume(a.endpoint, a.epochs, a.batch_size, a.image_size, timeout=a.timeout)
+    consume(a.endpoint, a.epochs, a.batch_size, a.image_size, timeout=a.timeout, local=a.local)
     return 0
 
 

@@ -46,6 +46,7 @@ trainer holds, in plan order, so the copy of batch k+1 overlaps step k.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import deque
 from typing import Deque, Dict, List, Optional, Tuple
@@ -59,6 +60,7 @@ from wire import protocol as P
 from client.batch import Batch
 from client.config import LoaderConfig
 from client.errors import LoaderError
+from client.local import Mappings
 from client.transform import Normalize
 
 
@@ -125,20 +127,46 @@ def _build(msg: P.Batch, names: List[str], raw: List[torch.Tensor], labels: torc
 
 
 def _recv_frames(sock: zmq.Socket, msg: P.Batch, outputs: List[torch.Tensor], labels: torch.Tensor) -> None:
-    """Receive a Batch's data frames into ``outputs`` and ``labels`` (exact sizes)."""
+    """Receive a Batch's data frames into ``outputs`` and ``labels`` (exact sizes; an output sent
+    in several frames, ``msg.chunk`` bytes each, fills its buffer piece by piece)."""
     sizes = []
     for buf in (*outputs, labels):
-        if not sock.getsockopt(zmq.RCVMORE):
-            raise LoaderError(P.ErrorCode.BAD_MESSAGE, "Batch message is missing data frames")
         if buf.numel() == 0:
-            sizes.append(len(sock.recv()))
-        else:
-            sizes.append(sock.recv_into(buf.numpy()))
+            sizes.append(_recv_size(sock, None))
+            continue
+        flat, at = buf.view(-1).view(torch.uint8).numpy(), 0
+        for size in P.frame_sizes(flat.nbytes, msg.chunk if buf is not labels else 0):
+            sizes.append(_recv_size(sock, flat[at:at + size]))
+            at += size
     extra = 0
     while sock.getsockopt(zmq.RCVMORE):
         sock.recv()
         extra += 1
     _check_sizes(msg, sizes + [0] * extra)
+
+
+def _recv_size(sock: zmq.Socket, into: Optional[np.ndarray]) -> int:
+    """The next frame of this message, into ``into`` (None: an empty buffer); its size."""
+    if not sock.getsockopt(zmq.RCVMORE):
+        raise LoaderError(P.ErrorCode.BAD_MESSAGE, "Batch message is missing data frames")
+    return len(sock.recv()) if into is None else sock.recv_into(into)
+
+
+def _copy_in_place(mappings: Mappings, msg: P.Batch, outputs: List[np.ndarray]) -> None:
+    """A batch handed over in place (co-located, ``msg.local``): each output's block of the service's slot copied
+    once into ``outputs`` (the Release that follows gives the slot back)."""
+    name, blocks = msg.local
+    for dst, (offset, nbytes) in zip(outputs, blocks):
+        if dst.nbytes != nbytes:
+            raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"an in-place block of {nbytes} bytes for an output of {dst.nbytes}")
+        if nbytes:
+            np.copyto(dst.reshape(-1), mappings.block(name, offset, nbytes))
+
+
+def _recv_labels(sock: zmq.Socket, msg: P.Batch) -> torch.Tensor:
+    """The labels frame of a batch handed over in place (its only data frame)."""
+    (frame,) = _recv_data_frames(sock, msg)
+    return torch.from_numpy(np.frombuffer(frame.bytes, dtype=np.int64).copy())
 
 
 def _recv_data_frames(sock: zmq.Socket, msg: P.Batch) -> List[zmq.Frame]:
@@ -162,22 +190,36 @@ def _skipped(msg: P.Batch) -> List[Tuple[int, str]]:
 
 
 class HostSink:
-    """CPU: every batch's tensors are its own (the images wrap its zmq message); nothing is pinned."""
+    """CPU: every batch's tensors are its own; nothing is pinned. An output that came in one frame
+    is that zmq message (no copy); one that came in several (``Batch.chunk``) is gathered into a
+    host buffer that :class:`HostBuffers` reuses once the trainer has let go of it."""
 
     def __init__(self, config: LoaderConfig, held: int = 0, outputs: Optional[Outputs] = None):
         self.config = config
         self.outputs = outputs or legacy_outputs(config)
         self.normalize = _normalizers(config, self.outputs)
+        self.buffers = HostBuffers(held + 2)  # the window, the batch the trainer holds, the one arriving
+        self.mappings = Mappings()  # the service's segments, for batches handed over in place (co-located)
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch):
+        if msg.local:
+            shapes = _check_outputs(msg, self.outputs)
+            raw = [self.buffers.take(math.prod(shape))[:math.prod(shape)].reshape(shape) for _, shape in shapes]
+            _copy_in_place(self.mappings, msg, raw)
+            return [torch.from_numpy(r) for r in raw], _recv_labels(sock, msg)
         *frames, label_frame = _recv_data_frames(sock, msg)
-        raw = []
-        for frame, (_, shape) in zip(frames, _check_outputs(msg, self.outputs)):
-            if frame.buffer.nbytes:
-                raw.append(torch.frombuffer(frame.buffer, dtype=torch.uint8).view(shape))
-            else:
+        raw, at = [], 0
+        for _, shape in _check_outputs(msg, self.outputs):
+            nbytes = math.prod(shape)
+            parts = frames[at:at + P.frame_count(nbytes, msg.chunk)]
+            at += len(parts)
+            if not nbytes:
                 raw.append(torch.empty(shape, dtype=torch.uint8))  # frombuffer refuses an empty buffer
+            elif len(parts) == 1:
+                raw.append(torch.frombuffer(parts[0].buffer, dtype=torch.uint8).view(shape))
+            else:
+                raw.append(torch.from_numpy(self.buffers.gather(parts, nbytes)).view(shape))
         labels = torch.from_numpy(np.frombuffer(label_frame.bytes, dtype=np.int64).copy())  # small; aligned copy
         return raw, labels
 
@@ -192,7 +234,37 @@ class HostSink:
         pass
 
     def close(self) -> None:
-        pass
+        self.mappings.close()
+
+
+class HostBuffers:
+    """Host buffers for outputs that arrive in several frames, each reused once nothing else
+    refers to it (the trainer dropped every tensor made from it: ``torch.from_numpy`` holds its
+    array), so a large batch does not cost the page faults of a fresh mapping each time. At most
+    ``keep`` buffers of a size are kept; past that a new one is made and not kept."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._kept: Dict[int, List[np.ndarray]] = {}
+
+    def take(self, nbytes: int) -> np.ndarray:
+        kept = self._kept.setdefault(nbytes, [])
+        for i in range(len(kept)):
+            if sys.getrefcount(kept[i]) == 2:  # the list's reference and the argument's: unused
+                return kept[i]
+        buf = np.empty(nbytes, np.uint8)
+        if len(kept) < self.keep:
+            kept.append(buf)
+        return buf
+
+    def gather(self, frames: List[zmq.Frame], nbytes: int) -> np.ndarray:
+        """The frames' bytes, one after another, in a buffer of ``nbytes`` (their total)."""
+        buf, at = self.take(nbytes), 0
+        for f in frames:
+            part = np.frombuffer(f.buffer, dtype=np.uint8)
+            buf[at:at + part.size] = part
+            at += part.size
+        return buf
 
 
 class _Slot:
@@ -221,6 +293,7 @@ class CudaSink:
         self._free: Deque[_Slot] = deque(self._slots)  # oldest copy first: most likely finished
         self._done: Dict[int, torch.cuda.Event] = {}  # batch index -> its copy + normalize finished
         self._handed: Optional[Tuple[int, torch.cuda.Event]] = None  # the last batch handed over (echo)
+        self.mappings = Mappings()  # the service's segments, for batches handed over in place (co-located)
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch):
@@ -233,7 +306,12 @@ class CudaSink:
         host = [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(slot.outputs, shapes)]
         labels = slot.labels[:n]
         try:
-            _recv_frames(sock, msg, host, labels)
+            if msg.local:  # co-located: one copy from the service's slot into the pinned one
+                _copy_in_place(self.mappings, msg, [h.numpy() for h in host])
+                labels = slot.labels[:n]
+                labels.copy_(_recv_labels(sock, msg))
+            else:
+                _recv_frames(sock, msg, host, labels)
         except BaseException:
             self._free.append(slot)
             raise
@@ -301,3 +379,4 @@ class CudaSink:
     def close(self) -> None:
         self.end()
         self._slots, self._free = [], deque()
+        self.mappings.close()

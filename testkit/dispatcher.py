@@ -51,16 +51,17 @@ class Driven:
     """A :class:`DispatchState` serving ``source`` as "demo", with ``workers`` idle workers.
     ``d.now`` is the clock the events carry (advance it by hand)."""
 
-    def __init__(self, config: ServiceConfig, source, workers: int = 0, authorized=None):
+    def __init__(self, config: ServiceConfig, source, workers: int = 0, authorized=None, probe: str = ""):
         self.pool = Workers(workers)
         self.state = DispatchState(config, {"demo": source}, Registry(config.pipeline), self.pool, "test-instance",
-                                   authorized)
+                                   authorized, probe)
         self.now = time.monotonic()
         self.monitor: Deque[E.Event] = deque()  # reported, not yet read
         self.fds_seen: Set[int] = set()
         self.gone: Set[bytes] = set()  # idents a send finds unreachable (ROUTER_MANDATORY)
         self.sent: List[Tuple[bytes, P.Message]] = []
         self.batches: List[Tuple[bytes, P.Batch]] = []
+        self.data: List[E.SendData] = []  # every batch's send as commanded (its blocks, its labels)
         self.sending: List[E.LetGo] = []  # batches libzmq has not let go of yet
         self.assigned: List[E.Assign] = []
         self.killed: List[int] = []
@@ -81,14 +82,17 @@ class Driven:
         if isinstance(c, (E.Send, E.SendData)) and c.ident in self.gone:
             queue.append(E.Unreachable(c.ident))
             if isinstance(c, E.SendData):
-                queue.append(E.LetGo(c.stream, c.slot))  # unsent frames are let go of all the same
+                if c.let_go:
+                    queue.append(E.LetGo(c.stream, c.slot))  # unsent frames are let go of all the same
         elif isinstance(c, E.Send):
             self.sent.append((c.ident, c.message))
         elif isinstance(c, E.SendData):
             header = P.decode_header(c.header)
             assert isinstance(header, P.Batch)
             self.batches.append((c.ident, header))
-            self.sending.append(E.LetGo(c.stream, c.slot))
+            self.data.append(c)
+            if c.let_go:  # else the co-located client borrows the slot until its Release
+                self.sending.append(E.LetGo(c.stream, c.slot))
         elif isinstance(c, E.Assign):
             w = c.worker
             assert w.state in ("idle", "busy") and len(w.tasks) < 2, w
@@ -163,9 +167,9 @@ class Driven:
         return self.state.memory
 
 
-def loopless(config: ServiceConfig, source, workers: int = 0) -> Driven:
+def loopless(config: ServiceConfig, source, workers: int = 0, probe: str = "") -> Driven:
     """The dispatch state serving ``source`` as "demo", driven by hand. Close with :func:`close`."""
-    return Driven(config, source, workers)
+    return Driven(config, source, workers, probe=probe)
 
 
 def close(d: Driven) -> None:

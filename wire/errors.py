@@ -17,6 +17,7 @@ class ErrorCode:
     REPLACED = "replaced"  # a newer client took over this (job, rank)
     DATASET_CHANGED = "dataset_changed"  # the dataset is not the one the epoch (or a loaded state) was planned on
     REPLICA_MISMATCH = "replica_mismatch"  # the replicas serve different data: none left serves the loader's
+    BAD_RELEASE = "bad_release"  # a co-located client handed back a slot its stream did not hand over
     REVOKED = "revoked"  # the client's CURVE key was removed from the service's keys directory
     INTERNAL = "internal"
 

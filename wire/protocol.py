@@ -27,13 +27,22 @@ from wire.jobspec import JobSpec, check_pipeline
 # 5: Hello.window, what a stream may have asked and not been sent (the service refuses more); a
 # service of 4 would refuse the new field by its name, so the version says what is wrong instead;
 # 6: one kind of stream: every batch is asked for by a Request (Credit, Hello.on_demand and
-# Hello.start_batch removed; message type 2 stays unused); Hello.prefetch renamed slots (what it is)
+# Hello.start_batch removed; message type 2 stays unused); Hello.prefetch renamed slots (what it
+# is); Batch.chunk (an output larger than FRAME_MAX_BYTES crosses the wire in several frames); the
+# co-located mode: Hello.local, DatasetInfo.probe, Batch.local and Release
 PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
 MAX_WINDOW = 1 << 14  # the most batches a stream may have asked and not yet been sent (Hello.window)
 MAX_ERROR_MESSAGE = 2048  # characters of an Error's message (its traceback is the worker's own, kept whole)
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, zmq copying is cheaper than tracking a buffer
+# The largest data frame the service sends: a larger output goes in frames of this size. libzmq
+# receives every frame into a malloc of its own, and glibc maps an allocation above 32 MiB (its
+# largest mmap threshold) afresh every time: a 38.5 MB frame (batch 256 at 224 px) cost the
+# receiver 9,400 page faults, 25 ms of CPU per batch (docs/benchmarks.md section 17). Frames of
+# 16 MiB stay below that threshold, so glibc reuses their memory.
+FRAME_MAX_BYTES = 16 << 20
+MAX_CHUNK_BYTES = 1 << 31  # a Batch.chunk beyond this is refused (no frame is that large)
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -45,6 +54,7 @@ class MsgType(IntEnum):
     BYE = 3
     DESCRIBE = 4
     REQUEST = 5
+    RELEASE = 6
     # service -> client
     ACCEPT = 10
     BATCH = 11
@@ -100,6 +110,9 @@ class Hello(Message):
     # the most batches the client may have asked of this stream and not yet received (0: MAX_WINDOW);
     # the service refuses a Request past it, so a stream's asks cost bounded memory in any state
     window: int = 0
+    # co-located (the client reached DatasetInfo.probe): batches are handed over in the service's shared
+    # memory (Batch.local) and handed back with Release, instead of crossing the socket
+    local: bool = False
 
     def check(self) -> None:
         _range(self, "stream", 0)
@@ -142,6 +155,23 @@ class Request(Message):
             raise ProtocolError("Request.batches lists more than 65536 batches", ErrorCode.BAD_JOB)
         _range(self, "consumed", 0)
         _check_stall(self)
+
+
+@dataclass(frozen=True)
+class Release(Message):
+    """A co-located client has copied ``batches`` of a ``local`` stream out of the service's
+    shared memory: their slots are the service's again. A batch the stream did not hand over (never
+    sent, already handed back) is refused (``bad_release``) and ends that stream."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RELEASE
+    stream: int
+    batches: list = field(default_factory=list)
+
+    def check(self) -> None:
+        _range(self, "stream", 0)
+        if len(self.batches) > MAX_WINDOW:
+            raise ProtocolError(f"Release.batches lists more than {MAX_WINDOW} batches", ErrorCode.BAD_RELEASE)
+        _check_batches(self.batches)
 
 
 @dataclass(frozen=True)
@@ -197,8 +227,19 @@ class Batch(Message):
     skipped: list = field(default_factory=list)  # [[dataset index, reason], ...]
     dtype: str = "uint8"
     outputs: list = field(default_factory=list)  # [[name, per-sample shape], ...]; empty: one image frame
+    # > 0: each output goes in frames of this many bytes, its last frame the rest (frame_sizes);
+    # 0: one frame per output
+    chunk: int = 0
+    # co-located: [segment name, [[offset, bytes], ...]], each output's block in the service's shared
+    # memory (the client copies it out, then sends Release); the data frames are the labels alone
+    local: list = field(default_factory=list)
 
     def check(self) -> None:
+        if self.local:
+            _check_local(self)
+        if self.chunk and not ZERO_COPY_MIN_BYTES <= self.chunk <= MAX_CHUNK_BYTES:
+            raise ProtocolError(f"Batch.chunk must be 0 or in [{ZERO_COPY_MIN_BYTES}, {MAX_CHUNK_BYTES}], "
+                                f"got {self.chunk}")
         if self.dtype != "uint8":
             raise ProtocolError(f"unsupported dtype {brief(self.dtype)}")
         if self.outputs:
@@ -214,7 +255,10 @@ class Batch(Message):
         _range(self, "padding", 0, len(self.indices))
 
     def data_frames(self) -> int:
-        return len(self.outputs) + 1 if self.outputs else 2
+        """Frames after the header: each output's (several when chunked, none when handed over in place), then the labels'."""
+        if self.local:
+            return 1
+        return sum(frame_count(math.prod(s), self.chunk) for _, s in self.output_shapes()) + 1
 
     def output_shapes(self) -> list:
         """[(name, full shape of its frame), ...]; the unnamed single output is ``image``."""
@@ -266,6 +310,9 @@ class DatasetInfo(Message):
     num_classes: int
     fingerprint: str = ""  # the dataset's identity beside its length (Source.fingerprint)
     outputs: list = field(default_factory=list)  # the asked pipeline's [[name, per-sample shape], ...]
+    # a shared-memory segment of the service holding its own name: a client that can read it shares
+    # the service's /dev/shm (same host or a shared one) and may ask for Hello.local; "": none
+    probe: str = ""
 
     def check(self) -> None:
         _check_outputs(self.outputs)
@@ -436,10 +483,25 @@ def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
     """Check the number and byte sizes of ``msg``'s data frames."""
     if len(sizes) != msg.data_frames():
         raise ProtocolError(f"{type(msg).__name__} takes {msg.data_frames()} data frames, got {len(sizes)}")
-    if isinstance(msg, Batch):
-        want = [math.prod(s) for _, s in msg.output_shapes()] + [8 * len(msg.indices)]
+    if isinstance(msg, Batch):  # the count matched, so these lists are as long as what came
+        want = [] if msg.local else [n for _, s in msg.output_shapes() for n in frame_sizes(math.prod(s), msg.chunk)]
+        want.append(8 * len(msg.indices))
         if list(sizes) != want:
             raise ProtocolError(f"Batch frames are {list(sizes)} bytes, header says {want}")
+
+
+def frame_sizes(nbytes: int, chunk: int) -> list:
+    """The frames an output of ``nbytes`` goes in: ``chunk`` bytes each, the last the rest
+    (``chunk`` 0, or an output no larger: one frame)."""
+    if chunk <= 0 or nbytes <= chunk:
+        return [nbytes]
+    full, rest = divmod(nbytes, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+def frame_count(nbytes: int, chunk: int) -> int:
+    """``len(frame_sizes(nbytes, chunk))`` without building the list (a hostile shape may be huge)."""
+    return 1 if chunk <= 0 or nbytes <= chunk else -(-nbytes // chunk)
 
 
 def _build(cls: type, header: dict) -> Any:
@@ -511,6 +573,22 @@ def _check_stall(msg: Message) -> None:
     for name in ("wait_s", "h2d_s"):
         if getattr(msg, name) < 0:
             raise ProtocolError(f"{type(msg).__name__}.{name} is a delta and must be >= 0", ErrorCode.BAD_MESSAGE)
+
+
+def _check_local(msg: Batch) -> None:
+    """Batch.local names a segment and one block per output, each of that output's size."""
+    local = msg.local
+    if (len(local) != 2 or not isinstance(local[0], str) or not 0 < len(local[0]) <= 255 or "/" in local[0]
+            or not isinstance(local[1], list)):
+        raise ProtocolError(f"Batch.local must be [segment name, [[offset, bytes], ...]], got {brief(local)}")
+    sizes = [math.prod(s) for _, s in msg.output_shapes()]
+    blocks = local[1]
+    if len(blocks) != len(sizes) or not all(
+            isinstance(b, list) and len(b) == 2 and all(_is_int(x) and 0 <= x < 1 << 48 for x in b) for b in blocks):
+        raise ProtocolError(f"Batch.local must list [offset, bytes] for each of {len(sizes)} outputs, got "
+                            f"{brief(blocks)}")
+    if [b[1] for b in blocks] != sizes:
+        raise ProtocolError(f"Batch.local blocks are {[b[1] for b in blocks]} bytes, the outputs {sizes}")
 
 
 def _check_outputs(outputs: list) -> None:

@@ -140,7 +140,8 @@ class Send:
 class SendData:
     """Send a batch to ``ident``: ``header``, the ``blocks`` (offset, size) of ``segment`` (large
     ones zero-copy: :class:`LetGo` comes back once libzmq lets go of them all, or at once if none
-    was), then ``labels``."""
+    was), then ``labels``. Without ``let_go`` no LetGo comes: a co-located client borrows the
+    slot and hands it back with a Release (:mod:`.local`)."""
 
     ident: bytes
     header: bytes
@@ -149,6 +150,7 @@ class SendData:
     labels: bytes
     stream: "Stream"
     slot: int
+    let_go: bool = True
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from wire import protocol as P
 from loader_service.config import ServiceConfig
 from loader_service.decode.pipelines import Registry
 from loader_service.dispatch import events as E
-from loader_service.dispatch import heap, sending
+from loader_service.dispatch import heap, local, sending
 from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
 from loader_service.dispatch.mailbox import Mailbox
 from loader_service.dispatch.state import DispatchState
@@ -74,8 +74,9 @@ class Dispatcher:
         self.pool = WorkerPool(self.pool_ctx, [s.spec() for s in sources.values()], config.start_method,
                                config.decode_options, config.worker_start_s)
         self.mailbox = Mailbox()  # functions other threads hand to this one
+        self.colocation = local.Colocation()  # the probe a co-located client reads (issue 41)
         self.state = DispatchState(config, sources, pipelines, self.pool, self.instance,
-                                   self.guard.authorized if self.guard.curve else None)
+                                   self.guard.authorized if self.guard.curve else None, self.colocation.name)
         self._events: Deque[E.Event] = deque()  # events met while carrying out commands: handled next
         self._handling = False
         # dataset name -> DiskChange: written whole by the service's watch thread, read by snapshot
@@ -188,7 +189,7 @@ class Dispatcher:
             frames.append(frame)
             pending[0] += zero_copy
         self._send_frames(c.ident, [c.header, *frames, c.labels], copy=False)
-        if not pending[0]:
+        if not pending[0] and c.let_go:
             self._events.append(E.LetGo(c.stream, c.slot))
         del frames  # unsent zero-copy frames are released here: their ``sent`` runs all the same
 
@@ -341,6 +342,7 @@ class Dispatcher:
             self.ctx.term()  # returns once zmq has released every zero-copy frame
             self.pool_ctx.term()
             self.state.memory.close()
+            self.colocation.close()
             self.mailbox.close()
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from loader_service import shm
-from loader_service.dispatch import heap
+from loader_service.dispatch import heap, local
 from loader_service.dispatch.door import MAY_BECOME, Life
 from loader_service.dispatch.streams import Opening, Stream
 from loader_service.shm import NoSpace, Segment
@@ -309,10 +309,14 @@ class BatchMemory:
                 return None
             return NoSlots(f"{exc}; lower prefetch or batch size, or {self.hint}")
         try:
-            return o.open(segment, now)
+            s = o.open(segment, now)
         except BaseException:
             self.release(segment, None)  # never leak the slots of a stream that did not open
             raise
+        # indexed at once: a stream that asks for nothing yet is quiet from its first moment, so
+        # what waits behind it in this same retry may take its slots (with the reclaim time)
+        self.changed(s)
+        return s
 
     def wake(self, s: Stream, now: float) -> None:
         """``s`` was asked for work: if it lent its slots, slots again, or it waits for them."""
@@ -367,9 +371,17 @@ class BatchMemory:
         """Connection ``ident`` is gone, ``s`` the stream it was served: nothing of it waits any
         more, its stream retires, its reserve goes back; then what waits is retried."""
         self.waiting.pop(ident, None)
+        self.moved_on(ident, s)
         opened = self.retire(s, now) if s is not None else []
         self.forget(ident)
         return opened + self.retry(now)
+
+    def moved_on(self, ident: bytes, s: Optional[Stream]) -> None:
+        """Client ``ident`` moved on (a new Hello, or its connection is gone): it reads nothing more
+        of ``s`` or of its retired streams, so what it borrowed of them is theirs again (dispatch/local.py)."""
+        for x in [*self.retiring, s]:
+            if x is not None and x.ident == ident:
+                local.give_back(x)
 
     def retry(self, now: float) -> List[Tuple[Opening, Opened]]:
         """Retry whatever waits for slots: new streams first (oldest first), then lent ones.

@@ -76,7 +76,7 @@ class Outgoing:
     message: P.Batch
     indices: np.ndarray  # the dataset indices sent, in order
     keep: Optional[np.ndarray]  # positions kept, when samples were skipped (None: all)
-    blocks: List[Tuple[int, int]]  # (offset in the segment, bytes) of each output, in frame order
+    blocks: List[Tuple[int, int]]  # (offset in the segment, bytes) of each data frame of the outputs, in order
 
 
 def outgoing(layout: BatchLayout, plan: RankPlan, stream: int, epoch: int, e: SendBatch) -> Outgoing:
@@ -91,10 +91,17 @@ def outgoing(layout: BatchLayout, plan: RankPlan, stream: int, epoch: int, e: Se
             skipped.append([idx, reason])
         indices, padding = indices[keep], padding[keep]
     n = len(indices)
+    chunk = P.FRAME_MAX_BYTES if any(n * o.sample_bytes > P.FRAME_MAX_BYTES for o in layout.outputs) else 0
     message = P.Batch(stream=stream, epoch=epoch, index=e.batch, indices=indices.tolist(), shape=layout.shape(n),
-                      padding=int(padding.sum()), skipped=skipped, outputs=layout.wire_outputs())
+                      padding=int(padding.sum()), skipped=skipped, outputs=layout.wire_outputs(), chunk=chunk)
     base = e.slot * layout.slot_bytes
-    return Outgoing(message, indices, keep, [(base + o.offset, n * o.sample_bytes) for o in layout.outputs])
+    blocks = []
+    for o in layout.outputs:  # an output above FRAME_MAX_BYTES in several frames (see wire.protocol)
+        at = base + o.offset
+        for size in P.frame_sizes(n * o.sample_bytes, chunk):
+            blocks.append((at, size))
+            at += size
+    return Outgoing(message, indices, keep, blocks)
 
 
 def compact(segment: Segment, layout: BatchLayout, slot: int, keep: np.ndarray) -> None:

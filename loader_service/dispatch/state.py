@@ -39,7 +39,7 @@ import numpy as np
 
 from wire import protocol as P
 from loader_service.config import ServiceConfig
-from loader_service.dispatch import door, heap, sending, status
+from loader_service.dispatch import door, heap, local, sending, status
 from loader_service.dispatch.door import Life
 from loader_service.dispatch import events as E
 from loader_service.decode.pipelines import Registry
@@ -58,18 +58,20 @@ from loader_service.workers.pool import WorkerPool, describe_exit
 log = logging.getLogger("loader_service.dispatch.loop")  # one logger for the dispatcher, whichever half
 
 ACCEPT_REPORT_GRACE_S = 10.0  # how late a connection's accept may be reported after its first message
-CLIENT_MESSAGES = (P.Hello, P.Request, P.Bye, P.Describe)
+CLIENT_MESSAGES = (P.Hello, P.Request, P.Release, P.Bye, P.Describe)
 
 
 class DispatchState:
     """What the dispatcher knows and decides, for ``sources`` served through ``pipelines``.
     ``workers``: the pool, read only (its places, counts and what each worker is on);
     ``instance``: this service's id, sent in every Accept; ``authorized``: whether a CURVE key
-    may still be served (None without CURVE)."""
+    may still be served (None without CURVE); ``probe``: the shared-memory segment a co-located
+    client reads to know it shares this host's /dev/shm (:mod:`.local`; "": none)."""
 
     def __init__(self, config: ServiceConfig, sources: Dict[str, Source], pipelines: Registry, workers: WorkerPool,
-                 instance: str, authorized: Optional[Callable[[str, float], bool]] = None):
+                 instance: str, authorized: Optional[Callable[[str, float], bool]] = None, probe: str = ""):
         self.config, self.workers, self.instance, self.authorized = config, workers, instance, authorized
+        self.probe = probe
         self.admission = Admission(sources, pipelines, StreamLimits(on_error=config.on_error,
                                                                     max_skipped=config.max_skipped))
         self.sessions = Sessions()
@@ -239,8 +241,10 @@ class DispatchState:
             self._on_hello(session, msg)
         elif isinstance(msg, P.Request):
             self._on_request(ident, session, msg)
+        elif isinstance(msg, P.Release):
+            self._on_release(session, msg)
         elif isinstance(msg, P.Describe):
-            self._send(ident, self.admission.describe(msg))
+            self._send(ident, local.with_probe(self.admission.describe(msg), self.probe))
         elif isinstance(msg, P.Bye):
             self._drop_client(ident, "said bye")
 
@@ -271,6 +275,7 @@ class DispatchState:
             return self._refuse(session.ident, hello, stale)
         session.stream_id, session.job, session.client = hello.stream, hello.job, hello.client
         self.memory.waiting.pop(session.ident, None)
+        self.memory.moved_on(session.ident, session.stream)  # co-located: it reads nothing it borrowed any more
         if session.stream is not None:
             self._retire(session.stream)
         verdict = self.admission.admit(session, hello, self.sessions.of_job(hello.job), self.workers.broken)
@@ -378,6 +383,25 @@ class DispatchState:
         self._memory_outboxes()
         self._may_take_task(s)
 
+    def _on_release(self, session: Optional[Session], msg: P.Release) -> None:
+        """A co-located client handed slots back (:mod:`.local`), of its stream or of one that ended
+        (finished, failed, replaced: its client keeps what it borrowed until it moves on); one the
+        stream did not hand over ends that stream, through the door like a Request."""
+        if session is None or msg.stream < session.stream_id:
+            return  # of a stream its client has moved on from: what it borrowed of it is back already
+        s = session.stream if session.stream is not None and session.stream.id == msg.stream else \
+            local.retired(self.memory.retiring, session.ident, msg.stream)
+        if s is None:
+            return  # a stream that ended and gave everything back
+        slots = local.release(s, msg)
+        if isinstance(slots, door.Refusal):
+            self.totals.refused_asks += 1
+            log.warning("client %s stream %d: refused Release: %s", session.name, msg.stream, slots.message)
+            return self._end_stream(s, Fail(slots.code, slots.message))
+        for slot in slots:
+            s.state.send_complete(slot)
+        self._may_take_task(s)
+
     def _drop_client(self, ident: bytes, why: str) -> None:
         session = self.sessions.pop(ident)
         if session is None:
@@ -436,6 +460,9 @@ class DispatchState:
 
     def _send_batch(self, s: Stream, e: SendBatch) -> None:
         out = sending.outgoing(s.layout, s.plan, s.id, s.hello.epoch, e)
+        in_place = s.hello.local and s.segment is not None  # co-located: the client borrows the slot (local.py)
+        if in_place:
+            out = local.hand_over(s, e, out)
         if out.keep is not None:
             for idx, reason in out.message.skipped:
                 self.recent_skips.append(SkippedSample(dataset=s.source.name, index=int(idx), reason=str(reason)))
@@ -445,7 +472,7 @@ class DispatchState:
         n = len(out.indices)
         labels = np.ascontiguousarray(s.source.labels[out.indices], dtype=np.int64).tobytes()
         self._out.append(E.SendData(s.ident, P.encode_header(out.message), s.segment, tuple(out.blocks), labels,
-                                    s, e.slot))
+                                    s, e.slot, let_go=not in_place))
         # counted as sent now: a send that finds the connection gone drops the client right after
         session = self.sessions.get(s.ident)
         if session is not None:

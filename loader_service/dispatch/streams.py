@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 from wire import protocol as P
 from wire.plan import RankPlan
@@ -42,6 +42,8 @@ class Stream:
     wait_s: float = 0.0  # the client's stall figures during this stream (sum of its deltas)
     h2d_s: float = 0.0
     life: Life = Life.RUNNING  # where it is; moved by its BatchMemory only, as door.MAY_BECOME allows
+    # co-located (Hello.local): batch -> slot its client reads until its Release (dispatch/local.py)
+    borrowed: Dict[int, int] = field(default_factory=dict)
 
     @property
     def id(self) -> int:

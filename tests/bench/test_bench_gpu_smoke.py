@@ -22,7 +22,8 @@ def test_gpu_benchmark_runs_and_reports_every_row(tmp_path):
     result = json.loads(out.read_text())
     cuda = torch.cuda.is_available()
     assert result["cuda"] is cuda
-    expected_rows = {"recv_only", "recv_sink"} | ({"pageable", "raw_pinned", "ring", "ring_normalize"} if cuda else set())
+    expected_rows = {"recv_only", "recv_sink", "service_tcp", "service_local"} | (
+        {"pageable", "raw_pinned", "ring", "ring_normalize"} if cuda else set())
     assert set(result["h2d"]) == expected_rows
     assert all(v > 0 for v in result["h2d"].values()), result["h2d"]
     t = result["train"]
@@ -32,6 +33,7 @@ def test_gpu_benchmark_runs_and_reports_every_row(tmp_path):
     assert result["args"]["warmup"] >= 10
     assert "| receive only: recv_into a host buffer (loopback tcp) |" in stdout
     assert "| data stall: 1 - resident / fed step time |" in stdout
+    assert "shared memory |" in stdout  # the co-located receive row (issue 41)
     assert result["args"]["model_passes"] == 2 and "SmallResNet x 2 passes per batch" in stdout
     if not cuda:
         assert "no CUDA: GPU rows skipped" in stdout and "ring vs raw pinned: skipped (no CUDA)" in stdout

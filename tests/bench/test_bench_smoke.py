@@ -158,6 +158,9 @@ def test_percore_benchmark_reports_both_layouts_and_the_targets(tmp_path):
                                          "--split", f"{cpus[0]}:{cpus[1]}"])
     for layout in ("dedicated", "shared"):
         assert "### imagenet (16 photos" in stdout and f", {layout}: service on CPU" in stdout
-    assert stdout.count("| service + RemoteLoader |") == 2 and stdout.count("| naive loop (") == 2
-    assert stdout.count("service, CPU per image: decode processes") == 2
-    assert stdout.count("PASS ") + stdout.count("MISS ") == 3
+    assert stdout.count("| service + RemoteLoader (TCP) |") == 2 and stdout.count("| naive loop (") == 2
+    assert stdout.count("| service + RemoteLoader(local=True) (co-located, shared memory) |") == 2  # issue 41
+    assert stdout.count("service (TCP), CPU per image: decode processes") == 2
+    assert stdout.count("service co-located, CPU per image: decode processes") == 2
+    assert stdout.count("PASS ") + stdout.count("MISS ") == 6
+    assert "co-located: trainer CPU per image <= 10 us" in stdout

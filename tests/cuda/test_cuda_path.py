@@ -124,6 +124,17 @@ def test_gpu_batches_equal_cpu_batches_byte_for_byte_over_an_epoch(service):
     assert gpu_batches[0][2].is_contiguous(memory_format=torch.channels_last)
 
 
+def test_co_located_gpu_batches_equal_the_socket_s_byte_for_byte(service, delayed_side_stream):
+    """Issue 41: lent batches copied from the service's shared memory into the pinned ring, with
+    the side stream lagging: the same bytes as over the socket, each sample once."""
+    expected = cpu_reference(service.endpoint)
+    with RemoteLoader(service.endpoint, **KW, device="cuda", local=True) as gpu:
+        batches = [(bt.index, bt.indices, checksum(bt)) for bt in gpu]
+    assert [i for i, *_ in batches] == list(range(BATCHES))
+    assert sorted(x for _, idx, _ in batches for x in idx) == list(range(DEMO_SIZE))[:BATCHES * KW["batch_size"]]
+    assert as_ints([s for *_, s in batches]) == expected
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_normalize_on_gpu_matches_the_cpu_path(service, dtype):
     with RemoteLoader(service.endpoint, **KW, normalize=True, dtype=dtype) as cpu, \

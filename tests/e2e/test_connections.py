@@ -282,3 +282,29 @@ def test_the_shell_reads_monitor_events_as_plain_values_keeping_nothing_per_fd()
         assert ev == {"event": zmq.EVENT_ACCEPTED, "value": fd, "endpoint": b"tcp://127.0.0.1:1"}
         assert type(ev["value"]) is int
     assert len(zmq.Event._value2member_map_) == enum_members
+
+
+def test_a_stream_opened_by_a_retry_that_asks_for_nothing_lends_its_slots_to_what_still_waits_at_once(demo_source):
+    """With no reclaim time, a stream that opens on lent slots and asks for nothing is quiet at
+    once: what still waits behind it takes its slots in the same round. Before, the next waiting
+    stream was tried before the new one was indexed as quiet: here it was refused for good
+    (no_capacity), elsewhere it waited with no deadline left until its client probed."""
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0, max_shm_mb=1,
+                               reclaim_idle_s=0), demo_source, workers=1)
+    spec = JobSpec(batch_size=4, image_size=32)  # 12 KiB a slot
+    try:
+        a, c, b = (uuid.uuid4().bytes for _ in range(3))
+        deliver(d, a, P.Hello(stream=1, spec=spec, slots=48, batches=[0]), fd=100)  # 576 KiB
+        d.tick()
+        d.finish(0)  # a's batch is made and sent; libzmq still reads its slot
+        deliver(d, c, P.Hello(stream=1, spec=spec, slots=40), fd=101)  # 480 KiB, asks for nothing yet
+        deliver(d, b, P.Hello(stream=1, spec=spec, slots=46, batches=[0]), fd=102)  # 552: not beside c
+        assert list(d.memory.waiting) == [c, b]  # both fit once a's send is let go of
+        d.let_go()  # a is quiet: its slots lendable at once
+        d.tick()
+        sa, sc, sb = (d.sessions.get(i).stream for i in (a, c, b))
+        assert d.memory.waiting == {} and sa.segment is None  # c opened on a's slots ...
+        assert sc.segment is None and sb.segment is not None  # ... and lent them on to b in the same round
+        assert [(x.ident, x.batch) for x in d.assigned] == [(a, 0), (b, 0)]
+    finally:
+        close(d)

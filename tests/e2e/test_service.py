@@ -280,7 +280,8 @@ def test_killed_clients_free_their_buffers(service):
                  what="the service to drop the killed client and free its slots")
     after = status(service)
     assert after["shm_bytes"] == baseline["shm_bytes"] == 0
-    assert shm.list_segments(os.getpid()) == [n for n in shm.list_segments(os.getpid()) if "-index-" in n]
+    assert shm.list_segments(os.getpid()) == [n for n in shm.list_segments(os.getpid())
+                                             if "-index-" in n or "-probe-" in n]  # the co-located probe
 
 
 def test_no_service_gives_a_timeout_naming_the_endpoint():

@@ -128,3 +128,69 @@ def test_cuda_hand_over_of_a_batch_never_pushed_is_loud(monkeypatch):
     sink.hand_over(_batch(3, normalized=False))
     with pytest.raises(LoaderError, match="batch 5 handed over but never pushed"):
         sink.hand_over(_batch(5, normalized=False))
+
+
+# ------------------------------------------------------------------ outputs in several frames
+def _chunked_pair(monkeypatch):
+    """A Batch of 3 samples of 64x64x3 sent in frames of 16 KiB (a cap lowered for the test)."""
+    import numpy as np
+    import zmq
+    from wire import protocol as P
+
+    monkeypatch.setattr(P, "ZERO_COPY_MIN_BYTES", 1024)
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://chunked-sink-test")
+    b.connect("inproc://chunked-sink-test")
+    chunk = 16 << 10
+    msg = P.Batch(stream=1, epoch=0, index=0, indices=[7, 8, 9], shape=[3, 64, 64, 3], chunk=chunk)
+    images = np.random.default_rng(0).integers(0, 256, 3 * 64 * 64 * 3, dtype=np.uint8)
+    sizes = P.frame_sizes(images.nbytes, chunk)
+    assert len(sizes) == 3  # 16 + 16 + 4 KiB
+
+    def send(k: int) -> None:
+        frames, at = [], 0
+        for n in sizes:
+            frames.append(images[at:at + n].tobytes())
+            at += n
+        a.send_multipart([P.encode_header(msg), *frames, np.array([k, k, k], np.int64).tobytes()])
+        b.recv()  # the header, as Connections.recv reads it
+
+    return a, b, msg, images, send
+
+
+def test_the_host_sink_gathers_an_output_sent_in_frames_and_reuses_its_buffer_once_let_go(monkeypatch):
+    a, b, msg, images, send = _chunked_pair(monkeypatch)
+    try:
+        sink = HostSink(LoaderConfig.of("tcp://127.0.0.1:9", batch_size=3, image_size=64), held=1)
+        send(1)
+        (raw,), labels = sink.receive(b, msg)
+        assert raw.shape == (3, 64, 64, 3) and bytes(raw.numpy().tobytes()) == images.tobytes()
+        assert labels.tolist() == [1, 1, 1]
+        first = raw.data_ptr()
+        send(2)
+        (held,), _ = sink.receive(b, msg)  # the trainer still holds the first batch: another buffer
+        assert held.data_ptr() != first and held.numpy().tobytes() == images.tobytes()
+        assert raw.numpy().tobytes() == images.tobytes()  # the held batch was not overwritten
+        del raw
+        send(3)
+        (again,), _ = sink.receive(b, msg)  # the first batch was let go of: its buffer again
+        assert again.data_ptr() == first and again.numpy().tobytes() == images.tobytes()
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+def test_a_pinned_slot_fills_from_an_output_sent_in_frames(monkeypatch):
+    """CudaSink's receive path (_recv_frames) with host tensors: each frame lands at its offset."""
+    from client.sinks import _recv_frames
+
+    a, b, msg, images, send = _chunked_pair(monkeypatch)
+    try:
+        out, labels = torch.zeros(3, 64, 64, 3, dtype=torch.uint8), torch.zeros(3, dtype=torch.int64)
+        send(5)
+        _recv_frames(b, msg, [out], labels)
+        assert out.numpy().tobytes() == images.tobytes() and labels.tolist() == [5, 5, 5]
+    finally:
+        a.close(0)
+        b.close(0)

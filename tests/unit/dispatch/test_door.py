@@ -146,15 +146,17 @@ class DoorMachine(RuleBasedStateMachine):
     @rule(client=st.sampled_from(CLIENTS), prefetch=st.sampled_from([48, 16, 2, 1]),
           window=st.sampled_from([0, 2, 5, P.MAX_WINDOW]),
           batches=st.one_of(st.lists(IN_PLAN, max_size=3, unique=True), st.lists(HOSTILE_INTS, max_size=6, unique=True)),
-          stale=st.sampled_from([False, False, False, True]), lookahead=st.sampled_from([False, False, True]))
-    def hello(self, client, prefetch, window, batches, stale, lookahead):
+          stale=st.sampled_from([False, False, False, True]), lookahead=st.sampled_from([False, False, True]),
+          local=st.booleans())
+    def hello(self, client, prefetch, window, batches, stale, lookahead, local):
         if client == "c":  # the bystander: a good client's Hello
-            window, stale, lookahead = 4, False, False
+            window, stale, lookahead, local = 4, False, False, False
             batches = list(range(min(prefetch, 4)))
         if not stale:
             self.stream_ids[client] += 1
         msg = P.Hello(stream=max(self.stream_ids[client], 1), spec=SPEC, slots=prefetch,
-                      window=window, batches=[b for b in batches if b >= 0], job=f"job-{client}", lookahead=lookahead)
+                      window=window, batches=[b for b in batches if b >= 0], job=f"job-{client}", lookahead=lookahead,
+                      local=local)
         self._send(client, msg)
 
     @rule(client=st.sampled_from(["a", "b"]), prefetch=st.sampled_from([48, 16]))
@@ -201,6 +203,21 @@ class DoorMachine(RuleBasedStateMachine):
         header = {"t": int(mtype), "stream": stream, "n": 1, "batches": [0]}
         header[field] = value
         self._send(client, header)
+
+    @rule(client=st.sampled_from(["a", "b"]), batches=st.lists(HOSTILE_INTS, max_size=4),
+          borrowed=st.sampled_from([True, True, False]), which=st.sampled_from([0, 0, -1, 1]))
+    def release(self, client, batches, borrowed, which):
+        """A co-located client's Release (issue 41): of batches it borrows (a good one), of
+        others, twice, or for another stream, in whatever life the stream is."""
+        stream = max(self.stream_ids[client] + which, 0)
+        s = self._current(client)
+        if borrowed and isinstance(s, Stream) and s.borrowed:
+            batches = sorted(s.borrowed)[:2] + batches[:1]
+        batches = [b for b in batches if b >= 0]
+        if len(set(batches)) != len(batches):
+            self._send(client, {"t": int(P.MsgType.RELEASE), "stream": stream, "batches": batches})
+        else:
+            self._send(client, P.Release(stream=stream, batches=batches))
 
     @rule(client=st.sampled_from(["a", "b"]))
     def disconnect(self, client):
@@ -262,6 +279,15 @@ class DoorMachine(RuleBasedStateMachine):
         for s in self.d.sessions.streams():
             assert len(s.state.order) - s.state.next_send <= door.window_of(s.hello)
             assert len({t.slot for t in s.state.tasks.values()}) <= s.state.num_slots
+
+    @invariant()
+    def a_borrowed_slot_is_a_slot_in_flight(self):
+        """Every batch a co-located client borrows holds its slot as a send in flight, so the slot
+        is neither written nor lent to another stream until it comes back, also after its stream ended."""
+        if self.d is None:
+            return
+        for s in [*self.d.sessions.streams(), *self.d.memory.retiring]:
+            assert set(s.borrowed.values()) <= s.state.sending  # ended streams keep theirs until the client moves on
 
     @invariant()
     def no_batch_leaves_twice(self):

@@ -460,3 +460,27 @@ def test_a_segment_dropped_while_a_frame_still_holds_a_view_is_unmapped_once_it_
     frame_view.release()
     m.release_idle(0.0)
     assert m._closing == [] and not os.path.exists(f"/dev/shm/{seg.name}")
+
+
+def test_a_stream_that_opens_asking_for_nothing_is_lendable_to_what_waits_behind_it_in_the_same_retry():
+    """Hypothesis found it (issue 41's session): a retry opened a stream that asked for nothing
+    and tried the next waiting one before the new stream was indexed as quiet, so that one waited
+    (or was refused for good) although the new stream's slots could be lent to it at once."""
+    loop = Loop(MiB, held_sends=True)
+    try:
+        a, b, c = b"a", b"b", b"c"
+        sb = loop.hello(b, 48, first=2)  # 576 KiB
+        loop.apply(sb, sb.state.task_done(sb.state.next_task(0).task, [], "", ""))  # batch 0 sent, held
+        sa = loop.hello(a, 16, first=1)  # 192 KiB
+        ta = sa.state.next_task(1)
+        sb.state.next_task(2)  # b's batch 1 runs: its old stream stays ending
+        loop.let_go(0)
+        loop.apply(sa, sa.state.task_done(ta.task, [], "", ""))  # a's batch sent, held: a caught up
+        assert loop.hello(c, 32) is None  # 384 KiB: waits for a's slots
+        assert loop.hello(b, 32) is None  # b's next epoch, 384 KiB: waits too (its old one still has a task)
+        loop.let_go(0)  # a is quiet: c opens on its slots and asks for nothing, quiet at once too ...
+        loop.step()
+        assert not loop.memory.waiting  # ... so b's new stream took c's slots in the same round
+        assert loop.sessions[b].stream.segment is not None and loop.sessions[c].stream.segment is None
+    finally:
+        loop.close()

@@ -114,3 +114,19 @@ def test_a_small_block_is_copied_and_a_large_one_is_sent_from_the_slot():
         assert done.wait(10), "the send was never reported complete"
     finally:
         seg.close()
+
+
+def test_an_output_above_the_frame_cap_goes_in_frames_that_tile_its_block(monkeypatch):
+    monkeypatch.setattr(P, "FRAME_MAX_BYTES", 1000)
+    layout, plan = BatchLayout.of(_named(), 4), _plan()
+    out = sending.outgoing(layout, plan, stream=3, epoch=1, e=SendBatch(batch=0, slot=1))
+    base, (big, small, stamp) = layout.slot_bytes, layout.outputs
+    assert out.message.chunk == 1000 and big.sample_bytes * 4 == 6144
+    assert out.blocks == [(base + big.offset + k * 1000, 1000) for k in range(6)] + [
+        (base + big.offset + 6000, 144), (base + small.offset, 256), (base + stamp.offset, 16)]
+    assert out.message.data_frames() == len(out.blocks) + 1  # and the labels
+
+
+def test_outputs_within_the_frame_cap_go_one_frame_each():
+    out = sending.outgoing(BatchLayout.of(_named(), 4), _plan(), stream=3, epoch=1, e=SendBatch(batch=0, slot=0))
+    assert out.message.chunk == 0 and len(out.blocks) == 3

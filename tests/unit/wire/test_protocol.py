@@ -17,12 +17,15 @@ SAMPLES = [
     P.Hello(stream=2, spec=JobSpec(batch_size=8, image_size=64, scale=[0.25, 1.0], pipeline="multicrop",
                                    pipeline_args={"crops": 2})),
     P.Request(stream=3, batches=[2, 9], wait_s=1.5, h2d_s=0.25, consumed=9, final=True),
+    P.Hello(stream=3, spec=JobSpec(batch_size=8), batches=[0, 1], local=True),
+    P.Release(stream=3, batches=[0, 4]),
     P.Bye(),
     P.Describe(dataset=None),
     P.Accept(stream=1, epoch=0, num_batches=10, num_samples=300, dataset_length=300, dataset="demo", service="x"),
     P.EndOfEpoch(stream=1, epoch=0, num_batches=10),
     P.Error(code=P.ErrorCode.BAD_JOB, message="nope", stream=4, fatal=False, traceback="tb"),
     P.DatasetInfo(dataset="demo", length=10, num_classes=2),
+    P.DatasetInfo(dataset="demo", length=10, num_classes=2, probe="loader_service-1-probe-abc"),
     P.Ready(worker=1, pid=123),
     P.Task(task=1, dataset="d", shm="loader_service-1-x", offset=0, indices=[1, 2], seed=0, epoch=0,
            pipeline="train", pipeline_args={"size": 8, "scale": [0.08, 1.0], "ratio": [0.75, 1.33]}),
@@ -171,3 +174,58 @@ def test_dropping_any_required_field_is_refused(msg, data):
 def test_non_finite_floats_are_refused(bad):
     with pytest.raises(P.ProtocolError, match="finite float"):
         P.decode([header(t=int(P.MsgType.REQUEST), stream=1, batches=[1], wait_s=bad)])
+
+
+# ------------------------------------------------------------------ an output in several frames
+def test_an_output_larger_than_a_chunk_crosses_in_frames_of_that_size():
+    chunk = P.ZERO_COPY_MIN_BYTES
+    msg = P.Batch(stream=1, epoch=0, index=0, indices=[0, 1], shape=[2, 256, 256, 3], chunk=chunk)
+    image = 2 * 256 * 256 * 3  # 393,216 bytes: 6 whole chunks
+    assert P.frame_sizes(image, chunk) == [chunk] * 6 and msg.data_frames() == 7
+    assert P.frame_sizes(image + 5, chunk) == [chunk] * 6 + [5]
+    assert P.frame_sizes(chunk, chunk) == [chunk] and P.frame_sizes(10, 0) == [10]
+    frames = [bytes(chunk)] * 6 + [bytes(16)]
+    got, data = P.decode(P.encode(msg, *frames))
+    assert got == msg and len(data) == 7
+    with pytest.raises(P.ProtocolError, match="takes 7 data frames, got 2"):
+        P.decode([P.encode_header(msg), bytes(image), bytes(16)])  # one frame where the header says six
+    with pytest.raises(P.ProtocolError, match="Batch frames are"):
+        P.decode([P.encode_header(msg), *[bytes(chunk)] * 5, bytes(chunk - 1), bytes(16)])
+
+
+@pytest.mark.parametrize("chunk", [1, P.ZERO_COPY_MIN_BYTES - 1, P.MAX_CHUNK_BYTES + 1, -5])
+def test_a_chunk_out_of_range_is_refused_before_any_frame_is_counted(chunk):
+    """A hostile chunk of 1 byte on a huge shape would ask the receiver for billions of frames."""
+    with pytest.raises(P.ProtocolError, match="Batch.chunk must be 0 or in"):
+        P.decode([header(t=int(P.MsgType.BATCH), stream=1, epoch=0, index=0, indices=[0],
+                         shape=[1, 1 << 20, 1 << 20, 3], chunk=chunk), b"", b""])
+
+
+# ------------------------------------------------------------------ a lent batch (co-located)
+def test_a_lent_batch_names_one_block_per_output_of_its_size_and_carries_the_labels_alone():
+    msg = P.Batch(stream=1, epoch=0, index=0, indices=[3, 4], shape=[2, 2, 2, 3], local=["loader_service-9-x", [[96, 24]]])
+    got, data = P.decode(P.encode(msg, bytes(16)))
+    assert got == msg and data == [bytes(16)] and msg.data_frames() == 1
+
+
+@pytest.mark.parametrize("local, match", [
+    (["loader_service-9-x"], "must be \\[segment name"),
+    ([5, [[0, 24]]], "must be \\[segment name"),
+    (["../etc/passwd", [[0, 24]]], "must be \\[segment name"),
+    (["s", [[0, 24], [24, 24]]], "for each of 1 outputs"),
+    (["s", [[-1, 24]]], "for each of 1 outputs"),
+    (["s", [[0, 2**60]]], "for each of 1 outputs"),
+    (["s", [[0, 23]]], "blocks are \\[23\\] bytes, the outputs \\[24\\]"),
+])
+def test_a_lent_batch_that_names_blocks_amiss_is_refused(local, match):
+    with pytest.raises(P.ProtocolError, match=match):
+        P.decode([header(t=int(P.MsgType.BATCH), stream=1, epoch=0, index=0, indices=[3, 4], shape=[2, 2, 2, 3],
+                         local=local), bytes(16)])
+
+
+@pytest.mark.parametrize("batches, code", [([1, 1], P.ErrorCode.BAD_JOB), ([-1], P.ErrorCode.BAD_JOB),
+                                           (list(range(P.MAX_WINDOW + 1)), P.ErrorCode.BAD_RELEASE)])
+def test_a_release_lists_each_batch_once_within_the_window(batches, code):
+    with pytest.raises(P.ProtocolError) as exc:
+        P.decode([header(t=int(P.MsgType.RELEASE), stream=1, batches=batches)])
+    assert exc.value.code == code

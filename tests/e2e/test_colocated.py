@@ -1,0 +1,194 @@
+"""Co-located mode (issue 41): a loader on the service's host reads its batches from the service's
+shared memory (one copy out of the slot, then a Release) instead of the socket."""
+
+import logging
+
+import torch
+
+from client import RemoteLoader
+from client import local as client_local
+from wire import protocol as P
+
+from tests.conftest import DEMO_SIZE
+from testkit.helpers import dealer
+
+KW = dict(batch_size=8, image_size=32, shuffle=True, seed=5)
+
+
+def _epochs(endpoint, epochs=2, **kw):
+    with RemoteLoader(endpoint, **{**KW, **kw}) as ld:
+        out = []
+        for e in range(epochs):
+            ld.set_epoch(e)
+            out.append([(b.indices, b.raw.clone(), b.labels.clone()) for b in ld])
+        return out, ld.stats()
+
+
+def _in_place(monkeypatch):
+    """Counts the batches handed over in place the sinks copy out (the proof that the socket carried no pixels)."""
+    from client import sinks
+    seen = []
+    real = sinks._copy_in_place
+
+    def spy(mappings, msg, outputs):
+        seen.append(msg.local[0])
+        return real(mappings, msg, outputs)
+
+    monkeypatch.setattr(sinks, "_copy_in_place", spy)
+    return seen
+
+
+def test_epochs_through_shared_memory_are_exactly_the_socket_epochs(make_service, monkeypatch):
+    service = make_service()
+    over_tcp, _ = _epochs(service.endpoint)
+    seen = _in_place(monkeypatch)
+    local, _ = _epochs(service.endpoint, local=True)
+    for tcp_epoch, shm_epoch in zip(over_tcp, local):
+        assert sorted(i for idx, *_ in shm_epoch for i in idx) == list(range(DEMO_SIZE))  # each sample once
+        assert [idx for idx, *_ in shm_epoch] == [idx for idx, *_ in tcp_epoch]
+        for (_, raw_a, lab_a), (_, raw_b, lab_b) in zip(tcp_epoch, shm_epoch):
+            assert torch.equal(raw_a, raw_b) and torch.equal(lab_a, lab_b)
+    assert len(seen) >= 2 * (DEMO_SIZE // 8)  # every batch was handed over in place (the lookahead's too)
+    assert all(name.startswith("loader_service-") for name in seen)
+    # every borrowed slot came back: the service's streams ended idle, nothing left borrowed
+    streams = service.dispatcher.state.sessions.streams
+    status = service.dispatcher.call(lambda: [s.borrowed for s in streams()]).result(10)
+    assert all(not held for held in status)
+
+
+def test_a_replica_whose_shared_memory_is_not_reachable_is_served_over_the_socket(make_service, monkeypatch, caplog):
+    service = make_service()
+    monkeypatch.setattr(client_local, "SHM_DIR", "/nonexistent-shm")  # as from another host or container
+    seen = _in_place(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="client"):
+        epochs, _ = _epochs(service.endpoint, epochs=1, local=True)
+    assert sorted(i for idx, *_ in epochs[0] for i in idx) == list(range(DEMO_SIZE))
+    assert seen == []
+    assert "its shared memory is not reachable from here" in caplog.text
+
+
+def _hello(stream, **kw):
+    from wire.jobspec import JobSpec
+    return P.Hello(stream=stream, spec=JobSpec(batch_size=8, image_size=32, shuffle=False),
+                   batches=[0, 1], slots=2, local=True, **kw)
+
+
+def _recv(sock, timeout_ms=20000):
+    assert sock.poll(timeout_ms), "the service answered nothing"
+    frames = sock.recv_multipart()
+    return P.decode_header(frames[0]), frames[1:]
+
+
+def test_a_release_of_a_slot_not_handed_over_ends_that_stream_alone(service):
+    hostile, good = dealer(service.endpoint), dealer(service.endpoint)
+    try:
+        hostile.send_multipart(P.encode(_hello(1)))
+        good.send_multipart(P.encode(_hello(1)))
+        for sock in (hostile, good):
+            msg, _ = _recv(sock)
+            assert isinstance(msg, P.Accept)
+        batch, data = _recv(hostile)
+        assert isinstance(batch, P.Batch) and batch.local and len(data) == 1  # the labels alone
+        hostile.send_multipart(P.encode(P.Release(stream=1, batches=[batch.index + 5])))  # never handed over
+        while True:
+            msg, _ = _recv(hostile)
+            if isinstance(msg, P.Error):
+                break
+        assert msg.code == P.ErrorCode.BAD_RELEASE and msg.fatal and msg.stream == 1
+        assert "has not handed over" in msg.message
+        # the other client's stream goes on: its batches come, and its releases are taken
+        got = []
+        while len(got) < 2:
+            msg, data = _recv(good)
+            if isinstance(msg, P.Batch):
+                got.append(msg.index)
+                good.send_multipart(P.encode(P.Release(stream=1, batches=[msg.index])))
+        assert sorted(got) == [0, 1]
+        good.send_multipart(P.encode(P.Release(stream=1, batches=[got[0]])))  # handed back twice
+        while True:
+            msg, _ = _recv(good)
+            if isinstance(msg, P.Error):
+                break
+        assert msg.code == P.ErrorCode.BAD_RELEASE
+        assert service.dispatcher.call(lambda: service.dispatcher.state.totals.internal_errors).result(10) == 0
+    finally:
+        hostile.close(0)
+        good.close(0)
+
+
+HOLDER = r"""
+import sys, zmq
+from wire import protocol as P
+from wire.jobspec import JobSpec
+from client.local import Mappings
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+sock.send_multipart(P.encode(P.Hello(stream=1, spec=JobSpec(batch_size=8, image_size=32, shuffle=False),
+                                     batches=[0, 1], slots=2, local=True)))
+maps = Mappings()
+while True:
+    frames = sock.recv_multipart()
+    msg = P.decode_header(frames[0])
+    if isinstance(msg, P.Batch):
+        name, ((offset, nbytes),) = msg.local
+        view = maps.block(name, offset, nbytes)  # mapped and held, never released
+        print("holding", msg.index, name, flush=True)
+"""
+
+
+def test_a_client_killed_while_holding_a_slot_gives_it_back_and_leaves_nothing(service, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from loader_service import shm
+
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, str(script), service.endpoint], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("holding"), line
+        d = service.dispatcher
+        held = d.call(lambda: [dict(s.borrowed) for s in d.state.sessions.streams()]).result(10)
+        assert any(held), "the client holds a borrowed slot"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        proc.stdout.close()
+    # the connection's end gives the slot back: its stream retires and its slots are released
+    import time
+    deadline = time.monotonic() + 30
+    while True:
+        state = d.call(lambda: (len(d.state.sessions), len(d.state.memory.retiring),
+                                [dict(s.borrowed) for s in d.state.sessions.streams()])).result(10)
+        if state == (0, 0, []) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)  # waits for the monitor's disconnect event, bounded by the deadline
+    assert state == (0, 0, [])
+    assert shm.list_segments(proc.pid) == []  # the client made no segment
+    # and the service serves the next co-located client in full
+    epochs, _ = _epochs(service.endpoint, epochs=1, local=True)
+    assert sorted(i for idx, *_ in epochs[0] for i in idx) == list(range(DEMO_SIZE))
+
+
+def test_every_output_of_a_pipeline_is_handed_over_and_copied_out_exactly(make_service, monkeypatch):
+    """A pipeline with three outputs of different shapes: each output's block of the slot, copied
+    out, equals what the socket carries."""
+    svc = make_service(pipeline=("two=testkit.pipeline_doubles:two_views",))
+    kw = dict(batch_size=16, seed=3, pipeline="two", pipeline_args={"size": 24, "small": 6}, epoch_lookahead=False)
+
+    def epoch(**more):
+        with RemoteLoader(svc.endpoint, **kw, **more) as ld:
+            return [(b.indices, {n: b[n].clone() for n in ("big", "small", "stamp", "labels")}) for b in ld]
+
+    over_tcp = epoch()
+    seen = _in_place(monkeypatch)
+    local = epoch(local=True)
+    assert len(seen) == len(local) == DEMO_SIZE // 16
+    assert [idx for idx, _ in local] == [idx for idx, _ in over_tcp]
+    for (_, a), (_, b) in zip(over_tcp, local):
+        assert all(torch.equal(a[n], b[n]) for n in a)

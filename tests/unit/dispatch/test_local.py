@@ -1,0 +1,169 @@
+"""The co-located mode's service half (loader_service/dispatch/local.py), driven through the real
+dispatcher without a loop (testkit/dispatcher.py): a local stream's batch is handed over in place, not
+sent; a Release gives its slot back; a Release of anything else ends that stream alone; a stream
+that retires or whose connection drops gives back what its client still borrowed."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import zmq
+
+from wire import protocol as P
+from wire.jobspec import JobSpec
+from loader_service.config import ServiceConfig
+from loader_service.dispatch.streams import Stream
+from loader_service.dispatch import local
+from testkit.dispatcher import close, deliver, loopless
+
+SPEC = JobSpec(batch_size=4, image_size=16, shuffle=False)
+
+
+@pytest.fixture
+def d():
+    from loader_service.sources.demo import ensure_demo
+
+    source = ensure_demo(64, quiet=True)
+    colocation = local.Colocation()  # the probe segment, as the shell makes it
+    disp = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0), source,
+                    workers=4, probe=colocation.name)
+    disp.colocation = colocation
+    yield disp
+    close(disp)
+    colocation.close()
+    source.close()
+
+
+def _open(d, local=True, fd=20):
+    ident = uuid.uuid4().bytes
+    deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0, 1], local=local), fd=fd)
+    s = d.sessions.get(ident).stream
+    assert isinstance(s, Stream)
+    return ident, s
+
+
+def _finish_one(d, s) -> int:
+    """A worker does the stream's next task; the batch goes out (handed over, for a local stream)."""
+    d.tick()  # the idle workers take what is asked (4 workers: each task is a worker's first)
+    of_s = {a.task.task: a.batch for a in d.assigned if a.stream is s}
+    wid = next(w for w, r in sorted(d.pool.workers.items()) if r.tasks and r.tasks[0] in of_s)
+    return of_s[d.finish(wid)]
+
+
+def _batches(d, ident):
+    return [(h, list(c.blocks) + [c.labels]) for (i, h), c in zip(d.batches, d.data) if i == ident]
+
+
+def test_a_local_batch_is_handed_over_in_place_and_its_release_frees_the_slot(d):
+    ident, s = _open(d)
+    batch = _finish_one(d, s)
+    (msg, data), = _batches(d, ident)
+    assert isinstance(msg, P.Batch) and msg.index == batch and len(data) == 1  # the labels alone
+    name, blocks = msg.local
+    assert name == s.segment.name
+    slot = s.borrowed[batch]
+    assert blocks == [[slot * s.layout.slot_bytes, 4 * 16 * 16 * 3]]
+    assert slot in s.state.sending  # borrowed: held as a send in flight
+    deliver(d, ident, P.Release(stream=1, batches=[batch]), fd=20)
+    assert s.borrowed == {} and slot not in s.state.sending and slot in s.state.free
+
+
+def test_a_stream_over_the_socket_sends_its_frames_and_hands_nothing_over(d):
+    ident, s = _open(d, local=False)
+    _finish_one(d, s)
+    (msg, data), = _batches(d, ident)
+    assert not msg.local and len(data) == 2 and s.borrowed == {}
+
+
+@pytest.mark.parametrize("release", [[5], [0, 0], "twice", []])
+def test_a_release_of_what_was_not_handed_over_ends_that_stream_alone(d, release):
+    ident, s = _open(d)
+    other, s2 = _open(d, fd=21)
+    batch = _finish_one(d, s)
+    _finish_one(d, s2)
+    if release == "twice":
+        deliver(d, ident, P.Release(stream=1, batches=[batch]), fd=20)
+        release = [batch]
+    if release == [0, 0]:  # a repeated batch: refused by the wire's checks before the stream sees it
+        import msgpack
+        deliver(d, ident, [msgpack.packb({"v": P.PROTOCOL_VERSION, "t": int(P.MsgType.RELEASE), "stream": 1,
+                                          "batches": [batch, batch]})], fd=20)
+        errors = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
+        assert errors and errors[-1].code == P.ErrorCode.BAD_JOB and "twice" in errors[-1].message
+        return
+    deliver(d, ident, P.Release(stream=1, batches=release), fd=20)
+    errors = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
+    if not release:  # an empty Release hands nothing back: nothing wrong
+        assert errors == [] and s.borrowed
+        return
+    (err,) = errors
+    assert err.code == P.ErrorCode.BAD_RELEASE and err.fatal and err.stream == 1
+    assert "has not handed over" in err.message
+    assert d.sessions.get(ident).stream is None  # that stream ended
+    assert d.sessions.get(other).stream is s2 and s2.borrowed  # the other client's goes on
+    assert [m for i, m in d.sent if i == other and isinstance(m, P.Error)] == []
+    assert d.totals.internal_errors == 0
+
+
+def test_a_stream_that_ends_keeps_what_its_client_borrows_until_its_client_hands_it_back(d):
+    """The last batches of a finished (or failed) stream may still be read by its client: their
+    slots stay borrowed, the segment is not given to anyone, until the Releases come."""
+    ident = uuid.uuid4().bytes
+    deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0, 1], local=True), fd=20)
+    s = d.sessions.get(ident).stream
+    deliver(d, ident, P.Request(stream=1, final=True), fd=20)  # nothing more: it ends once both are sent
+    first, second = _finish_one(d, s), _finish_one(d, s)
+    assert [type(m).__name__ for i, m in d.sent if i == ident][-1] == "EndOfEpoch"
+    assert d.sessions.get(ident).stream is None and s in d.memory.retiring
+    d.tick()
+    assert s in d.memory.retiring and sorted(s.borrowed) == [first, second]  # still borrowed: not released
+    deliver(d, ident, P.Release(stream=1, batches=[first]), fd=20)
+    deliver(d, ident, P.Release(stream=1, batches=[second]), fd=20)
+    d.tick()
+    assert s.borrowed == {} and s not in d.memory.retiring  # both back: its slots go back too
+    deliver(d, ident, P.Release(stream=1, batches=[first]), fd=20)  # once more: that stream is gone, nothing to refuse
+    assert [m for i, m in d.sent if i == ident and isinstance(m, P.Error)] == []
+
+
+def test_a_hostile_release_on_an_ended_stream_is_refused_and_what_is_borrowed_stays_borrowed(d):
+    ident = uuid.uuid4().bytes
+    deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0], local=True), fd=20)
+    s = d.sessions.get(ident).stream
+    deliver(d, ident, P.Request(stream=1, final=True), fd=20)
+    batch = _finish_one(d, s)
+    deliver(d, ident, P.Release(stream=1, batches=[batch + 3]), fd=20)
+    (err,) = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
+    assert err.code == P.ErrorCode.BAD_RELEASE and "has not handed over" in err.message
+    assert s.borrowed == {batch: s.borrowed[batch]}  # nothing came back on a refused Release
+    assert d.totals.internal_errors == 0
+
+
+def test_a_new_stream_or_a_dropped_connection_gives_back_what_was_borrowed(d):
+    ident, s = _open(d)
+    _finish_one(d, s)
+    assert s.borrowed
+    deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0], local=True), fd=20)
+    assert s.borrowed == {} and not s.state.sending  # the old stream retired: nothing of it is read again
+    s2 = d.sessions.get(ident).stream
+    _finish_one(d, s2)
+    assert s2.borrowed
+    deliver(d, ident, P.Release(stream=1, batches=[0]), fd=20)  # late, for the old stream: ignored
+    assert [m for i, m in d.sent if i == ident and isinstance(m, P.Error)] == []
+    d.event(zmq.EVENT_DISCONNECTED, 20)
+    d.read_monitor()
+    assert s2.borrowed == {} and d.sessions.get(ident) is None
+    for wid, w in d.pool.workers.items():  # the tasks still writing into the two streams' slots end
+        while w.tasks:
+            d.finish(wid)
+    d.tick()
+    assert d.memory.retiring == [] and d.memory.in_use() == 0
+
+
+def test_the_dataset_description_names_the_probe_which_holds_its_own_name(d):
+    ident = uuid.uuid4().bytes
+    deliver(d, ident, P.Describe(), fd=22)
+    (info,) = [m for i, m in d.sent if i == ident]
+    assert isinstance(info, P.DatasetInfo) and info.probe == d.colocation.name
+    from client.local import reachable
+    assert reachable(info.probe) and not reachable("loader_service-1-probe-nothere") and not reachable("")
