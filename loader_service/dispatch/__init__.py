@@ -34,8 +34,8 @@ life
 task
     One piece of work a worker does: a whole batch, or one sample of a batch being isolated.
 slot
-    Room for one batch in a segment; a worker writes into it, the send reads from it. (The
-    client's pinned buffers are *buffers*, never slots.)
+    Room for one batch in a segment; a worker writes into it, the send reads from it (a
+    co-located client *borrows* it until its Release).
 made
     A batch a worker finished whose send waits for the batches before it (``StreamState.made``).
 window
