@@ -42,9 +42,17 @@ class Workers:
     live_count = WorkerPool.live_count
 
     def __init__(self, n: int):
-        self.workers: Dict[int, WorkerRecord] = {
-            i: WorkerRecord(id=i, process=None, state="idle", pid=10_000 + i, ready=True) for i in range(n)}
+        self.workers: Dict[int, WorkerRecord] = {}
+        self._started = 0
+        for _ in range(n):
+            self.start_one()
         self.broken = ""
+
+    def start_one(self) -> WorkerRecord:
+        """A new worker, idle and ready, under an id never used before (pid 10,000 + its id)."""
+        wid, self._started = self._started, self._started + 1
+        w = self.workers[wid] = WorkerRecord(id=wid, process=None, state="idle", pid=10_000 + wid, ready=True)
+        return w
 
 
 class Driven:
@@ -145,8 +153,7 @@ class Driven:
         w = self.pool.workers.pop(wid)
         held = tuple(w.tasks)
         self.handle(E.WorkerLost(held, held[0] if held and died_on_first else None, exitcode))
-        new = max(self.pool.workers, default=wid) + 1
-        self.pool.workers[new] = WorkerRecord(id=new, process=None, state="idle", pid=10_000 + new, ready=True)
+        self.pool.start_one()
 
     def close(self) -> None:
         self.handle(E.Closing())

@@ -163,17 +163,15 @@ class Dispatcher:
         except Exception as exc:
             self._events.append(E.CommandFailed(ident, what, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
-    def _send_frames(self, ident: bytes, frames: list, copy: bool = True) -> bool:
-        """Send to ``ident``; False if its connection is gone (ROUTER_MANDATORY says so at once:
-        then the session is dropped after the event at hand, whatever the monitor has said yet)."""
+    def _send_frames(self, ident: bytes, frames: list, copy: bool = True) -> None:
+        """Send to ``ident``. If its connection is gone (ROUTER_MANDATORY says so at once), an
+        Unreachable event drops the session after the event at hand, whatever the monitor has said yet."""
         try:
             self.front.send_multipart([ident, *frames], copy=copy)
-            return True
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, errno.EAGAIN):  # EAGAIN: a pipe being torn down (no HWM here)
                 raise
             self._events.append(E.Unreachable(ident))
-            return False
 
     def _send_data(self, c: E.SendData) -> None:
         pending = [0]  # zero-copy frames of this batch libzmq still reads: the slot is free at 0

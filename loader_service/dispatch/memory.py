@@ -539,10 +539,8 @@ class BatchMemory:
             return Life.WAITING if self.waiting.get(s.ident) is s else Life.ENDED
         if s.state.done:  # ending while a task or a send still reads its slots
             return Life.ENDING if not s.state.idle and s in self.retiring else Life.ENDED
-        if s in self.starved:
-            return Life.STARVED
-        if s.segment is None:
-            return Life.LENT
+        if s.segment is None:  # a starved stream has no slots either: the list is walked for those alone
+            return Life.STARVED if s in self.starved else Life.LENT
         if s.state.settled:
             return Life.QUIET
         return Life.CAUGHT_UP if s.state.caught_up else Life.RUNNING
