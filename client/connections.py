@@ -118,9 +118,20 @@ class Connections:
         stream = next(self._stream_ids)
         r.hello(stream, P.Hello(
             stream=stream, spec=c.spec, epoch=epoch, rank=c.rank, origin=self.origin, entry=self.entry,
-            slots=c.prefetch, job=c.job, window=min(self.window, P.MAX_WINDOW),
+            slots=self.slots(r), job=c.job, window=min(self.window, P.MAX_WINDOW),
             batches=list(batches), lookahead=lookahead, client=self._client_id,
             local=r.endpoint in self.colocated))
+
+    def slots(self, r: Replica) -> int:
+        """The slots ``r``'s streams ask for: ``prefetch``, and two more for a co-located CPU loader,
+        whose trainer holds the batch in use (and the one before it, while it asks for the next) in
+        place; it holds at most all but one of them (the rest are copied out)."""
+        c = self.config
+        if r.endpoint in self.colocated and not c.device.startswith("cuda"):
+            r.borrowed.limit = c.prefetch + 1
+            return c.prefetch + 2
+        r.borrowed.limit = 0
+        return c.prefetch
 
     def start_epoch(self, epoch: int, start: int, total: int, lookahead: bool = False, origin: int = 0,
                     entry: int = 0) -> EpochFlow:
@@ -154,6 +165,8 @@ class Connections:
         """Wait up to ``timeout_ms`` for anything on the set: ``(replica, connection event,
         message)`` for each replica with either, in replica order; empty if nothing came."""
         self.ahead = False  # a run waits on this set: its epoch is the trainer's now
+        for r in self.replicas:
+            r.send_releases()
         events = dict(self._poller.poll(timeout_ms))
         return [(r, r.monitor in events, r.sock in events) for r in self.replicas
                 if r.monitor in events or r.sock in events]
@@ -175,8 +188,8 @@ class Connections:
             return None, None
         payload = None
         if isinstance(msg, P.Batch):
-            payload = sink.receive(r.sock, msg)
-            if msg.local:  # copied out of the service's slot: hand it back
+            payload = sink.receive(r.sock, msg, r.borrowed)
+            if msg.local and not r.borrowed.holds(msg.stream, msg.index):  # copied out: hand it back now
                 r.send(P.Release(stream=msg.stream, batches=[msg.index]))
             self._stats.bytes += msg.image_bytes
         else:

@@ -66,8 +66,10 @@ class EpochRun:
         if self.flow.done or self._ended:
             self._finish()
             raise StopIteration
-        self._repeat, self._repeats = self._next_in_order(), self.config.echo - 1
-        return self.sink.hand_over(self._repeat)
+        batch = self._next_in_order()
+        # kept only to echo it: a batch held in place is handed back once the trainer lets it go
+        self._repeat, self._repeats = (batch if self.config.echo > 1 else None), self.config.echo - 1
+        return self.sink.hand_over(batch)
 
     def close(self) -> None:
         """End the run: the sink drops what it received and never pushed. Idempotent."""

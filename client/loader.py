@@ -357,9 +357,13 @@ class RemoteLoader:
                        self._lookahead if self.config.epoch_lookahead else None, fleet=self._fleet)
         started["run"] = run
         try:
-            for batch in run:
+            while True:  # no local name for the batch: one held in place goes back once the trainer lets go
+                try:
+                    taken = [next(run)]  # a list emptied by the yield: the frame keeps no reference
+                except StopIteration:
+                    break
                 self._next_batch = flow.next_yield
-                yield batch
+                yield taken.pop()
         finally:
             run.close()
 

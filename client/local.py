@@ -3,20 +3,42 @@
 A loader made with ``local=True`` checks each replica's probe (``DatasetInfo.probe``: a segment of
 the service's shared memory holding its own name): one it can read shares this host's /dev/shm,
 and its streams ask for ``Hello.local``. Their batches then name blocks of the service's slots
-(``Batch.local``); the sink copies each block once into its own buffer (:meth:`Mappings.block`)
-and the connection hands the batch back (``Release``). A replica whose probe cannot be read (another
-host, a container without the shared /dev/shm, another user) is served over the socket as usual.
+(``Batch.local``). A replica whose probe cannot be read (another host, a container without the
+shared /dev/shm, another user) is served over the socket as usual.
 
-Mappings are read-only, cached by segment name (a stream's slots are one segment, reused by the
-connection's next streams) and bounded (:data:`MAX_MAPPINGS`): the client creates no segment, so
-a client killed at any point leaves nothing in /dev/shm.
+Two ways to take a batch out of a slot:
+
+* **in place** (the CPU sink, where the segment can be mapped read-write): the batch's tensors
+  *are* views of the service's slot, no byte is copied. The slot stays borrowed while anything
+  refers to them; once the trainer lets the batch go, :class:`Borrowed` queues its ``Release``.
+  The trainer may write into them (the slot is its own until then). Two rules keep the service
+  going and the tensors true:
+
+  - the trainer never holds more than ``limit`` batches of a connection in place (its stream's
+    slots but one): a batch received beyond that is copied out and handed back at once, so a
+    trainer that keeps every batch (a list of them) costs a copy each, never a stalled stream;
+  - before the connection moves on (its next Hello, its Bye: the service then takes back every
+    slot the connection borrowed, see dispatch/local.py), every batch still held in place is
+    **detached** (:func:`privatize`): its pages are replaced, at the same addresses, by a private
+    copy (``mremap``), so the tensors the trainer holds keep their bytes and their addresses.
+
+* **copied** (the CUDA sink, into its pinned ring; a read-only segment; a batch past the limit):
+  one copy (:meth:`Mappings.block`), then the ``Release`` at once.
+
+Mappings are cached by segment name (a stream's slots are one segment, reused by the connection's
+next streams) and bounded (:data:`MAX_MAPPINGS`): the client creates no segment, so a client
+killed at any point leaves nothing in /dev/shm.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
-from collections import OrderedDict
+import threading
+import weakref
+from collections import OrderedDict, deque
+from typing import Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -47,44 +69,190 @@ def reachable(probe: str) -> bool:
         return False
 
 
-class Mappings:
-    """Read-only mappings of the service's segments, by name (least recently used unmapped first)."""
+class Mapping:
+    """One segment mapped: ``writable`` (shared, read-write: batches may be lent in place) or not."""
 
-    def __init__(self, keep: int = MAX_MAPPINGS):
-        self.keep = keep
-        self._maps: "OrderedDict[str, mmap.mmap]" = OrderedDict()
+    __slots__ = ("mm", "address", "writable", "stale")
+
+    def __init__(self, mm: mmap.mmap, writable: bool):
+        self.mm, self.writable = mm, writable
+        self.stale = False  # some of its pages were detached: map the segment afresh for new batches
+        if writable:
+            probe = ctypes.c_char.from_buffer(mm)
+            self.address = ctypes.addressof(probe)
+            del probe  # an exported buffer would keep ``close`` from unmapping
+        else:
+            self.address = 0
+
+
+class Mappings:
+    """Mappings of the service's segments, by name (least recently used unmapped first).
+    ``writable``: map read-write where the segment's mode allows (batches lent in place);
+    read-only otherwise."""
+
+    def __init__(self, keep: int = MAX_MAPPINGS, writable: bool = False):
+        self.keep, self.writable = keep, writable
+        self._maps: "OrderedDict[str, Mapping]" = OrderedDict()
 
     def block(self, name: str, offset: int, nbytes: int) -> np.ndarray:
-        """A read-only view of ``nbytes`` at ``offset`` of segment ``name`` (copy it before the
-        Release: the slot is the service's again after that)."""
-        mm = self._map(name)
-        if offset + nbytes > len(mm):
-            raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"a batch handed over in place names bytes {offset}..{offset + nbytes} of "
-                              f"segment {name}, which holds {len(mm)}")
-        return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset)
+        """A view of ``nbytes`` at ``offset`` of segment ``name`` (copy it before the Release: the
+        slot is the service's again after that)."""
+        m = self.mapping(name)
+        check_block(name, m, offset, nbytes)
+        return np.frombuffer(m.mm, dtype=np.uint8, count=nbytes, offset=offset)
 
-    def _map(self, name: str) -> mmap.mmap:
-        mm = self._maps.get(name)
-        if mm is not None:
+    def mapping(self, name: str) -> Mapping:
+        m = self._maps.get(name)
+        if m is not None and not m.stale:
             self._maps.move_to_end(name)
-            return mm
-        try:
-            with open(_path(name), "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        except (OSError, ValueError) as exc:
-            raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
-                f"cannot map the service's shared memory {name!r} for a batch handed over in place: {exc}; is the service on this "
-                f"host with the same /dev/shm? (RemoteLoader(local=False) receives over the socket)")) from None
-        self._maps[name] = mm
+            return m
+        if m is not None:  # goes once the batches viewing it do
+            del self._maps[name]
+            _close(m.mm)
+        m = _map(name, self.writable)
+        self._maps[name] = m
         while len(self._maps) > self.keep:
             _, old = self._maps.popitem(last=False)
-            _close(old)
-        return mm
+            _close(old.mm)
+        return m
 
     def close(self) -> None:
-        for mm in self._maps.values():
-            _close(mm)
+        for m in self._maps.values():
+            _close(m.mm)
         self._maps.clear()
+
+
+def check_block(name: str, m: Mapping, offset: int, nbytes: int) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > len(m.mm):
+        raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"a batch handed over in place names bytes {offset}..{offset + nbytes} of "
+                          f"segment {name}, which holds {len(m.mm)}")
+
+
+def _map(name: str, writable: bool) -> Mapping:
+    path = _path(name)
+    try:
+        if writable:
+            try:
+                with open(path, "r+b") as f:
+                    return Mapping(mmap.mmap(f.fileno(), 0), True)
+            except PermissionError:  # another user's segment we may only read: batches are copied out
+                pass
+        with open(path, "rb") as f:
+            return Mapping(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), False)
+    except (OSError, ValueError) as exc:
+        raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
+            f"cannot map the service's shared memory {name!r} for a batch handed over in place: {exc}; is the service on this "
+            f"host with the same /dev/shm? (RemoteLoader(local=False) receives over the socket)")) from None
+
+
+class _Lent:
+    """One batch held in place: where its bytes lie, and a weak reference to the array every tensor of it views."""
+
+    __slots__ = ("mapping", "address", "nbytes", "view")
+
+    def __init__(self, mapping: Mapping, address: int, nbytes: int, view: np.ndarray):
+        self.mapping, self.address, self.nbytes = mapping, address, nbytes
+        self.view = weakref.ref(view)
+
+
+class Borrowed:
+    """The batches of one connection that the trainer holds in place, and the Releases of those it
+    let go of (see the module doc). ``limit``: the most held at once (0: none, every batch copied)."""
+
+    def __init__(self, limit: int = 0):
+        self.limit = limit
+        self._held: Dict[Tuple[int, int], _Lent] = {}  # (stream, batch) -> where it lies
+        self._back: Deque[Tuple[int, int]] = deque()  # let go of: Release to send
+        self._lock = threading.RLock()  # the trainer may drop a batch in another thread, or the GC inside a locked part
+        self.detached = 0  # batches detached so far (a copy each)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def holds(self, stream: int, batch: int) -> bool:
+        return (stream, batch) in self._held
+
+    def lend(self, stream: int, batch: int, name: str, m: Mapping, blocks) -> Optional[List[np.ndarray]]:
+        """Views of ``blocks`` ([offset, nbytes] each) of segment ``name``, held in place; None
+        when this batch must be copied out instead (a read-only mapping, or ``limit`` reached)."""
+        if not m.writable or len(self._held) >= self.limit or not blocks:
+            return None
+        for offset, nbytes in blocks:
+            check_block(name, m, offset, nbytes)
+        lo = min(o for o, _ in blocks)
+        hi = max(o + n for o, n in blocks)
+        # every output is a slice of this one array, so it lives exactly as long as the batch's tensors
+        whole = np.frombuffer(m.mm, dtype=np.uint8, count=hi - lo, offset=lo)
+        key = (stream, batch)
+        with self._lock:
+            self._held[key] = _Lent(m, m.address + lo, hi - lo, whole)
+        weakref.finalize(whole, self._let_go, key)
+        return [whole[o - lo:o - lo + n] for o, n in blocks]
+
+    def _let_go(self, key: Tuple[int, int]) -> None:
+        with self._lock:
+            if self._held.pop(key, None) is not None:
+                self._back.append(key)
+
+    def releases(self) -> Dict[int, List[int]]:
+        """Stream -> the batches let go of since the last call (their Releases to send)."""
+        out: Dict[int, List[int]] = {}
+        with self._lock:
+            while self._back:
+                stream, batch = self._back.popleft()
+                out.setdefault(stream, []).append(batch)
+        return out
+
+    def detach(self) -> None:
+        """Give every batch still held its own private copy, in place: the connection moves on and
+        the service takes back its slots once it reads what follows. They are no longer borrowed,
+        and their mappings are not used for new batches (the pages around them changed too)."""
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+            self._back.clear()
+        for lent in held:
+            view = lent.view()  # keeps the mapping mapped while its pages are replaced
+            if view is None:
+                continue
+            lent.mapping.stale = True
+            privatize(lent.address, lent.nbytes)
+            self.detached += 1
+            del view
+
+
+# ------------------------------------------------------------------ detaching a batch held in place
+PAGE = mmap.PAGESIZE
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mremap.restype = ctypes.c_void_p
+_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def privatize(address: int, nbytes: int) -> None:
+    """Replace the pages holding ``nbytes`` at ``address`` by a private copy of them, at the same
+    addresses: what views them keeps its bytes, and the shared memory below is no longer read. The
+    first and last pages are shared with the neighbouring slots' bytes: those are copied too, which
+    is why the mapping is not used for new views afterwards (``Mapping.stale``)."""
+    start = address - address % PAGE
+    length = -(-(address + nbytes - start) // PAGE) * PAGE
+    tmp = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if tmp in (None, _MAP_FAILED):
+        raise _os_error("mmap")
+    ctypes.memmove(tmp, start, length)
+    if _libc.mremap(tmp, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, ctypes.c_void_p(start)) in (None, _MAP_FAILED):
+        err = _os_error("mremap")
+        _libc.munmap(tmp, length)
+        raise err
+
+
+def _os_error(call: str) -> LoaderError:
+    e = ctypes.get_errno()
+    return LoaderError(P.ErrorCode.INTERNAL, f"cannot detach a batch held in place from the service's shared memory "
+                       f"({call}: {os.strerror(e)}); RemoteLoader(local=False) receives over the socket")
 
 
 def _close(mm: mmap.mmap) -> None:
@@ -94,4 +262,4 @@ def _close(mm: mmap.mmap) -> None:
         pass
 
 
-__all__ = ["Mappings", "reachable"]
+__all__ = ["Borrowed", "Mappings", "privatize", "reachable"]

@@ -22,6 +22,7 @@ from client.attempts import Attempts, Probe, Refuse
 from client.curve import AUTH_FAILED, EVENTS as HANDSHAKE_EVENTS, ClientKeys, HandshakeWatch, greeting_mechanism, \
     secure_dealer
 from client.errors import LoaderError
+from client.local import Borrowed
 
 
 CUT_GRACE_S = 1.0  # a disconnect with no reconnect scheduled this long after it was a cut
@@ -85,6 +86,9 @@ class Replica:
         # stall seconds not yet reported to this replica's service (each service hears all of them once)
         self.wait_s = 0.0
         self.h2d_s = 0.0
+        # co-located: the batches of this connection the trainer holds in place (its limit is
+        # set by the loader once it knows the stream's slots; 0: every batch copied out)
+        self.borrowed = Borrowed()
 
     def stall(self, wait_s: float, h2d_s: float) -> None:
         """The trainer waited ``wait_s`` more seconds; the next message reports it."""
@@ -94,7 +98,19 @@ class Replica:
     def hello(self, stream: int, hello: P.Hello) -> None:
         """Start ``stream`` on this connection (``hello``'s stream field is set here)."""
         self.stream, self.epoch, self.accepted, self.progress = stream, hello.epoch, False, None
+        self.move_on()
         self.send(dataclasses.replace(hello, stream=stream))
+
+    def send_releases(self) -> None:
+        """Hand back the batches held in place that the trainer let go of since the last call."""
+        for stream, batches in self.borrowed.releases().items():
+            self.send(P.Release(stream=stream, batches=batches))
+
+    def move_on(self) -> None:
+        """Before what makes the service take back every slot this connection borrowed (a Hello,
+        the Bye): what was let go of is handed back, what is still held is detached."""
+        self.send_releases()
+        self.borrowed.detach()
 
     def request(self, batches, consumed: int, promote: bool = False, final: bool = False,
                 probe: bool = False) -> None:
@@ -191,6 +207,7 @@ class Replica:
             self.sock.recv(copy=False)
 
     def close(self) -> None:
+        self.move_on()
         try:
             self.sock.send_multipart(P.encode(P.Bye()), zmq.NOBLOCK)
         except zmq.ZMQError:

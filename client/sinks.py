@@ -60,7 +60,7 @@ from wire import protocol as P
 from client.batch import Batch
 from client.config import LoaderConfig
 from client.errors import LoaderError
-from client.local import Mappings
+from client.local import Borrowed, Mappings
 from client.transform import Normalize
 
 
@@ -199,12 +199,21 @@ class HostSink:
         self.outputs = outputs or legacy_outputs(config)
         self.normalize = _normalizers(config, self.outputs)
         self.buffers = HostBuffers(held + 2)  # the window, the batch the trainer holds, the one arriving
-        self.mappings = Mappings()  # the service's segments, for batches handed over in place (co-located)
+        # the service's segments, read-write where allowed: batches lent in place (co-located)
+        self.mappings = Mappings(writable=True)
         self.h2d_s = 0.0
 
-    def receive(self, sock: zmq.Socket, msg: P.Batch):
+    def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None):
+        """The batch's (outputs, labels). ``borrowed``: the connection's batches held in place,
+        where a co-located batch's outputs are lent as views of the service's slot if it takes
+        them (see client/local.py); otherwise they are copied out."""
         if msg.local:
             shapes = _check_outputs(msg, self.outputs)
+            views = self._lend(msg, shapes, borrowed) if borrowed is not None else None
+            if views is not None:
+                raw = [torch.from_numpy(v).view(shape) if v.size else torch.empty(shape, dtype=torch.uint8)
+                       for v, (_, shape) in zip(views, shapes)]
+                return raw, _recv_labels(sock, msg)
             raw = [self.buffers.take(math.prod(shape))[:math.prod(shape)].reshape(shape) for _, shape in shapes]
             _copy_in_place(self.mappings, msg, raw)
             return [torch.from_numpy(r) for r in raw], _recv_labels(sock, msg)
@@ -222,6 +231,17 @@ class HostSink:
                 raw.append(torch.from_numpy(self.buffers.gather(parts, nbytes)).view(shape))
         labels = torch.from_numpy(np.frombuffer(label_frame.bytes, dtype=np.int64).copy())  # small; aligned copy
         return raw, labels
+
+    def _lend(self, msg: P.Batch, shapes, borrowed: Borrowed) -> Optional[List[np.ndarray]]:
+        name, blocks = msg.local
+        if len(blocks) != len(shapes) or any(len(b) != 2 for b in blocks):
+            raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"a batch handed over in place names {len(blocks)} blocks for "
+                              f"{len(shapes)} outputs")
+        for (offset, nbytes), (_, shape) in zip(blocks, shapes):
+            if nbytes != math.prod(shape):
+                raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"an in-place block of {nbytes} bytes for an output of "
+                                  f"{math.prod(shape)}")
+        return borrowed.lend(msg.stream, msg.index, name, self.mappings.mapping(name), blocks)
 
     def push(self, msg: P.Batch, payload) -> Batch:
         raw, labels = payload
@@ -296,7 +316,9 @@ class CudaSink:
         self.mappings = Mappings()  # the service's segments, for batches handed over in place (co-located)
         self.h2d_s = 0.0
 
-    def receive(self, sock: zmq.Socket, msg: P.Batch):
+    def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None):
+        """Into a free pinned slot (``borrowed`` unused: a co-located batch is copied out of the
+        service's slot into the pinned one, then handed back)."""
         shapes = _check_outputs(msg, self.outputs)
         if len(msg.indices) > self.config.spec.batch_size:
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"batch of {len(msg.indices)} samples exceeds the loader's "

@@ -25,17 +25,66 @@ def _epochs(endpoint, epochs=2, **kw):
 
 
 def _in_place(monkeypatch):
-    """Counts the batches handed over in place the sinks copy out (the proof that the socket carried no pixels)."""
+    """Names the segment of each batch handed over in place, lent as views or copied out (the proof
+    that the socket carried no pixels)."""
     from client import sinks
     seen = []
-    real = sinks._copy_in_place
+    real_copy, real_lend = sinks._copy_in_place, client_local.Borrowed.lend
 
-    def spy(mappings, msg, outputs):
+    def copy(mappings, msg, outputs):
         seen.append(msg.local[0])
-        return real(mappings, msg, outputs)
+        return real_copy(mappings, msg, outputs)
 
-    monkeypatch.setattr(sinks, "_copy_in_place", spy)
+    def lend(self, stream, batch, name, m, blocks):
+        views = real_lend(self, stream, batch, name, m, blocks)
+        if views is not None:
+            seen.append(name)
+        return views
+
+    monkeypatch.setattr(sinks, "_copy_in_place", copy)
+    monkeypatch.setattr(client_local.Borrowed, "lend", lend)
     return seen
+
+
+def _lent(monkeypatch):
+    """Counts the batches lent in place (views of the service's slot, no copy) and those copied out."""
+    from client import sinks
+    count = {"lent": 0, "copied": 0, "most_held": 0, "detached": 0}
+    real_copy, real_lend, real_privatize = sinks._copy_in_place, client_local.Borrowed.lend, client_local.privatize
+
+    def privatize(address, nbytes):
+        count["detached"] += 1
+        return real_privatize(address, nbytes)
+
+    def copy(mappings, msg, outputs):
+        count["copied"] += 1
+        return real_copy(mappings, msg, outputs)
+
+    def lend(self, stream, batch, name, m, blocks):
+        views = real_lend(self, stream, batch, name, m, blocks)
+        count["lent"] += views is not None
+        count["most_held"] = max(count["most_held"], len(self))
+        return views
+
+    monkeypatch.setattr(sinks, "_copy_in_place", copy)
+    monkeypatch.setattr(client_local.Borrowed, "lend", lend)
+    monkeypatch.setattr(client_local, "privatize", privatize)
+    return count
+
+
+def _borrowed_on_service(service):
+    d = service.dispatcher
+    return d.call(lambda: [dict(s.borrowed) for s in d.state.sessions.streams()]
+                  + [dict(s.borrowed) for s in d.state.memory.retiring]).result(10)
+
+
+def _until_nothing_borrowed(service, deadline_s=30.0):
+    """Wait (bounded) until the service has read the Releases sent: nothing borrowed is left."""
+    import time
+    end = time.monotonic() + deadline_s
+    while any(_borrowed_on_service(service)) and time.monotonic() < end:
+        time.sleep(0.02)  # the Releases are on their way through the socket; the deadline bounds the wait
+    return _borrowed_on_service(service)
 
 
 def test_epochs_through_shared_memory_are_exactly_the_socket_epochs(make_service, monkeypatch):
@@ -54,6 +103,60 @@ def test_epochs_through_shared_memory_are_exactly_the_socket_epochs(make_service
     streams = service.dispatcher.state.sessions.streams
     status = service.dispatcher.call(lambda: [s.borrowed for s in streams()]).result(10)
     assert all(not held for held in status)
+
+
+def test_a_cpu_loader_lends_each_batch_in_place_and_hands_it_back_when_the_trainer_lets_go(make_service, monkeypatch):
+    """No copy: the batch's tensor is a view of the service's slot, borrowed exactly as long as
+    the trainer refers to it (a slice of it included), then handed back by a Release."""
+    service = make_service()
+    count = _lent(monkeypatch)
+    with RemoteLoader(service.endpoint, **KW, local=True, epoch_lookahead=False) as ld:
+        it = iter(ld)
+        batch = next(it)
+        r = ld._conns.replicas[0]
+        key = (r.stream, batch.index)
+        assert r.borrowed.holds(*key)
+        addr = batch.raw.data_ptr()
+        part = batch.raw[2:4]  # a view of the view keeps the slot too
+        del batch
+        assert r.borrowed.holds(*key)
+        del part
+        assert not r.borrowed.holds(*key)
+        rest = [b.raw.clone() for b in it]
+        assert len(rest) == DEMO_SIZE // 8 - 1
+        assert len(r.borrowed) == 0  # the trainer let go of every batch
+        r.send_releases()  # (the loader sends them as it next waits)
+        # handed back by the Releases, while the connection lives (not by its end)
+        assert not any(_until_nothing_borrowed(service))
+        assert count["lent"] == DEMO_SIZE // 8 and count["copied"] == 0 and count["detached"] == 0
+    assert addr != 0
+
+
+def test_batches_kept_across_epochs_keep_their_bytes_and_may_be_written(make_service, monkeypatch):
+    """A trainer that keeps every batch (no clone) and writes into them: the batches beyond what
+    it may hold in place are copied out (never a stalled stream), and those held when the
+    connection moves on (the next epoch's Hello, the loader's close) are detached: same tensors,
+    same bytes, while the service reuses the slots."""
+    service = make_service()
+    over_tcp, _ = _epochs(service.endpoint, epochs=3)
+    count = _lent(monkeypatch)
+    kept = []
+    with RemoteLoader(service.endpoint, **KW, local=True, prefetch=2) as ld:
+        for e in range(3):
+            ld.set_epoch(e)
+            kept.append([(b.indices, b.raw, b.labels) for b in ld])
+            first = kept[e][0][1]
+            first.add_(1)  # the trainer's own bytes: a write in place
+            first.sub_(1)
+        limit = ld._conns.replicas[0].borrowed.limit
+    assert limit == 3  # prefetch 2 + 2 slots asked, all but one held at most
+    assert count["most_held"] <= limit and count["lent"] >= 3 and count["copied"] > 0
+    assert count["detached"] >= 3  # at each move-on, the batches still held in place
+    for tcp_epoch, shm_epoch in zip(over_tcp, kept):
+        assert [idx for idx, *_ in shm_epoch] == [idx for idx, *_ in tcp_epoch]
+        for (_, raw_a, lab_a), (_, raw_b, lab_b) in zip(tcp_epoch, shm_epoch):
+            assert torch.equal(raw_a, raw_b) and torch.equal(lab_a, lab_b)
+    assert not any(_until_nothing_borrowed(service))
 
 
 def test_a_replica_whose_shared_memory_is_not_reachable_is_served_over_the_socket(make_service, monkeypatch, caplog):
