@@ -11,7 +11,9 @@ CPU path: the images tensor *is* libzmq's receive buffer (``recv(copy=False)`` w
 ``torch.frombuffer``): after the kernel's copy into that buffer nothing copies the pixels again,
 and the tensor holds the message, so the trainer owns it like any tensor. (Receiving into a
 fresh ``torch.empty`` instead costs a 10 MB memcpy per batch, plus page faults on memory that
-glibc maps anew for every large allocation.)
+glibc maps anew for every large allocation.) A co-located batch (``local=True``) is lent in place:
+its tensors are views of the service's slot, handed back once the trainer lets go of them
+(client/local.py).
 
 CUDA path, and why it is race-free. Three guarantees, each one small method, each one removed
 in turn by ``tests/cuda``'s mutant runs to show that a race test then fails:

@@ -99,3 +99,123 @@ def test_a_batch_already_let_go_of_is_handed_back_before_a_detach(segment):
     del views
     assert borrowed.releases() == {3: [0]}
     maps.close()
+
+
+# ------------------------------------------------------------------ the model: any interleaving
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+SLOTS = 5
+SLOT_BYTES = mmap.PAGESIZE + 100  # slots that share pages: the edge pages of a detach are the neighbours'
+
+
+class BorrowedModel(RuleBasedStateMachine):
+    """The service writes slots and lends them, the trainer keeps, slices and drops batches, the
+    loader drains Releases and moves on (detach), in any order. Every batch the trainer still
+    holds reads what was lent to it, whatever the service wrote since; a slot is handed back
+    once, only after the trainer let go, never after a detach; at most ``limit`` are held."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = f"{local.PREFIX}model-{os.getpid()}"
+        self.path = os.path.join(local.SHM_DIR, self.name)
+        with open(self.path, "wb") as f:
+            f.write(bytes(SLOTS * SLOT_BYTES))
+        self.maps, self.borrowed = local.Mappings(writable=True), local.Borrowed(limit=3)
+        self.stream, self.next_batch = 1, 0
+        self.free = set(range(SLOTS))  # slots the service may write
+        self.lent = {}  # (stream, batch) -> slot, borrowed and not yet handed back
+        self.let_go = set()  # let go of, Release not yet drained
+        self.held = {}  # (stream, batch) -> (tensor or a slice of it, the bytes it must read)
+
+    def teardown(self):
+        self.held.clear()
+        self.maps.close()
+        os.unlink(self.path)
+
+    def _write(self, slot, value):
+        with open(self.path, "r+b") as f:
+            f.seek(slot * SLOT_BYTES)
+            f.write(bytes([value]) * SLOT_BYTES)
+
+    @precondition(lambda self: self.free)
+    @rule(value=st.integers(0, 255), data=st.data())
+    def service_lends(self, value, data):
+        slot = data.draw(st.sampled_from(sorted(self.free)))
+        self._write(slot, value)
+        key = (self.stream, self.next_batch)
+        self.next_batch += 1
+        base, n = slot * SLOT_BYTES, SLOT_BYTES - 7
+        views = self.borrowed.lend(*key, self.name, self.maps.mapping(self.name), [[base + 7, n]])
+        if views is None:  # copied out and handed back at once: the limit
+            assert len(self.lent) - len(self.let_go) == self.borrowed.limit
+            return
+        self.free.discard(slot)
+        self.lent[key] = slot
+        self.held[key] = (torch.from_numpy(views[0]), value)
+
+    @precondition(lambda self: self.free)
+    @rule(value=st.integers(0, 255), data=st.data())
+    def service_rewrites_a_free_slot(self, value, data):
+        self._write(data.draw(st.sampled_from(sorted(self.free))), value)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), keep_a_slice=st.booleans())
+    def trainer_lets_go(self, data, keep_a_slice):
+        key = data.draw(st.sampled_from(sorted(self.held)))
+        t, value = self.held.pop(key)
+        if keep_a_slice:  # a view of the batch keeps it, then goes too
+            part = t[3:9]
+            del t
+            assert key not in self.lent or self.borrowed.holds(*key)
+            del part
+        else:
+            del t
+        if key in self.lent:
+            self.let_go.add(key)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def trainer_writes_its_batch(self, data):
+        key = data.draw(st.sampled_from(sorted(self.held)))
+        t, value = self.held[key]
+        t.fill_((value + 1) % 256)
+        self.held[key] = (t, (value + 1) % 256)
+
+    @rule()
+    def loader_sends_releases(self):
+        got = self.borrowed.releases()
+        want = {}
+        for stream, batch in sorted(self.let_go):
+            want.setdefault(stream, []).append(batch)
+        assert {s: sorted(b) for s, b in got.items()} == want
+        for key in self.let_go:
+            self.free.add(self.lent.pop(key))
+        self.let_go.clear()
+
+    @rule()
+    def connection_moves_on(self):
+        """The next Hello: what was let go of is handed back first, the rest detached; the
+        service then takes back every slot."""
+        self.loader_sends_releases()
+        self.borrowed.detach()
+        self.free |= set(self.lent.values())
+        self.lent.clear()
+        self.stream += 1
+
+    @invariant()
+    def every_batch_held_reads_what_it_was_lent(self):
+        for t, value in self.held.values():
+            assert bool((t == value).all())
+
+    @invariant()
+    def borrowed_is_what_the_trainer_holds(self):
+        assert len(self.borrowed) == len(self.lent) - len(self.let_go) <= self.borrowed.limit
+
+
+def test_borrowed_batches_under_any_interleaving():
+    run = BorrowedModel.TestCase
+    run.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                            suppress_health_check=[HealthCheck.too_slow])
+    run().runTest()
