@@ -161,12 +161,16 @@ class Connections:
         return {r.endpoint: r.refused for r in self.replicas if r.refused}
 
     # ------------------------------------------------------------------ receiving
+    def send_releases(self) -> None:
+        """Hand back the batches held in place (co-located) that the trainer let go of."""
+        for r in self.replicas:
+            r.send_releases()
+
     def poll(self, timeout_ms: float) -> List[Tuple[Replica, bool, bool]]:
         """Wait up to ``timeout_ms`` for anything on the set: ``(replica, connection event,
         message)`` for each replica with either, in replica order; empty if nothing came."""
         self.ahead = False  # a run waits on this set: its epoch is the trainer's now
-        for r in self.replicas:
-            r.send_releases()
+        self.send_releases()
         events = dict(self._poller.poll(timeout_ms))
         return [(r, r.monitor in events, r.sock in events) for r in self.replicas
                 if r.monitor in events or r.sock in events]

@@ -111,6 +111,8 @@ class EpochRun:
                 wake = min(wake, now + c.replica_timeout / 2)
             if self.fleet is not None:
                 wake = min(wake, self.fleet.wake_at(now))
+            if self.lookahead is not None:
+                self.lookahead.send_releases(conns)
             events = conns.poll(max(1, int((wake - now) * 1000) + 1))
             now = self._clock()
             conns.check_connections(now)

@@ -86,6 +86,12 @@ class Lookahead:
             r.request([], self._stats.batches, promote=True)  # now the trainer's current epoch
         return spare, flow
 
+    def send_releases(self, current: Connections) -> None:
+        """Hand back what the trainer let go of among the batches the spare set lent in place
+        (co-located: the last epoch's, now that the set waits as the spare)."""
+        if self.spare is not None and self.spare is not current:
+            self.spare.send_releases()
+
     def close(self) -> None:
         self.epoch = self.flow = None
         self._close_spare()

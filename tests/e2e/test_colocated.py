@@ -159,6 +159,35 @@ def test_batches_kept_across_epochs_keep_their_bytes_and_may_be_written(make_ser
     assert not any(_until_nothing_borrowed(service))
 
 
+def test_the_last_epochs_batches_go_back_while_the_next_epoch_streams_on_the_other_connection(make_service):
+    """With the epoch lookahead, epoch e+1 streams on the spare connection: the batches of epoch e
+    the trainer held at the switch are handed back on their own connection as soon as it lets them
+    go, not when that connection is next used."""
+    service = make_service()
+    with RemoteLoader(service.endpoint, **KW, local=True) as ld:
+        ld.set_epoch(0)
+        last = [b for b in ld][-2:]  # the trainer keeps the last two batches of epoch 0 a while
+        ld.set_epoch(1)
+        it = iter(ld)
+        next(it)
+        assert any(_borrowed_on_service(service)), "epoch 0's last batches are still lent"
+        del last
+        next(it)  # the loader hands back what was let go of as it waits
+        assert not any(held for held in _until_nothing_borrowed_but_current(service))
+        list(it)
+
+
+def _until_nothing_borrowed_but_current(service, deadline_s=30.0):
+    """What the service's ended streams still lend, once (bounded wait) they lend nothing."""
+    import time
+    d = service.dispatcher
+    ended = lambda: d.call(lambda: [dict(s.borrowed) for s in d.state.memory.retiring]).result(10)  # noqa: E731
+    end = time.monotonic() + deadline_s
+    while any(ended()) and time.monotonic() < end:
+        time.sleep(0.02)  # the Releases are on their way through the socket; the deadline bounds the wait
+    return ended()
+
+
 def test_a_replica_whose_shared_memory_is_not_reachable_is_served_over_the_socket(make_service, monkeypatch, caplog):
     service = make_service()
     monkeypatch.setattr(client_local, "SHM_DIR", "/nonexistent-shm")  # as from another host or container
