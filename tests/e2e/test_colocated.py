@@ -268,43 +268,82 @@ while True:
 """
 
 
-def test_a_client_killed_while_holding_a_slot_gives_it_back_and_leaves_nothing(service, tmp_path):
-    import os
+def _kill(proc) -> None:
     import signal
-    import subprocess
-    import sys
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    proc.stdout.close()
 
-    from loader_service import shm
 
-    script = tmp_path / "holder.py"
-    script.write_text(HOLDER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, str(script), service.endpoint], stdout=subprocess.PIPE, text=True,
-                            env=env)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("holding"), line
-        d = service.dispatcher
-        held = d.call(lambda: [dict(s.borrowed) for s in d.state.sessions.streams()]).result(10)
-        assert any(held), "the client holds a borrowed slot"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-        proc.stdout.close()
-    # the connection's end gives the slot back: its stream retires and its slots are released
+def _after_the_client_left(service, deadline_s=30.0):
+    """(sessions, retiring streams, what live streams lend) once the service saw the killed client's
+    connection drop and took everything back (bounded wait)."""
     import time
-    deadline = time.monotonic() + 30
+    d = service.dispatcher
+    deadline = time.monotonic() + deadline_s
     while True:
         state = d.call(lambda: (len(d.state.sessions), len(d.state.memory.retiring),
                                 [dict(s.borrowed) for s in d.state.sessions.streams()])).result(10)
         if state == (0, 0, []) or time.monotonic() > deadline:
-            break
+            return state
         time.sleep(0.05)  # waits for the monitor's disconnect event, bounded by the deadline
-    assert state == (0, 0, [])
+
+
+def _spawn(code: str, endpoint: str, tmp_path):
+    """A Python process running ``code`` against the service (its first line of output read by the test)."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "peer.py"  # not client.py: the script's folder comes first in sys.path
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.Popen([sys.executable, str(script), endpoint], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _given_back_and_served_again(service, proc) -> None:
+    """The killed client's connection end gave everything back (its streams retired, their slots
+    released), it left nothing in /dev/shm, and the next co-located client is served in full."""
+    from loader_service import shm
+    assert _after_the_client_left(service) == (0, 0, [])
     assert shm.list_segments(proc.pid) == []  # the client made no segment
-    # and the service serves the next co-located client in full
     epochs, _ = _epochs(service.endpoint, epochs=1, local=True)
     assert sorted(i for idx, *_ in epochs[0] for i in idx) == list(range(DEMO_SIZE))
+
+
+def test_a_client_killed_while_holding_a_slot_gives_it_back_and_leaves_nothing(service, tmp_path):
+    proc = _spawn(HOLDER, service.endpoint, tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("holding"), line
+        assert any(_borrowed_on_service(service)), "the client holds a borrowed slot"
+    finally:
+        _kill(proc)
+    _given_back_and_served_again(service, proc)
+
+
+TRAINER = r"""
+import sys, time
+from client import RemoteLoader
+with RemoteLoader(sys.argv[1], batch_size=8, image_size=32, local=True, epoch_lookahead=False) as ld:
+    it = iter(ld)
+    kept = [next(it) for _ in range(3)]  # lent in place, never let go of
+    r = ld._conns.replicas[0]
+    print("holding", len(r.borrowed), flush=True)
+    time.sleep(600)  # killed long before
+"""
+
+
+def test_a_trainer_killed_holding_batches_lent_in_place_gives_them_back(service, tmp_path):
+    """A RemoteLoader(local=True) SIGKILLed while its trainer holds batches in place (no copy, no
+    Release, no Bye): the service takes every slot back, and serves the next trainer in full."""
+    proc = _spawn(TRAINER, service.endpoint, tmp_path)
+    try:
+        word, n = proc.stdout.readline().split()
+        assert word == "holding" and 3 <= int(n) <= 5  # the three kept, and what came ahead (prefetch 4 + 1)
+        assert sum(len(h) for h in _borrowed_on_service(service)) >= 3
+    finally:
+        _kill(proc)
+    _given_back_and_served_again(service, proc)
 
 
 def test_every_output_of_a_pipeline_is_handed_over_and_copied_out_exactly(make_service, monkeypatch):
