@@ -127,7 +127,7 @@ class Connections:
         whose trainer holds the batch in use (and the one before it, while it asks for the next) in
         place; it holds at most all but one of them (the rest are copied out)."""
         c = self.config
-        if r.endpoint in self.colocated and not c.device.startswith("cuda"):
+        if r.endpoint in self.colocated and not c.device.startswith("cuda") and local.CAN_LEND:
             r.borrowed.limit = c.prefetch + 1
             return c.prefetch + 2
         r.borrowed.limit = 0

@@ -224,11 +224,14 @@ class Borrowed:
 PAGE = mmap.PAGESIZE
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.mremap.restype = ctypes.c_void_p
-_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+# lending in place needs mremap (Linux) to detach; elsewhere every co-located batch is copied out
+CAN_LEND = hasattr(_libc, "mremap")
+if CAN_LEND:
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    _libc.mremap.restype = ctypes.c_void_p
+    _libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -262,4 +265,4 @@ def _close(mm: mmap.mmap) -> None:
         pass
 
 
-__all__ = ["Borrowed", "Mappings", "privatize", "reachable"]
+__all__ = ["CAN_LEND", "Borrowed", "Mappings", "privatize", "reachable"]
