@@ -129,8 +129,8 @@ def check_block(name: str, m: Mapping, offset: int, nbytes: int) -> None:
 
 
 def _map(name: str, writable: bool) -> Mapping:
-    path = _path(name)
     try:
+        path = _path(name)
         if writable:
             try:
                 with open(path, "r+b") as f:

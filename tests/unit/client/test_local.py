@@ -101,6 +101,61 @@ def test_a_batch_already_let_go_of_is_handed_back_before_a_detach(segment):
     maps.close()
 
 
+# ------------------------------------------------------------------ the CPU sink, from a socket
+def _pair():
+    import zmq
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    addr = f"inproc://lend-{os.getpid()}-{id(a)}"
+    a.bind(addr)
+    b.connect(addr)
+    return a, b
+
+
+def _sink_receive(name, blocks):
+    """A 2-sample 8x8 batch handed over in place at ``blocks`` of segment ``name``, through HostSink."""
+    from client.config import LoaderConfig
+    from client.sinks import HostSink
+    from wire import protocol as P
+    msg = P.Batch(stream=4, epoch=0, index=1, indices=[5, 6], shape=[2, 8, 8, 3], local=[name, blocks])
+    a, b = _pair()
+    try:
+        a.send_multipart([P.encode_header(msg), np.array([7, 8], np.int64).tobytes()])
+        b.recv()  # the header, as Connections.recv reads it
+        borrowed = local.Borrowed(limit=2)
+        sink = HostSink(LoaderConfig.of("tcp://127.0.0.1:9", batch_size=2, image_size=8), held=1)
+        try:
+            (raw,), labels = sink.receive(b, msg, borrowed)
+            return raw, labels, borrowed
+        finally:
+            sink.close()
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+def test_the_cpu_sink_lends_a_batch_handed_over_in_place(segment):
+    name, path, _ = segment
+    raw, labels, borrowed = _sink_receive(name, [[100, 384]])
+    with open(path, "rb") as f:
+        assert raw.numpy().tobytes() == f.read()[100:484]
+    assert raw.shape == (2, 8, 8, 3) and labels.tolist() == [7, 8] and borrowed.holds(4, 1)
+    del raw
+    assert borrowed.releases() == {4: [1]}
+
+
+@pytest.mark.parametrize("where, blocks, says", [
+    ("inside", [[3 * mmap.PAGESIZE + 50, 384]], "names bytes"),  # past the segment's end
+    ("nowhere", [[0, 384]], "cannot map the service's shared memory"),  # no such segment
+    ("foreign", [[0, 384]], "cannot map the service's shared memory"),  # not a service segment's name
+])
+def test_a_batch_handed_over_in_place_that_the_segment_cannot_hold_is_a_clear_error(segment, where, blocks, says):
+    name = {"inside": segment[0], "nowhere": f"{local.PREFIX}gone-{os.getpid()}", "foreign": "shm-of-something-else"}[where]
+    with pytest.raises(LoaderError, match=says) as info:
+        _sink_receive(name, blocks)
+    assert info.value.code == "bad_message"
+
+
 # ------------------------------------------------------------------ the model: any interleaving
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
