@@ -207,11 +207,13 @@ class Replica:
             self.sock.recv(copy=False)
 
     def close(self) -> None:
-        self.move_on()
         try:
-            self.sock.send_multipart(P.encode(P.Bye()), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        self.sock.disable_monitor()
-        self.monitor.close(0)
-        self.sock.close(linger=100)  # long enough to hand Bye to the kernel, never a hang
+            self.move_on()  # a detach that fails is raised, after the socket is closed all the same
+        finally:
+            try:
+                self.sock.send_multipart(P.encode(P.Bye()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.sock.close(linger=100)  # long enough to hand Bye to the kernel, never a hang
