@@ -86,7 +86,10 @@ def _our_segments() -> set:
     _note_descendants()
     out = set()
     for name in shm.list_segments():
-        pid = int(name[len(shm.PREFIX):].split("-", 1)[0])
+        try:
+            pid = int(name[len(shm.PREFIX):].split("-", 1)[0])
+        except ValueError:  # not a segment's name (another program's file): not ours
+            continue
         if pid == os.getpid() or (pid in _OURS and not psutil.pid_exists(pid)):
             out.add(name)
     return out

@@ -3,6 +3,7 @@
 import gc
 import mmap
 import os
+import uuid
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from client.errors import LoaderError
 @pytest.fixture
 def segment():
     """A segment file the way the service makes one (its name prefix, in /dev/shm), 3 pages + 100 bytes."""
-    name = f"{local.PREFIX}test-{os.getpid()}"
+    name = f"{local.PREFIX}{os.getpid()}-test-{uuid.uuid4().hex[:12]}"  # named as the service names its segments
     path = os.path.join(local.SHM_DIR, name)
     size = 3 * mmap.PAGESIZE + 100
     with open(path, "wb") as f:
@@ -150,7 +151,7 @@ def test_the_cpu_sink_lends_a_batch_handed_over_in_place(segment):
     ("foreign", [[0, 384]], "cannot map the service's shared memory"),  # not a service segment's name
 ])
 def test_a_batch_handed_over_in_place_that_the_segment_cannot_hold_is_a_clear_error(segment, where, blocks, says):
-    name = {"inside": segment[0], "nowhere": f"{local.PREFIX}gone-{os.getpid()}", "foreign": "shm-of-something-else"}[where]
+    name = {"inside": segment[0], "nowhere": f"{local.PREFIX}{os.getpid()}-gone-0", "foreign": "shm-of-something-else"}[where]
     with pytest.raises(LoaderError, match=says) as info:
         _sink_receive(name, blocks)
     assert info.value.code == "bad_message"
@@ -173,7 +174,7 @@ class BorrowedModel(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.name = f"{local.PREFIX}model-{os.getpid()}"
+        self.name = f"{local.PREFIX}{os.getpid()}-model-{uuid.uuid4().hex[:12]}"
         self.path = os.path.join(local.SHM_DIR, self.name)
         with open(self.path, "wb") as f:
             f.write(bytes(SLOTS * SLOT_BYTES))
