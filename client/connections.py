@@ -116,22 +116,22 @@ class Connections:
         """Start a new on-demand stream on ``r``, asking for ``batches`` at once."""
         c = self.config
         stream = next(self._stream_ids)
+        slots, r.borrowed.limit = self._slots(r)
         r.hello(stream, P.Hello(
             stream=stream, spec=c.spec, epoch=epoch, rank=c.rank, origin=self.origin, entry=self.entry,
-            slots=self.slots(r), job=c.job, window=min(self.window, P.MAX_WINDOW),
+            slots=slots, job=c.job, window=min(self.window, P.MAX_WINDOW),
             batches=list(batches), lookahead=lookahead, client=self._client_id,
             local=r.endpoint in self.colocated))
 
-    def slots(self, r: Replica) -> int:
-        """The slots ``r``'s streams ask for: ``prefetch``, and two more for a co-located CPU loader,
-        whose trainer holds the batch in use (and the one before it, while it asks for the next) in
-        place; it holds at most all but one of them (the rest are copied out)."""
+    def _slots(self, r: Replica) -> Tuple[int, int]:
+        """(the slots ``r``'s streams ask for, the most batches of ``r`` lent in place at once):
+        ``prefetch`` and none; for a co-located CPU loader two more slots, for the batch its trainer
+        uses and the one before it (still named while it asks for the next), and all of them but
+        one lent at most (the rest are copied out, so the service always has a slot to work in)."""
         c = self.config
         if r.endpoint in self.colocated and not c.device.startswith("cuda") and local.CAN_LEND:
-            r.borrowed.limit = c.prefetch + 1
-            return c.prefetch + 2
-        r.borrowed.limit = 0
-        return c.prefetch
+            return c.prefetch + 2, c.prefetch + 1
+        return c.prefetch, 0
 
     def start_epoch(self, epoch: int, start: int, total: int, lookahead: bool = False, origin: int = 0,
                     entry: int = 0) -> EpochFlow:
