@@ -124,8 +124,8 @@ class Mappings:
 
 def check_block(name: str, m: Mapping, offset: int, nbytes: int) -> None:
     if offset < 0 or nbytes < 0 or offset + nbytes > len(m.mm):
-        raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"a batch handed over in place names bytes {offset}..{offset + nbytes} of "
-                          f"segment {name}, which holds {len(m.mm)}")
+        raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"a batch handed over in place names bytes "
+                          f"{offset}..{offset + nbytes} of segment {name}, which holds {len(m.mm)}")
 
 
 def _map(name: str, writable: bool) -> Mapping:
@@ -141,8 +141,8 @@ def _map(name: str, writable: bool) -> Mapping:
             return Mapping(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), False)
     except (OSError, ValueError) as exc:
         raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
-            f"cannot map the service's shared memory {name!r} for a batch handed over in place: {exc}; is the service on this "
-            f"host with the same /dev/shm? (RemoteLoader(local=False) receives over the socket)")) from None
+            f"cannot map the service's shared memory {name!r} for a batch handed over in place: {exc}; is the service "
+            f"on this host with the same /dev/shm? (RemoteLoader(local=False) receives over the socket)")) from None
 
 
 class _Lent:
@@ -246,7 +246,8 @@ def privatize(address: int, nbytes: int) -> None:
     if tmp in (None, _MAP_FAILED):
         raise _os_error("mmap")
     ctypes.memmove(tmp, start, length)
-    if _libc.mremap(tmp, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, ctypes.c_void_p(start)) in (None, _MAP_FAILED):
+    moved = _libc.mremap(tmp, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, ctypes.c_void_p(start))
+    if moved in (None, _MAP_FAILED):
         err = _os_error("mremap")
         _libc.munmap(tmp, length)
         raise err

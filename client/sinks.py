@@ -156,11 +156,11 @@ def _recv_size(sock: zmq.Socket, into: Optional[np.ndarray]) -> int:
 
 def _copy_in_place(mappings: Mappings, msg: P.Batch, outputs: List[np.ndarray]) -> None:
     """A batch handed over in place (co-located, ``msg.local``): each output's block of the service's slot copied
-    once into ``outputs`` (the Release that follows gives the slot back)."""
+    once into ``outputs`` (the Release that follows gives the slot back). The decode checked that
+    each block is its output's size (``wire.protocol._check_local``), and the sink that the outputs
+    are the loader's."""
     name, blocks = msg.local
     for dst, (offset, nbytes) in zip(outputs, blocks):
-        if dst.nbytes != nbytes:
-            raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"an in-place block of {nbytes} bytes for an output of {dst.nbytes}")
         if nbytes:
             np.copyto(dst.reshape(-1), mappings.block(name, offset, nbytes))
 
@@ -211,12 +211,13 @@ class HostSink:
         them (see client/local.py); otherwise they are copied out."""
         if msg.local:
             shapes = _check_outputs(msg, self.outputs)
-            views = self._lend(msg, shapes, borrowed) if borrowed is not None else None
+            name, blocks = msg.local  # one block per output, each its size (the protocol checked them)
+            views = borrowed.lend(msg.stream, msg.index, name, self.mappings.mapping(name), blocks) \
+                if borrowed is not None else None
             if views is not None:
-                raw = [torch.from_numpy(v).view(shape) if v.size else torch.empty(shape, dtype=torch.uint8)
-                       for v, (_, shape) in zip(views, shapes)]
+                raw = [torch.from_numpy(v).view(shape) for v, (_, shape) in zip(views, shapes)]
                 return raw, _recv_labels(sock, msg)
-            raw = [self.buffers.take(math.prod(shape))[:math.prod(shape)].reshape(shape) for _, shape in shapes]
+            raw = [self.buffers.take(math.prod(shape)).reshape(shape) for _, shape in shapes]
             _copy_in_place(self.mappings, msg, raw)
             return [torch.from_numpy(r) for r in raw], _recv_labels(sock, msg)
         *frames, label_frame = _recv_data_frames(sock, msg)
@@ -233,17 +234,6 @@ class HostSink:
                 raw.append(torch.from_numpy(self.buffers.gather(parts, nbytes)).view(shape))
         labels = torch.from_numpy(np.frombuffer(label_frame.bytes, dtype=np.int64).copy())  # small; aligned copy
         return raw, labels
-
-    def _lend(self, msg: P.Batch, shapes, borrowed: Borrowed) -> Optional[List[np.ndarray]]:
-        name, blocks = msg.local
-        if len(blocks) != len(shapes) or any(len(b) != 2 for b in blocks):
-            raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"a batch handed over in place names {len(blocks)} blocks for "
-                              f"{len(shapes)} outputs")
-        for (offset, nbytes), (_, shape) in zip(blocks, shapes):
-            if nbytes != math.prod(shape):
-                raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"an in-place block of {nbytes} bytes for an output of "
-                                  f"{math.prod(shape)}")
-        return borrowed.lend(msg.stream, msg.index, name, self.mappings.mapping(name), blocks)
 
     def push(self, msg: P.Batch, payload) -> Batch:
         raw, labels = payload
@@ -332,7 +322,6 @@ class CudaSink:
         try:
             if msg.local:  # co-located: one copy from the service's slot into the pinned one
                 _copy_in_place(self.mappings, msg, [h.numpy() for h in host])
-                labels = slot.labels[:n]
                 labels.copy_(_recv_labels(sock, msg))
             else:
                 _recv_frames(sock, msg, host, labels)

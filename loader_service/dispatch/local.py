@@ -9,7 +9,8 @@ slots the workers wrote, instead of receiving them over the socket.
   the slot is *borrowed* by the client (``Stream.borrowed``): it stays in the stream's ``sending``
   set, as a batch that zmq still reads does. (Borrowed, never "lent": a *lent* stream is one
   whose slots went to another stream, :class:`~loader_service.dispatch.door.Life`.)
-* The client copies the blocks out and hands the batch back with a **Release** (:func:`release`),
+* The client copies the blocks out, or lends them to its trainer in place until it lets the batch
+  go (client/local.py), and hands the batch back with a **Release** (:func:`release`),
   checked like every client message: a batch that stream did not hand over is refused
   (``bad_release``) and ends that stream alone.
 * A stream that ends (finished, failed, replaced) keeps what its client borrows: it may still be
@@ -17,7 +18,8 @@ slots the workers wrote, instead of receiving them over the socket.
   ended stream). Once the client **moves on** (its next Hello on that connection, or the
   connection gone, SIGKILL included), every slot its streams' client still borrowed is given back
   (:func:`give_back`, from :meth:`BatchMemory.moved_on`): the client reads a slot only between
-  receiving its batch and sending the Release, on the same connection, so once the service has
+  receiving its batch and sending the Release, on the same connection (before its next Hello or
+  Bye it detaches what its trainer still holds into private memory), so once the service has
   read a newer Hello or seen the connection close, nothing of the old streams is read again
   (their batches still in flight are stale to the client, never read).
 
@@ -62,7 +64,6 @@ class Colocation:
     @property
     def name(self) -> str:
         return self.probe.name if self.probe is not None else ""
-
 
     def close(self) -> None:
         if self.probe is not None:

@@ -151,7 +151,8 @@ def test_the_cpu_sink_lends_a_batch_handed_over_in_place(segment):
     ("foreign", [[0, 384]], "cannot map the service's shared memory"),  # not a service segment's name
 ])
 def test_a_batch_handed_over_in_place_that_the_segment_cannot_hold_is_a_clear_error(segment, where, blocks, says):
-    name = {"inside": segment[0], "nowhere": f"{local.PREFIX}{os.getpid()}-gone-0", "foreign": "shm-of-something-else"}[where]
+    name = {"inside": segment[0], "nowhere": f"{local.PREFIX}{os.getpid()}-gone-0",
+            "foreign": "shm-of-something-else"}[where]
     with pytest.raises(LoaderError, match=says) as info:
         _sink_receive(name, blocks)
     assert info.value.code == "bad_message"
