@@ -43,11 +43,10 @@ from typing import Deque, Dict, List, Optional, Tuple
 import numpy as np
 
 from wire import protocol as P
+from wire.segments import PREFIX, SHM_DIR
 
 from client.errors import LoaderError
 
-SHM_DIR = "/dev/shm"
-PREFIX = "loader_service-"  # the service's segment names (loader_service/shm.py)
 MAX_MAPPINGS = 4  # segments mapped at once; the least recently used is unmapped past it
 
 

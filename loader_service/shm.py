@@ -20,14 +20,12 @@ import errno
 import mmap
 import os
 import sys
-import tempfile
 import uuid
 from typing import Optional
 
 import numpy as np
 
-PREFIX = "loader_service-"
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+from wire.segments import PREFIX, SHM_DIR
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
