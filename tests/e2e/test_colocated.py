@@ -363,3 +363,39 @@ def test_every_output_of_a_pipeline_is_handed_over_and_copied_out_exactly(make_s
     assert [idx for idx, _ in local] == [idx for idx, _ in over_tcp]
     for (_, a), (_, b) in zip(over_tcp, local):
         assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_lent_batches_resume_at_another_world_size_beside_a_validation_loader_and_restart_on_a_new_iter(make_service):
+    """The loader's life with batches lent in place: a state saved by rank 1 of 2 resumes the job at
+    3 ranks exactly once; a training and a validation loader of one rank run side by side, each
+    epoch whole; a new iter() part-way starts the epoch again while the trainer still holds batches
+    of the pass it left (detached, their bytes kept)."""
+    from testkit.helpers import collect, run_ranks
+
+    svc = make_service()
+    kw = dict(image_size=32, seed=4, epoch_lookahead=False, local=True, batch_size=8)
+    first = run_ranks(svc.endpoint, 2, 4, states=True, job="lent", **kw)
+    second = run_ranks(svc.endpoint, 3, -1, state=first[1][1], states=True, job="lent-resumed", **kw)
+    real = lambda got: [i for b in got for i in b["indices"][: len(b["indices"]) - b["padding"]]]  # noqa: E731
+    taken = [i for got, _ in first for i in real(got)] + [i for got, _ in second for i in real(got)]
+    assert sorted(taken) == list(range(DEMO_SIZE))
+
+    with RemoteLoader(svc.endpoint, job="train", shuffle=True, **kw) as train, \
+            RemoteLoader(svc.endpoint, job="val", shuffle=False, train=False, **kw) as val:
+        for epoch in range(2):
+            train.set_epoch(epoch)
+            seen, checked = [], []
+            for k, b in enumerate(train):
+                seen += b.indices
+                if k % 10 == 0:  # a validation pass in the middle of the training epoch
+                    checked.append(sorted(i for v in val for i in v.indices))
+            assert sorted(seen) == list(range(DEMO_SIZE))
+            assert checked and all(c == list(range(DEMO_SIZE)) for c in checked)
+
+        it = iter(train)
+        held = [next(it) for _ in range(2)]  # kept, lent in place
+        kept = [(b.indices, b.raw.clone()) for b in held]
+        again = collect(train)  # a new iter(): the epoch from its first batch
+        assert [b["indices"] for b in again[:2]] == [idx for idx, _ in kept]
+        assert sorted(i for b in again for i in b["indices"]) == list(range(DEMO_SIZE))
+        assert all(list(b.indices) == idx and torch.equal(b.raw, raw) for b, (idx, raw) in zip(held, kept))
