@@ -18,8 +18,9 @@ iterations (``--warmup``), ended by a synchronize:
   * service -> loader  one client's receive end to end (issue 41): a local loader service with
                        decoding off (bench.doubles' blank pipeline, --workers W) streaming to
                        RemoteLoader(device, normalize off) over loopback TCP, and co-located
-                       (local=True: each batch copied from the service's shared memory into the
-                       pinned ring), GB/s of images handed over, the device synchronized at the end
+                       (local=True: the H2D copy reads the service's slot, page-locked in place
+                       with cudaHostRegister; and each batch copied from there into the pinned
+                       ring), GB/s of images handed over, the device synchronized at the end
   Targets: pinned ring >= 90% of the raw pinned copy; one client's receive >= 5 GB/s over
   loopback TCP and >= 10 GB/s co-located at batch 256 (issue 41).
 
@@ -34,7 +35,8 @@ Part 2, a training step of a small ResNet (bench.models, bf16 autocast, channels
   * step ratio   1 - resident step time / fed step time
   Also shown, for comparison only: CPU time blocked in next() / wall time (the old figure; it
   measures CPU blocking, not GPU idle time, since kernel launches are asynchronous).
-  Target: stall < 2% when the service outpaces the model (its no-model rate is printed).
+  Target: stall < 1% when the service outpaces the model (its no-model rate is printed; issue 41,
+  after < 2% in issue 14). Each feed in --feeds (tcp, local) is one fed run beside the same resident one.
 
 Without CUDA the GPU rows are skipped with a message and the rest runs on the CPU (receive
 only, receive + host sink, the training step with device="cpu", stall by step ratio): that
@@ -113,7 +115,7 @@ def h2d(batch: int, size: int, iters: int, warmup: int) -> dict:
             slot = sink._take_slot()
             msg = P.Batch(stream=1, epoch=0, index=k[0], indices=list(range(batch)), shape=list(shape))
             k[0] += 1
-            sink.hand_over(sink.push(msg, (slot, [slot.outputs[0].view(shape)], slot.labels)))
+            sink.hand_over(sink.push(msg, (slot, [slot.outputs[0].view(shape)], slot.labels, False)))
 
         out["ring_normalize" if normalize else "ring"] = gbps(nbytes, per_call(one, iters, warmup, True))
         sink.close()
@@ -205,10 +207,14 @@ def receive(batch: int, size: int, iters: int, warmup: int, cuda: bool) -> dict:
     return out
 
 
-def service_receive(args, cuda: bool, local: bool) -> float:
+def service_receive(args, cuda: bool, local: bool, register: bool = True) -> float:
     """One client's receive from a real service with decoding off: GB/s of images handed over
-    (into the pinned ring and onto the device with CUDA; host tensors without)."""
+    (into the pinned ring and onto the device with CUDA; host tensors without). ``register``
+    False: a co-located CUDA loader copies each batch into its pinned ring instead of reading the
+    service's page-locked slot."""
     from bench import doubles
+
+    CudaSink.register = register
 
     B, S = args.batch_size, args.image_size
     dev = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
@@ -230,6 +236,7 @@ def service_receive(args, cuda: bool, local: bool) -> float:
             batches.close()
     finally:
         svc.stop()
+        CudaSink.register = True
     return gbps(B * S * S * 3 * args.h2d_iters, seconds)
 
 
@@ -258,6 +265,8 @@ class StepClock:
 
 
 def train(args, cuda: bool) -> dict:
+    """The training step with data resident, then fed by a service once per feed in
+    ``args.feeds`` (``tcp``: over loopback TCP; ``local``: co-located)."""
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
     model = SmallResNet(num_classes=10).to(dev, memory_format=torch.channels_last)
@@ -276,13 +285,19 @@ def train(args, cuda: bool) -> dict:
     x = torch.randn(B, 3, S, S, device=dev).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (B,), device=dev)
     resident = per_call(lambda: step(x, y), args.steps, args.warmup, cuda)
+    out = {"resident_step_s": resident, "model_rate": B / resident}
+    for feed in args.feeds:
+        out[feed] = fed(args, cuda, dev, step, resident, local=feed == "local")
+    return out
 
+
+def fed(args, cuda: bool, dev: torch.device, step, resident: float, local: bool) -> dict:
+    B, S = args.batch_size, args.image_size
     svc = start_service(["--demo", "--demo-size", str(args.demo_size), "--workers", str(args.workers)])
     try:
-        endpoint = svc.endpoint
-        with RemoteLoader(endpoint, batch_size=B, image_size=S, device=str(dev), normalize=True,
+        with RemoteLoader(svc.endpoint, batch_size=B, image_size=S, device=str(dev), normalize=True,
                           prefetch=args.prefetch, timeout=300, drop_last=True,
-                          **({"local": True} if args.local else {})) as ld:
+                          **({"local": True} if local else {})) as ld:
             batches = forever(ld)
             # the service alone: how fast it delivers with no model
             for _ in range(args.warmup):
@@ -312,13 +327,13 @@ def train(args, cuda: bool) -> dict:
             wall = time.perf_counter() - t_start
             batches.close()
             h2d_s = ld.stats()["h2d_s"]
+            lent = getattr(ld._sink, "lent", 0)
     finally:
         svc.stop()
-    fed = wall / args.steps
-    return {"resident_step_s": resident, "model_rate": B / resident, "service_rate": service_rate,
-            "fed_step_s": fed, "stall_step_ratio": max(0.0, 1 - resident / fed),
+    step_s = wall / args.steps
+    return {"service_rate": service_rate, "fed_step_s": step_s, "stall_step_ratio": max(0.0, 1 - resident / step_s),
             "stall_gpu_idle": clock.idle_fraction() if clock else None,
-            "cpu_blocked_in_next": wait / wall, "h2d_s": h2d_s}
+            "cpu_blocked_in_next": wait / wall, "h2d_s": h2d_s, "lent_from_the_slot": lent}
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -334,11 +349,14 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--model-passes", type=int, default=1,
                    help="forward + backward passes per batch: a heavier model, so that the service can outpace it "
                         "and the stall measures the client's path rather than the service's rate")
-    p.add_argument("--local", action="store_true", help="the training part's loader co-located (local=True)")
+    p.add_argument("--feeds", default="tcp,local", type=lambda v: [f for f in v.split(",") if f],
+                   help="the training part's loaders, one run each: tcp (loopback), local (co-located)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.warmup < MIN_WARMUP:
         p.error(f"--warmup must be at least {MIN_WARMUP}")
+    if not args.feeds or set(args.feeds) - {"tcp", "local"}:
+        p.error("--feeds takes tcp, local or both (comma-separated)")
     if args.model_passes < 1:
         p.error("--model-passes must be at least 1")
     if args.demo_size < args.batch_size:
@@ -355,6 +373,8 @@ def main(argv: Optional[list] = None) -> int:
     h.update(receive(B, S, args.h2d_iters, args.warmup, cuda))
     h["service_tcp"] = service_receive(args, cuda, local=False)
     h["service_local"] = service_receive(args, cuda, local=True)
+    if cuda:
+        h["service_local_copy"] = service_receive(args, cuda, local=True, register=False)
     print(f"## One batch host -> {'device' if cuda else 'host tensors'}, {B * S * S * 3 / 2**20:.2f} MiB uint8\n")
     rows = [("pageable", "pageable tensor.to(device)"), ("raw_pinned", "raw pinned, non_blocking"),
             ("ring", "pinned ring (CudaSink: slot wait, push, hand_over)"),
@@ -364,7 +384,8 @@ def main(argv: Optional[list] = None) -> int:
              else "receive + host sink (HostSink.receive/push)"),
             ("service_tcp", f"service (decode off) -> RemoteLoader({'cuda' if cuda else 'cpu'}), loopback TCP"),
             ("service_local", f"service (decode off) -> RemoteLoader({'cuda' if cuda else 'cpu'}, local=True), "
-                              "shared memory")]
+                              "shared memory" + (", the copy engine reads the service's slot" if cuda else "")),
+            ("service_local_copy", "the same, each batch copied into the pinned ring (no cudaHostRegister)")]
     print(table_head(["path", "GB/s", "% of raw pinned"], "lrr"))
     for k, label in rows:
         if k in h:
@@ -379,22 +400,27 @@ def main(argv: Optional[list] = None) -> int:
 
     t = train(args, cuda)
     passes = f" x {args.model_passes} passes per batch" if args.model_passes > 1 else ""
-    print(f"## Training step, SmallResNet{passes}, batch {B}, {S}px, bf16 autocast, {args.workers} service workers"
-          f"{', co-located loader' if args.local else ''}, "
+    print(f"## Training step, SmallResNet{passes}, batch {B}, {S}px, bf16 autocast, {args.workers} service workers, "
           f"{args.steps} steps after {args.warmup} warm-up\n")
-    print("| | value |\n|---|---:|")
-    print(f"| step, data resident on the {'GPU' if cuda else 'CPU'} | {1e3 * t['resident_step_s']:.1f} ms "
-          f"({t['model_rate']:.0f} img/s) |")
-    print(f"| service delivery rate, no model | {t['service_rate']:.0f} img/s |")
-    print(f"| step, fed by the service | {1e3 * t['fed_step_s']:.1f} ms |")
-    if t["stall_gpu_idle"] is not None:
-        print(f"| data stall: GPU idle between steps (CUDA events) | {100 * t['stall_gpu_idle']:.2f}% |")
-    print(f"| data stall: 1 - resident / fed step time | {100 * t['stall_step_ratio']:.2f}% |")
-    print(f"| (CPU blocked in next() / wall, for comparison) | {100 * t['cpu_blocked_in_next']:.2f}% |")
-    stall = t["stall_gpu_idle"] if t["stall_gpu_idle"] is not None else t["stall_step_ratio"]
-    outpaces = t["service_rate"] > t["model_rate"]
-    print(f"\nservice outpaces the model: {outpaces}; stall < 2%: "
-          f"{'PASS' if stall < 0.02 else 'MISS'}{'' if cuda else ' (CPU run: not the GPU target)'}")
+    print(f"step, data resident on the {'GPU' if cuda else 'CPU'}: {1e3 * t['resident_step_s']:.1f} ms "
+          f"({t['model_rate']:.0f} img/s)\n")
+    feeds = {"tcp": "loopback TCP", "local": "co-located (local=True)"}
+    print(table_head(["feed", *(feeds[f] for f in args.feeds)], "l" + "r" * len(args.feeds)))
+    rows = [("service delivery rate, no model", lambda r: f"{r['service_rate']:.0f} img/s"),
+            ("step, fed by the service", lambda r: f"{1e3 * r['fed_step_s']:.1f} ms"),
+            ("data stall: GPU idle between steps (CUDA events)",
+             lambda r: "-" if r["stall_gpu_idle"] is None else f"{100 * r['stall_gpu_idle']:.2f}%"),
+            ("data stall: 1 - resident / fed step time", lambda r: f"{100 * r['stall_step_ratio']:.2f}%"),
+            ("(CPU blocked in next() / wall, for comparison)", lambda r: f"{100 * r['cpu_blocked_in_next']:.2f}%"),
+            ("batches the GPU copied straight from the service's slot", lambda r: str(r["lent_from_the_slot"]))]
+    for label, cell in rows:
+        print(table_row([label, *(cell(t[f]) for f in args.feeds)]))
+    print()
+    for f in args.feeds:
+        r = t[f]
+        stall = r["stall_gpu_idle"] if r["stall_gpu_idle"] is not None else r["stall_step_ratio"]
+        print(f"{feeds[f]}: service outpaces the model: {r['service_rate'] > t['model_rate']}; stall < 1%: "
+              f"{'PASS' if stall < 0.01 else 'MISS'}{'' if cuda else ' (CPU run: not the GPU target)'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cuda": cuda, "device": torch.cuda.get_device_name() if cuda else None,

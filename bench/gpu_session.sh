@@ -7,6 +7,10 @@
 #                                      # and the mutant runs (tests/cuda/run_mutants.py)
 #   bash bench/gpu_session.sh suite    # ON THE GPU: the new CPU/GPU tests, then the quick suite
 #   bash bench/gpu_session.sh bench    # ON THE GPU: python -m bench.gpu at batch 128 and 256, and 256 co-located
+#   bash bench/gpu_session.sh issue41  # ON THE GPU: issue 41's checks in one call: tests/cuda, the
+#                                      # copy_read mutant run, bench.gpu at 256 and 128 with a model
+#                                      # the service outpaces (--model-passes 5), fed over TCP and
+#                                      # co-located
 #   bash bench/gpu_session.sh lease    # ON THE GPU: what one 15-minute lease holds, most telling
 #                                      # first, every part cut to what is left of LEASE_S (540 s):
 #                                      # tests/cuda, the 1-GPU torchrun example, bench.gpu at 256
@@ -19,7 +23,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-STEP=${1:?usage: bash bench/gpu_session.sh wheels|tests|suite|bench|lease}
+STEP=${1:?usage: bash bench/gpu_session.sh wheels|tests|suite|bench|issue41|lease}
 PY=${PYTHON:-python3}
 
 # Installed on the GPU image already (or plugin-registering packages better not shadowed there).
@@ -140,8 +144,17 @@ case $STEP in
     for b in 128 256; do
       part "bench-gpu-$b" 270 pass "$PY" -m bench.gpu --batch-size "$b" --json "$RESULTS/bench-gpu-$b.json"
     done
-    # issue 41: the training part fed by a co-located loader (the receive rows have both paths in every run)
-    part bench-gpu-256-local 270 pass "$PY" -m bench.gpu --batch-size 256 --local --json "$RESULTS/bench-gpu-256-local.json"
+    finish
+    ;;
+  issue41)
+    setup_gpu
+    DEADLINE=$((SECONDS + ${LEASE_S:-480}))
+    part cuda-plain 120 pass "$PY" -m pytest tests/cuda -v -rs -p no:cacheprovider
+    part mutant-copy-read 100 pass "$PY" tests/cuda/run_mutants.py --only copy_read --out "$RESULTS/mutants"
+    for b in 256 128; do
+      part "bench-gpu-$b" 170 pass "$PY" -m bench.gpu --batch-size "$b" --steps 100 --model-passes 5 \
+        --json "$RESULTS/bench-gpu-$b.json"
+    done
     finish
     ;;
   lease)
@@ -156,7 +169,7 @@ case $STEP in
     finish
     ;;
   *)
-    echo "unknown step $STEP: wheels|tests|suite|bench|lease" >&2
+    echo "unknown step $STEP: wheels|tests|suite|bench|issue41|lease" >&2
     exit 2
     ;;
 esac

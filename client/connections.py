@@ -36,6 +36,7 @@ from client.curve import ClientKeys
 from client.errors import LoaderError, LoaderTimeout
 from client.flow import EpochFlow
 from client.replica import Replica
+from client.sinks import lends_in_place
 from client.stats import LoaderStats
 
 log = logging.getLogger("client")
@@ -125,11 +126,12 @@ class Connections:
 
     def _slots(self, r: Replica) -> Tuple[int, int]:
         """(the slots ``r``'s streams ask for, the most batches of ``r`` lent in place at once):
-        ``prefetch`` and none; for a co-located CPU loader two more slots, for the batch its trainer
-        uses and the one before it (still named while it asks for the next), and all of them but
+        ``prefetch`` and none; for a co-located loader that takes batches in place two more slots
+        (on the CPU for the batch its trainer uses and the one before it, still named while it asks
+        for the next; on CUDA for batches whose copy is still reading them), and all of them but
         one lent at most (the rest are copied out, so the service always has a slot to work in)."""
         c = self.config
-        if r.endpoint in self.colocated and not c.device.startswith("cuda") and local.CAN_LEND:
+        if r.endpoint in self.colocated and lends_in_place(c):
             return c.prefetch + 2, c.prefetch + 1
         return c.prefetch, 0
 

@@ -22,8 +22,12 @@ Two ways to take a batch out of a slot:
     **detached** (:func:`privatize`): its pages are replaced, at the same addresses, by a private
     copy (``mremap``), so the tensors the trainer holds keep their bytes and their addresses.
 
-* **copied** (the CUDA sink, into its pinned ring; a read-only segment; a batch past the limit):
-  one copy (:meth:`Mappings.block`), then the ``Release`` at once.
+* **read by the GPU in place** (the CUDA sink, where CUDA can page-lock the mapping,
+  ``cudaHostRegister``): the sink is the batch's only holder; its host-to-device copy reads the
+  service's slot, and the slot is let go of once that copy is done (client/sinks.py).
+
+* **copied** (the CUDA sink's pinned ring where the mapping cannot be registered; a read-only
+  segment; a batch past the limit): one copy (:meth:`Mappings.block`), then the ``Release`` at once.
 
 Mappings are cached by segment name (a stream's slots are one segment, reused by the connection's
 next streams) and bounded (:data:`MAX_MAPPINGS`): the client creates no segment, so a client
@@ -38,7 +42,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict, deque
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -89,8 +93,10 @@ class Mappings:
     ``writable``: map read-write where the segment's mode allows (batches lent in place);
     read-only otherwise."""
 
-    def __init__(self, keep: int = MAX_MAPPINGS, writable: bool = False):
+    def __init__(self, keep: int = MAX_MAPPINGS, writable: bool = False,
+                 unmapping: Optional[Callable[[Mapping], None]] = None):
         self.keep, self.writable = keep, writable
+        self.unmapping = unmapping  # called before a mapping is closed (the CUDA sink unregisters it)
         self._maps: "OrderedDict[str, Mapping]" = OrderedDict()
 
     def block(self, name: str, offset: int, nbytes: int) -> np.ndarray:
@@ -107,18 +113,23 @@ class Mappings:
             return m
         if m is not None:  # goes once the batches viewing it do
             del self._maps[name]
-            _close(m.mm)
+            self._close(m)
         m = _map(name, self.writable)
         self._maps[name] = m
         while len(self._maps) > self.keep:
             _, old = self._maps.popitem(last=False)
-            _close(old.mm)
+            self._close(old)
         return m
 
+    def _close(self, m: Mapping) -> None:
+        if self.unmapping is not None:
+            self.unmapping(m)
+        _close(m.mm)
+
     def close(self) -> None:
-        for m in self._maps.values():
-            _close(m.mm)
-        self._maps.clear()
+        maps, self._maps = list(self._maps.values()), OrderedDict()
+        for m in maps:
+            self._close(m)
 
 
 def check_block(name: str, m: Mapping, offset: int, nbytes: int) -> None:
@@ -164,6 +175,9 @@ class Borrowed:
         self._back: Deque[Tuple[int, int]] = deque()  # let go of: Release to send
         self._lock = threading.RLock()  # the trainer may drop a batch in another thread, or the GC inside a locked part
         self.detached = 0  # batches detached so far (a copy each)
+        # what holds lent batches only until a copy of them is done (the CUDA sink) lets go of them
+        # here, first thing in a detach: none of them is worth a private copy
+        self.settle: Optional[Callable[[], None]] = None
 
     def __len__(self) -> int:
         return len(self._held)
@@ -206,6 +220,8 @@ class Borrowed:
         """Give every batch still held its own private copy, in place: the connection moves on and
         the service takes back its slots once it reads what follows. They are no longer borrowed,
         and their mappings are not used for new batches (the pages around them changed too)."""
+        if self.settle is not None:
+            self.settle()
         with self._lock:
             held, self._held = list(self._held.values()), {}
             self._back.clear()

@@ -43,10 +43,18 @@ repeat is handed over again, on the stream current at that repeat.
 
 Copies run ahead: the loader pushes up to ``device_prefetch`` batches beyond the one the
 trainer holds, in plan order, so the copy of batch k+1 overlaps step k.
+
+Co-located (``local=True``): where CUDA can page-lock the service's segment
+(``cudaHostRegister``, once per mapping), the H2D copy reads the service's slot itself; no byte is
+copied on the CPU, and the pinned slot only carries the labels. One more guarantee, removed by its
+own mutant run: copy read (``_copy_has_read``): the service's slot is let go of (its ``Release``
+queued) only once the copy that reads it has finished. Where registration fails, each batch is
+copied from the slot into the pinned one and handed back at once.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -62,8 +70,10 @@ from wire import protocol as P
 from client.batch import Batch
 from client.config import LoaderConfig
 from client.errors import LoaderError
-from client.local import Borrowed, Mappings
+from client.local import CAN_LEND, Borrowed, Mapping, Mappings
 from client.transform import Normalize
+
+log = logging.getLogger("client")
 
 
 Outputs = List[Tuple[str, Tuple[int, ...]]]  # (name, per-sample shape) of each frame, in order
@@ -81,6 +91,22 @@ def make_sink(config: LoaderConfig, held: int, outputs: Optional[Outputs] = None
     default the built-in recipe's one image)."""
     outputs = outputs or legacy_outputs(config)
     return CudaSink(config, held, outputs) if config.device.startswith("cuda") else HostSink(config, held, outputs)
+
+
+def can_register() -> bool:
+    """Whether CUDA can page-lock memory this process mapped (``cudaHostRegister``)."""
+    try:
+        return torch.cuda.is_available() and hasattr(torch.cuda.cudart(), "cudaHostRegister")
+    except (AssertionError, RuntimeError):  # a build without CUDA, or CUDA unusable here
+        return False
+
+
+def lends_in_place(config: LoaderConfig) -> bool:
+    """Whether a co-located loader on ``config.device`` takes its batches in the service's slots
+    (lent until the trainer, or the GPU's copy, is done with them) rather than copying them out."""
+    if config.device.startswith("cuda"):
+        return CudaSink.register and can_register()
+    return CAN_LEND
 
 
 def _normalizers(config: LoaderConfig, outputs: Outputs) -> Dict[str, "_PerOutput"]:
@@ -290,6 +316,8 @@ class _Slot:
 class CudaSink:
     """CUDA: pinned ring -> side-stream H2D copy -> normalize on the GPU -> hand-over."""
 
+    register = True  # co-located: copy from the service's slot page-locked in place (where CUDA can)
+
     def __init__(self, config: LoaderConfig, held: int, outputs: Optional[Outputs] = None):
         self.config = config
         self.device = torch.device(config.device)
@@ -305,30 +333,92 @@ class CudaSink:
         self._free: Deque[_Slot] = deque(self._slots)  # oldest copy first: most likely finished
         self._done: Dict[int, torch.cuda.Event] = {}  # batch index -> its copy + normalize finished
         self._handed: Optional[Tuple[int, torch.cuda.Event]] = None  # the last batch handed over (echo)
-        self.mappings = Mappings()  # the service's segments, for batches handed over in place (co-located)
+        # the service's segments, for batches handed over in place (co-located): read-write, so that
+        # CUDA can page-lock them; unregistered before they are unmapped
+        self.mappings = Mappings(writable=True, unmapping=self._unmapping)
+        self.register = self.register and can_register()  # read lent slots straight from the service's memory
+        self._pinned: Dict[int, Mapping] = {}  # the mappings page-locked for the GPU, by id
+        # lent batches whose copy may still read the service's slot: (that copy's event, their tensors)
+        self._reading: Deque[Tuple[torch.cuda.Event, List[torch.Tensor]]] = deque()
+        self.lent = 0  # co-located batches copied to the GPU straight from the service's slot
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None):
-        """Into a free pinned slot (``borrowed`` unused: a co-located batch is copied out of the
-        service's slot into the pinned one, then handed back)."""
+        """Into a free pinned slot. A co-located batch: its outputs stay in the service's slot,
+        lent (``borrowed``) until the copy that reads them is done, where the mapping can be
+        registered; else copied from there into the pinned slot and handed back at once."""
+        self._let_go_copied()
         shapes = _check_outputs(msg, self.outputs)
         if len(msg.indices) > self.config.spec.batch_size:
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"batch of {len(msg.indices)} samples exceeds the loader's "
                               f"slots ({self.config.spec.batch_size})")
         slot = self._take_slot()
         n = len(msg.indices)
-        host = [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(slot.outputs, shapes)]
         labels = slot.labels[:n]
         try:
-            if msg.local:  # co-located: one copy from the service's slot into the pinned one
-                _copy_in_place(self.mappings, msg, [h.numpy() for h in host])
+            lent = self._lend(msg, shapes, borrowed) if msg.local else None
+            host = lent or [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(slot.outputs, shapes)]
+            if msg.local:
+                if lent is None:  # one copy from the service's slot into the pinned one
+                    _copy_in_place(self.mappings, msg, [h.numpy() for h in host])
                 labels.copy_(_recv_labels(sock, msg))
             else:
                 _recv_frames(sock, msg, host, labels)
         except BaseException:
             self._free.append(slot)
             raise
-        return slot, host, labels
+        return slot, host, labels, lent is not None
+
+    def _lend(self, msg: P.Batch, shapes, borrowed: Optional[Borrowed]) -> Optional[List[torch.Tensor]]:
+        """The batch's outputs as tensors over the service's slot, page-locked for the copy engine;
+        None where it is to be copied out (no registration here, or ``borrowed`` declines)."""
+        if borrowed is None or not self.register:
+            return None
+        name, blocks = msg.local
+        m = self.mappings.mapping(name)
+        if not self._registered(m):
+            return None
+        views = borrowed.lend(msg.stream, msg.index, name, m, blocks)
+        if views is None:
+            return None
+        borrowed.settle = self.settle
+        self.lent += 1
+        return [torch.from_numpy(v).view(shape) for v, (_, shape) in zip(views, shapes)]
+
+    def _registered(self, m: Mapping) -> bool:
+        """Page-lock mapping ``m`` for the GPU once (``cudaHostRegister``, portable to every
+        device); False, and no more tries by this sink, where CUDA refuses."""
+        if id(m) in self._pinned:
+            return True
+        if not m.writable:
+            return False
+        with torch.cuda.device(self.device):
+            err = int(torch.cuda.cudart().cudaHostRegister(m.address, len(m.mm), 1))  # 1: cudaHostRegisterPortable
+        if err:
+            log.warning("cannot page-lock the service's shared memory for the GPU (cudaError %d): co-located "
+                        "batches are copied into the pinned ring instead", err)
+            self.register = False
+            return False
+        self._pinned[id(m)] = m
+        return True
+
+    def _unmapping(self, m: Mapping) -> None:
+        """Before ``m`` is unmapped: no copy may read it any more, and CUDA forgets it."""
+        if self._pinned.pop(id(m), None) is not None:
+            self.settle()
+            torch.cuda.cudart().cudaHostUnregister(m.address)
+
+    def _let_go_copied(self) -> None:
+        """Let go of the lent batches whose copy has finished (their Releases are queued)."""
+        while self._reading and self._copy_has_read(self._reading[0][0]):
+            self._reading.popleft()
+
+    def settle(self) -> None:
+        """Wait for every copy from a lent slot, and let go of them all (before the connection
+        moves on, or a mapping is unmapped)."""
+        if self._reading:
+            self.stream.synchronize()
+            self._reading.clear()
 
     def _take_slot(self) -> _Slot:
         if not self._free:
@@ -341,7 +431,7 @@ class CudaSink:
         return slot
 
     def push(self, msg: P.Batch, payload) -> Batch:
-        slot, host_outputs, host_labels = payload
+        slot, host_outputs, host_labels, lent = payload
         t0 = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             raw = [h.to(self.device, non_blocking=True) for h in host_outputs]
@@ -352,6 +442,10 @@ class CudaSink:
             done = torch.cuda.Event()
             done.record(self.stream)
         self._free.append(slot)  # reusable once ``copied`` has fired (the slot wait checks)
+        if lent:  # the service's slot is the trainer's until this copy has read it
+            self._reading.append((slot.copied, host_outputs))
+        del payload, host_outputs
+        self._let_go_copied()
         self.h2d_s += time.perf_counter() - t0
         self._done[msg.index] = done
         return batch
@@ -383,10 +477,15 @@ class CudaSink:
         for t in tensors:
             t.record_stream(stream)
 
+    @staticmethod
+    def _copy_has_read(copied: torch.cuda.Event) -> bool:
+        return copied.query()
+
     def end(self) -> None:
         self._done.clear()
         self._handed = None
         self.stream.synchronize()
+        self._reading.clear()
         self._free = deque(self._slots)  # every copy has finished; batches not pushed are dropped
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """CUDA test helpers: GPU sleeps in milliseconds, a side stream made to lag, and mutant runs.
 
 Mutant runs: ``LOADER_CUDA_MUTANT=<name> pytest tests/cuda -k race`` replaces one of
-``CudaSink``'s three guarantees with a no-op (see client/sinks.py's module doc); at least one
+one of ``CudaSink``'s guarantees with a no-op (see client/sinks.py's module doc); at least one
 race test must then fail. ``python tests/cuda/run_mutants.py`` runs all three and checks that.
 """
 
@@ -16,8 +16,12 @@ import torch
 
 from client.sinks import CudaSink
 
-# mutant name -> the CudaSink method it removes
-MUTANTS = {"slot_wait": "_wait_slot_free", "stream_wait": "_order_after_copy", "record_stream": "_keep_alive"}
+# mutant name -> (the CudaSink method it removes, what stands in for it)
+MUTANTS = {"slot_wait": ("_wait_slot_free", lambda *args: None),
+           "stream_wait": ("_order_after_copy", lambda *args: None),
+           "record_stream": ("_keep_alive", lambda *args: None),
+           # co-located: a lent slot goes back to the service as soon as its copy is issued
+           "copy_read": ("_copy_has_read", lambda *args: True)}
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +30,8 @@ def cuda_mutant(monkeypatch):
     if name:
         if name not in MUTANTS:
             raise pytest.UsageError(f"LOADER_CUDA_MUTANT={name!r}: choose one of {sorted(MUTANTS)}")
-        monkeypatch.setattr(CudaSink, MUTANTS[name], lambda *args: None)
+        method, stand_in = MUTANTS[name]
+        monkeypatch.setattr(CudaSink, method, stand_in)
     yield name
 
 

@@ -2,10 +2,11 @@
 """Show that the CUDA race tests can fail: remove each of CudaSink's guarantees in turn and
 check that the race tests then fail with wrong bytes (an assertion, not an error).
 
-    python tests/cuda/run_mutants.py [--out DIR]        # on a machine with an NVIDIA GPU
+    python tests/cuda/run_mutants.py [--out DIR] [--only copy_read,...]   # on a machine with an NVIDIA GPU
 
 First the race tests run on the real code (they must pass), then once per mutant with
-``LOADER_CUDA_MUTANT=<name>`` (tests/cuda/conftest.py replaces that one method with a no-op).
+``LOADER_CUDA_MUTANT=<name>`` (tests/cuda/conftest.py replaces that one method with a stand-in
+that skips its guarantee).
 Prints a table; exit status 0 only when the real code passes and every mutant is killed.
 Without CUDA it says so and exits 0 (nothing to run).
 """
@@ -25,6 +26,7 @@ MUST_FAIL = {
     "slot_wait": "test_race_side_stream_lags_and_the_trainer_reads_at_once",
     "stream_wait": "test_race_side_stream_lags_and_the_trainer_reads_at_once",
     "record_stream": "test_race_slow_compute_stream_never_sees_a_batch_change_under_it",
+    "copy_read": "test_race_co_located_copy_reads_the_service_s_slot_before_it_goes_back",
 }
 
 
@@ -54,7 +56,12 @@ def run(mutant: str, out: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "results", "mutants"))
+    p.add_argument("--only", default=",".join(MUST_FAIL), help=f"the mutants to run, comma-separated "
+                   f"(default: all of {', '.join(MUST_FAIL)})")
     args = p.parse_args()
+    only = [m for m in args.only.split(",") if m]
+    if not only or set(only) - set(MUST_FAIL):
+        p.error(f"--only takes mutants among {', '.join(MUST_FAIL)}")
     import torch
 
     if not torch.cuda.is_available():
@@ -67,7 +74,8 @@ def main() -> int:
     print("| build | race tests failed | verdict |\n|---|---|---|")
     print(f"| real code | {', '.join(k for k, v in real.items() if v != 'passed') or 'none'} | "
           f"{'ok' if ok else 'BROKEN: the real code must pass'} |")
-    for mutant, must in MUST_FAIL.items():
+    for mutant in only:
+        must = MUST_FAIL[mutant]
         got = run(mutant, args.out)
         failed = sorted(k for k, v in got.items() if v == "failed")
         killed = got.get(must) == "failed"

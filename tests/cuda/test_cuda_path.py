@@ -124,15 +124,56 @@ def test_gpu_batches_equal_cpu_batches_byte_for_byte_over_an_epoch(service):
     assert gpu_batches[0][2].is_contiguous(memory_format=torch.channels_last)
 
 
-def test_co_located_gpu_batches_equal_the_socket_s_byte_for_byte(service, delayed_side_stream):
-    """Issue 41: lent batches copied from the service's shared memory into the pinned ring, with
-    the side stream lagging: the same bytes as over the socket, each sample once."""
+def test_race_co_located_copy_reads_the_service_s_slot_before_it_goes_back(service, delayed_side_stream):
+    """Issue 41: the copy engine reads each lent batch straight from the service's slot
+    (page-locked in place), and the side stream lags far behind. A slot handed back as soon as
+    its copy is issued (the copy_read mutant) is rewritten by the service (4 slots, 15 batches)
+    before the copy reads it: wrong bytes."""
     expected = cpu_reference(service.endpoint)
-    with RemoteLoader(service.endpoint, **KW, device="cuda", local=True) as gpu:
-        batches = [(bt.index, bt.indices, checksum(bt)) for bt in gpu]
-    assert [i for i, *_ in batches] == list(range(BATCHES))
-    assert sorted(x for _, idx, _ in batches for x in idx) == list(range(DEMO_SIZE))[:BATCHES * KW["batch_size"]]
-    assert as_ints([s for *_, s in batches]) == expected
+    with RemoteLoader(service.endpoint, **KW, device="cuda", local=True, prefetch=2, device_prefetch=2) as gpu:
+        sums = [checksum(b) for b in gpu]  # read at once: nothing waits for the copies but the GPU
+        lent = gpu._sink.lent
+    assert as_ints(sums) == expected
+    assert lent > 0  # lent (3 at most at once: one more is copied into the ring and handed back at once)
+    assert not any(_until_nothing_borrowed(service))  # every slot came back
+
+
+@pytest.mark.parametrize("register", [True, False], ids=["read-in-place", "copied-into-the-ring"])
+def test_co_located_gpu_epochs_equal_the_socket_s_byte_for_byte(service, delayed_side_stream, monkeypatch, register):
+    """Issue 41: three epochs, the side stream lagging, each batch read by the GPU from the
+    service's slot, or (no cudaHostRegister) copied into the pinned ring and handed back at once:
+    the same bytes as over the socket, each sample once per epoch, every slot back at the end."""
+    from client.sinks import CudaSink
+
+    monkeypatch.setattr(CudaSink, "register", register)
+    with RemoteLoader(service.endpoint, **KW) as cpu, \
+         RemoteLoader(service.endpoint, **KW, device="cuda", local=True) as gpu:
+        for epoch in range(3):
+            cpu.set_epoch(epoch)
+            gpu.set_epoch(epoch)
+            expected = [tuple(int(v) for v in checksum(b)) for b in cpu]
+            batches = [(bt.index, bt.indices, checksum(bt)) for bt in gpu]
+            assert [i for i, *_ in batches] == list(range(BATCHES))
+            assert sorted(x for _, idx, _ in batches for x in idx) == list(range(DEMO_SIZE))
+            assert as_ints([s for *_, s in batches]) == expected
+        lent = gpu._sink.lent
+    assert (lent > 0) is register and lent <= 3 * BATCHES
+    assert not any(_until_nothing_borrowed(service))
+
+
+def _until_nothing_borrowed(service, deadline_s: float = 30.0) -> list:
+    """The slots the service's streams still lend, once it has read the loader's Bye (which takes
+    them all back; waited for, bounded: it travels through the socket)."""
+    d = service.dispatcher
+
+    def borrowed():
+        return d.call(lambda: [dict(s.borrowed) for s in d.state.sessions.streams()]
+                      + [dict(s.borrowed) for s in d.state.memory.retiring]).result(10)
+
+    end = time.monotonic() + deadline_s
+    while any(borrowed()) and time.monotonic() < end:
+        time.sleep(0.02)
+    return borrowed()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -102,6 +102,43 @@ def test_a_batch_already_let_go_of_is_handed_back_before_a_detach(segment):
     maps.close()
 
 
+def test_a_holder_that_only_waits_for_a_copy_lets_go_first_so_nothing_is_detached(segment):
+    """The CUDA sink holds lent batches only until their copy is done: a detach asks it to settle
+    first, so those batches are neither copied privately nor handed back (the Hello that follows
+    takes them back); one the trainer still holds is detached as before."""
+    name, _, _ = segment
+    maps, borrowed = local.Mappings(writable=True), local.Borrowed(limit=4)
+    copying = borrowed.lend(4, 0, name, maps.mapping(name), [[0, 10]])
+    kept = borrowed.lend(4, 1, name, maps.mapping(name), [[20, 10]])
+    settled = []
+
+    def settle():
+        settled.append(len(borrowed))
+        copying.clear()  # the copies are done: the sink drops what it held
+
+    borrowed.settle = settle
+    borrowed.detach()
+    assert settled == [2] and borrowed.detached == 1 and len(borrowed) == 0 and borrowed.releases() == {}
+    del kept
+    maps.close()
+
+
+def test_each_mapping_is_announced_before_it_is_unmapped(segment):
+    """The CUDA sink unregisters a page-locked mapping before its pages go: on eviction past
+    ``keep``, on a stale mapping's replacement, and on close, each mapping once."""
+    name, _, _ = segment
+    gone = []
+    maps = local.Mappings(keep=1, writable=True, unmapping=gone.append)
+    first = maps.mapping(name)
+    assert maps.mapping(name) is first and gone == []
+    first.stale = True
+    second = maps.mapping(name)  # a fresh mapping replaces the stale one
+    assert second is not first and gone == [first]
+    maps.close()
+    maps.close()
+    assert gone == [first, second]
+
+
 # ------------------------------------------------------------------ the CPU sink, from a socket
 def _pair():
     import zmq
