@@ -234,6 +234,9 @@ def service_receive(args, cuda: bool, local: bool, register: bool = True) -> flo
             sync(cuda)
             seconds = time.perf_counter() - t0
             batches.close()
+            sink = {k: getattr(ld._sink, k, 0) for k in ("lent", "pinned", "pinning_s", "settled", "settle_s")}
+            print(f"# receive, {'co-located' if local else 'tcp'}{'' if register else ' (copied)'}: {sink}, "
+                  f"loader {ld.stats()}")
     finally:
         svc.stop()
         CudaSink.register = True
@@ -326,14 +329,15 @@ def fed(args, cuda: bool, dev: torch.device, step, resident: float, local: bool)
             sync(cuda)
             wall = time.perf_counter() - t_start
             batches.close()
-            h2d_s = ld.stats()["h2d_s"]
-            lent = getattr(ld._sink, "lent", 0)
+            stats = ld.stats()
+            sink = {k: getattr(ld._sink, k, 0) for k in ("lent", "pinned", "pinning_s", "settled", "settle_s")}
     finally:
         svc.stop()
     step_s = wall / args.steps
     return {"service_rate": service_rate, "fed_step_s": step_s, "stall_step_ratio": max(0.0, 1 - resident / step_s),
             "stall_gpu_idle": clock.idle_fraction() if clock else None,
-            "cpu_blocked_in_next": wait / wall, "h2d_s": h2d_s, "lent_from_the_slot": lent}
+            "cpu_blocked_in_next": wait / wall, "h2d_s": stats["h2d_s"], "wait_s": stats["wait_s"],
+            "lent_from_the_slot": sink["lent"], "sink": sink}
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -412,7 +416,12 @@ def main(argv: Optional[list] = None) -> int:
              lambda r: "-" if r["stall_gpu_idle"] is None else f"{100 * r['stall_gpu_idle']:.2f}%"),
             ("data stall: 1 - resident / fed step time", lambda r: f"{100 * r['stall_step_ratio']:.2f}%"),
             ("(CPU blocked in next() / wall, for comparison)", lambda r: f"{100 * r['cpu_blocked_in_next']:.2f}%"),
-            ("batches the GPU copied straight from the service's slot", lambda r: str(r["lent_from_the_slot"]))]
+            ("batches the GPU copied straight from the service's slot", lambda r: str(r["lent_from_the_slot"])),
+            ("loader's time: waiting for data / copies (h2d_s), whole run",
+             lambda r: f"{r['wait_s']:.2f} s / {r['h2d_s']:.2f} s"),
+            ("mappings page-locked (cudaHostRegister), seconds in it; waits for lent copies, seconds",
+             lambda r: f"{r['sink']['pinned']}, {r['sink']['pinning_s']:.3f} s; {r['sink']['settled']}, "
+                       f"{r['sink']['settle_s']:.3f} s")]
     for label, cell in rows:
         print(table_row([label, *(cell(t[f]) for f in args.feeds)]))
     print()

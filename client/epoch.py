@@ -99,6 +99,7 @@ class EpochRun:
         """Wait (within the deadlines) until the next batch in plan order is pushed; take it."""
         c, flow, conns = self.config, self.flow, self.conns
         t0 = time.perf_counter()
+        self._hand_back()
         self._heard = max(self._heard, self._clock())  # the trainer's own time is no service's silence
         if self.fleet is not None:  # also when the next batch is already there: the fleet follows its name
             self.fleet.follow(conns, self._clock(), flow, self.epoch)
@@ -152,9 +153,18 @@ class EpochRun:
         flow.take()
         batch = self._pushed.popleft()
         self._ask()  # its place in the window is free
+        self._hand_back()  # what the pushes let go of (a CUDA copy from a lent slot that finished)
         self.stats.batches += 1
         self.stats.samples += len(batch)
         return batch
+
+    def _hand_back(self) -> None:
+        """Send the Releases of the batches held in place (co-located) that were let go of, also
+        when no wait follows: a next() that finds its batch already received polls nothing, and
+        those slots are the service's room to work in."""
+        self.conns.send_releases()
+        if self.lookahead is not None:
+            self.lookahead.send_releases(self.conns)
 
     def _push_due(self) -> bool:
         """Hand the sink what the window lets go now; whether the next batch to yield is pushed."""

@@ -341,6 +341,8 @@ class CudaSink:
         # lent batches whose copy may still read the service's slot: (that copy's event, their tensors)
         self._reading: Deque[Tuple[torch.cuda.Event, List[torch.Tensor]]] = deque()
         self.lent = 0  # co-located batches copied to the GPU straight from the service's slot
+        self.pinned, self.pinning_s = 0, 0.0  # mappings page-locked; seconds in cudaHostRegister / Unregister
+        self.settled, self.settle_s = 0, 0.0  # waits for copies from lent slots (a detach, an unmapping)
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None):
@@ -392,21 +394,26 @@ class CudaSink:
             return True
         if not m.writable:
             return False
+        t0 = time.perf_counter()
         with torch.cuda.device(self.device):
             err = int(torch.cuda.cudart().cudaHostRegister(m.address, len(m.mm), 1))  # 1: cudaHostRegisterPortable
+        self.pinning_s += time.perf_counter() - t0
         if err:
             log.warning("cannot page-lock the service's shared memory for the GPU (cudaError %d): co-located "
                         "batches are copied into the pinned ring instead", err)
             self.register = False
             return False
         self._pinned[id(m)] = m
+        self.pinned += 1
         return True
 
     def _unmapping(self, m: Mapping) -> None:
         """Before ``m`` is unmapped: no copy may read it any more, and CUDA forgets it."""
         if self._pinned.pop(id(m), None) is not None:
             self.settle()
+            t0 = time.perf_counter()
             torch.cuda.cudart().cudaHostUnregister(m.address)
+            self.pinning_s += time.perf_counter() - t0
 
     def _let_go_copied(self) -> None:
         """Let go of the lent batches whose copy has finished (their Releases are queued)."""
@@ -417,8 +424,11 @@ class CudaSink:
         """Wait for every copy from a lent slot, and let go of them all (before the connection
         moves on, or a mapping is unmapped)."""
         if self._reading:
+            t0 = time.perf_counter()
             self.stream.synchronize()
             self._reading.clear()
+            self.settled += 1
+            self.settle_s += time.perf_counter() - t0
 
     def _take_slot(self) -> _Slot:
         if not self._free:

@@ -2,6 +2,7 @@
 shared memory (one copy out of the slot, then a Release) instead of the socket."""
 
 import logging
+import time
 
 import torch
 
@@ -399,3 +400,53 @@ def test_lent_batches_resume_at_another_world_size_beside_a_validation_loader_an
         assert [b["indices"] for b in again[:2]] == [idx for idx, _ in kept]
         assert sorted(i for b in again for i in b["indices"]) == list(range(DEMO_SIZE))
         assert all(list(b.indices) == idx and torch.equal(b.raw, raw) for b, (idx, raw) in zip(held, kept))
+
+
+def test_a_batch_let_go_of_is_handed_back_by_the_next_call_even_one_that_waits_for_nothing(make_service, monkeypatch):
+    """The service's lent slots are its room to work in. A next() that finds its batch already
+    received polls nothing; it must still send the Releases of what the trainer let go of, or a
+    trainer slower than the service starves it of slots until the buffer runs dry (then waits a
+    whole batch's making)."""
+    from client.connections import Connections
+    from client.replica import Replica
+
+    service = make_service()
+    call = [0]
+    released = {}  # batch -> the next() call during which its Release was sent
+    polled = set()  # the calls that polled the sockets
+    real_send, real_poll = Replica.send, Connections.poll
+
+    def send(self, msg):
+        if isinstance(msg, P.Release):
+            released.update((b, call[0]) for b in msg.batches)
+        return real_send(self, msg)
+
+    def poll(self, timeout_ms):
+        polled.add(call[0])
+        return real_poll(self, timeout_ms)
+
+    monkeypatch.setattr(Replica, "send", send)
+    monkeypatch.setattr(Connections, "poll", poll)
+    d = service.dispatcher
+
+    def lent_by_service() -> int:
+        return d.call(lambda: sum(len(s.borrowed) for s in d.state.sessions.streams())).result(10)
+
+    batches = DEMO_SIZE // KW["batch_size"]
+    with RemoteLoader(service.endpoint, **KW, local=True, prefetch=4) as ld:
+        it = iter(ld)
+        b = None
+        for k in range(1, batches + 1):
+            # let the service send what it may (bounded), so that some calls find their batch received already
+            end = time.monotonic() + 10
+            while k > 1 and lent_by_service() < min(3, batches - k + 2) and time.monotonic() < end:
+                time.sleep(0.005)
+            call[0] = k
+            b = next(it)  # call k returns batch k - 1 and, rebinding, lets go of batch k - 2
+            assert b.index == k - 1
+        del b
+    skipped_poll = [k for k in range(2, batches + 1) if k not in polled]
+    assert skipped_poll, "no call found its batch received already: the test proved nothing"
+    # batch i: returned by call i + 1, let go of as call i + 2 returns, handed back during call i + 3
+    late = {i: released.get(i) for i in range(batches - 2) if released.get(i) != i + 3}
+    assert not late, f"batch -> the call during which its Release went (due: batch + 3): {late}"

@@ -147,6 +147,9 @@ class FakeConnections:
         for r in self.replicas:
             r.close()
 
+    def send_releases(self) -> None:
+        pass  # no batch is held in place here (co-located mode has its own tests)
+
     def poll(self, timeout_ms: float) -> list:
         self.serve(self)
         events = [(r, bool(r.events), bool(r.inbox)) for r in self.replicas if r.events or r.inbox]
