@@ -207,6 +207,11 @@ def receive(batch: int, size: int, iters: int, warmup: int, cuda: bool) -> dict:
     return out
 
 
+def sink_counters(ld: RemoteLoader) -> dict:
+    """What the loader's CUDA sink counted of the co-located path (zeros for another sink)."""
+    return {k: getattr(ld._sink, k, 0) for k in ("lent", "pinned", "pinning_s", "settled", "settle_s")}
+
+
 def service_receive(args, cuda: bool, local: bool, register: bool = True) -> float:
     """One client's receive from a real service with decoding off: GB/s of images handed over
     (into the pinned ring and onto the device with CUDA; host tensors without). ``register``
@@ -234,7 +239,7 @@ def service_receive(args, cuda: bool, local: bool, register: bool = True) -> flo
             sync(cuda)
             seconds = time.perf_counter() - t0
             batches.close()
-            sink = {k: getattr(ld._sink, k, 0) for k in ("lent", "pinned", "pinning_s", "settled", "settle_s")}
+            sink = sink_counters(ld)
             print(f"# receive, {'co-located' if local else 'tcp'}{'' if register else ' (copied)'}: {sink}, "
                   f"loader {ld.stats()}")
     finally:
@@ -330,7 +335,7 @@ def fed(args, cuda: bool, dev: torch.device, step, resident: float, local: bool)
             wall = time.perf_counter() - t_start
             batches.close()
             stats = ld.stats()
-            sink = {k: getattr(ld._sink, k, 0) for k in ("lent", "pinned", "pinning_s", "settled", "settle_s")}
+            sink = sink_counters(ld)
     finally:
         svc.stop()
     step_s = wall / args.steps

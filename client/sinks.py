@@ -59,7 +59,7 @@ import math
 import sys
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -337,7 +337,7 @@ class CudaSink:
         # CUDA can page-lock them; unregistered before they are unmapped
         self.mappings = Mappings(writable=True, unmapping=self._unmapping)
         self.register = self.register and can_register()  # read lent slots straight from the service's memory
-        self._pinned: Dict[int, Mapping] = {}  # the mappings page-locked for the GPU, by id
+        self._pinned: Set[Mapping] = set()  # the mappings page-locked for the GPU
         # lent batches whose copy may still read the service's slot: (that copy's event, their tensors)
         self._reading: Deque[Tuple[torch.cuda.Event, List[torch.Tensor]]] = deque()
         self.lent = 0  # co-located batches copied to the GPU straight from the service's slot
@@ -390,7 +390,7 @@ class CudaSink:
     def _registered(self, m: Mapping) -> bool:
         """Page-lock mapping ``m`` for the GPU once (``cudaHostRegister``, portable to every
         device); False, and no more tries by this sink, where CUDA refuses."""
-        if id(m) in self._pinned:
+        if m in self._pinned:
             return True
         if not m.writable:
             return False
@@ -403,13 +403,14 @@ class CudaSink:
                         "batches are copied into the pinned ring instead", err)
             self.register = False
             return False
-        self._pinned[id(m)] = m
+        self._pinned.add(m)
         self.pinned += 1
         return True
 
     def _unmapping(self, m: Mapping) -> None:
         """Before ``m`` is unmapped: no copy may read it any more, and CUDA forgets it."""
-        if self._pinned.pop(id(m), None) is not None:
+        if m in self._pinned:
+            self._pinned.discard(m)
             self.settle()
             t0 = time.perf_counter()
             torch.cuda.cudart().cudaHostUnregister(m.address)

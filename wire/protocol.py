@@ -160,8 +160,9 @@ class Request(Message):
 @dataclass(frozen=True)
 class Release(Message):
     """A co-located client is done with ``batches`` of a ``local`` stream (copied out of the
-    service's shared memory, or let go of by its trainer): their slots are the service's again. A batch the stream did not hand over (never
-    sent, already handed back) is refused (``bad_release``) and ends that stream."""
+    service's shared memory, or let go of by its trainer or its GPU copy): their slots are the
+    service's again. A batch the stream did not hand over (never sent, already handed back) is
+    refused (``bad_release``) and ends that stream."""
 
     TYPE: ClassVar[MsgType] = MsgType.RELEASE
     stream: int
