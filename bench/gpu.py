@@ -8,11 +8,11 @@ Part 1, one batch (B x S x S x 3 uint8) host -> device, seconds per batch after 
 iterations (``--warmup``), ended by a synchronize:
   * pageable copy      tensor.to(device) from ordinary memory
   * raw pinned copy    pinned.to(device, non_blocking=True), back to back (the ceiling)
-  * pinned ring        client.sinks.CudaSink as the loader drives it: slot wait -> push
+  * pinned ring        client.sinks.CudaSink as the loader drives it: ring wait -> push
                        (side-stream copy, event) -> hand_over (stream wait, record_stream);
                        normalize off (like with like), then on
   * receive only       recv_into a host buffer from a loopback ZeroMQ socket (no GPU)
-  * receive + ring     the real path: CudaSink.receive (recv_into the pinned slot) -> push ->
+  * receive + ring     the real path: CudaSink.receive (recv_into the ring's entry) -> push ->
                        hand_over, from the same loopback socket (frames of at most
                        wire.protocol.FRAME_MAX_BYTES, as the service sends them)
   * service -> loader  one client's receive end to end (issue 41): a local loader service with
@@ -106,16 +106,16 @@ def h2d(batch: int, size: int, iters: int, warmup: int) -> dict:
     out["raw_pinned"] = gbps(nbytes, per_call(lambda: pinned.to(dev, non_blocking=True), iters, warmup, True))
     for normalize in (False, True):
         sink = CudaSink(_config(batch, size, str(dev), normalize), held=2)
-        for slot in sink._slots:  # one output (the images): each slot holds one pinned buffer for it
-            slot.outputs[0].copy_(pageable.view(-1))
+        for pinned in sink._ring:  # one output (the images): each entry holds one pinned buffer for it
+            pinned.outputs[0].copy_(pageable.view(-1))
         k = [0]
 
         def one():
-            # CudaSink.receive without the socket: a free slot (slot wait), its bytes as they are
-            slot = sink._take_slot()
+            # CudaSink.receive without the socket: a free entry (ring wait), its bytes as they are
+            pinned = sink._take_pinned()
             msg = P.Batch(stream=1, epoch=0, index=k[0], indices=list(range(batch)), shape=list(shape))
             k[0] += 1
-            sink.hand_over(sink.push(msg, (slot, [slot.outputs[0].view(shape)], slot.labels, False)))
+            sink.hand_over(sink.push(msg, (pinned, [pinned.outputs[0].view(shape)], pinned.labels, False)))
 
         out["ring_normalize" if normalize else "ring"] = gbps(nbytes, per_call(one, iters, warmup, True))
         sink.close()
@@ -386,7 +386,7 @@ def main(argv: Optional[list] = None) -> int:
         h["service_local_copy"] = service_receive(args, cuda, local=True, register=False)
     print(f"## One batch host -> {'device' if cuda else 'host tensors'}, {B * S * S * 3 / 2**20:.2f} MiB uint8\n")
     rows = [("pageable", "pageable tensor.to(device)"), ("raw_pinned", "raw pinned, non_blocking"),
-            ("ring", "pinned ring (CudaSink: slot wait, push, hand_over)"),
+            ("ring", "pinned ring (CudaSink: ring wait, push, hand_over)"),
             ("ring_normalize", "pinned ring + normalize on GPU"),
             ("recv_only", "receive only: recv_into a host buffer (loopback tcp)"),
             ("recv_sink", "receive + pinned ring + H2D (CudaSink.receive/push/hand_over)" if cuda

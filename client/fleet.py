@@ -82,6 +82,8 @@ class Fleet:
     def follow(self, conns, now: float, flow: Optional[EpochFlow] = None, epoch: int = 0) -> None:
         """Start a lookup that is due, read one that finished, and carry out what the membership
         decides on ``conns`` (and on ``flow``, the epoch running on them, if any)."""
+        if flow is not None and not self._lookups.running and now < self.membership.due():
+            return  # nothing is due (every rule of the membership waits on a lookup or a deadline)
         actions: List[Action] = []
         if self._lookups.running:
             answers = self._lookups.result()

@@ -210,6 +210,8 @@ class Borrowed:
     def releases(self) -> Dict[int, List[int]]:
         """Stream -> the batches let go of since the last call (their Releases to send)."""
         out: Dict[int, List[int]] = {}
+        if not self._back:  # the common case, several times per batch: no lock to take
+            return out
         with self._lock:
             while self._back:
                 stream, batch = self._back.popleft()

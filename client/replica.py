@@ -181,7 +181,9 @@ class Replica:
 
     def has_message(self) -> bool:
         """A message waits on the socket (never blocks)."""
-        return bool(self.sock.poll(0))
+        # ZMQ_EVENTS, not a poll: it asks libzmq the same question without building a poller (a
+        # third of the cost, once or twice per batch)
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def has_event(self) -> bool:
         """A connection event waits on the monitor (never blocks)."""

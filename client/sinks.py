@@ -18,12 +18,12 @@ its tensors are views of the service's slot, handed back once the trainer lets g
 CUDA path, and why it is race-free. Three guarantees, each one small method, each one removed
 in turn by ``tests/cuda``'s mutant runs to show that a race test then fails:
 
-* slot wait (``_wait_slot_free``): ``receive`` reads the data frames straight from the socket
-  into a free pinned slot (``recv_into``; libzmq copies once from its message into our
-  buffer). There is one slot per batch the loader's window lets it hold, plus one; a slot is
-  free again once its batch is pushed. Before a slot is overwritten the CPU waits on the event
-  recorded after the H2D copy that last read it, so a slot is never rewritten while a copy may
-  still be reading it.
+* ring wait (``_wait_pinned_free``): ``receive`` reads the data frames straight from the socket
+  into a free entry of the pinned ring (``recv_into``; libzmq copies once from its message into
+  our buffer). There is one entry per batch the loader's window lets it hold, plus one; an entry
+  is free again once its batch is pushed. Before an entry is overwritten the CPU waits on the
+  event recorded after the H2D copy that last read it, so it is never rewritten while a copy may
+  still be reading it. (A "slot" is always the service's batch memory, never the ring's.)
 * ``push`` issues the copy with ``non_blocking=True`` on a dedicated side stream of the
   loader's device, normalizes there too, and records a ``done`` event.
 * stream wait (``_order_after_copy``): ``hand_over``, called as ``next()`` returns the batch,
@@ -46,10 +46,10 @@ trainer holds, in plan order, so the copy of batch k+1 overlaps step k.
 
 Co-located (``local=True``): where CUDA can page-lock the service's segment
 (``cudaHostRegister``, once per mapping), the H2D copy reads the service's slot itself; no byte is
-copied on the CPU, and the pinned slot only carries the labels. One more guarantee, removed by its
+copied on the CPU, and the ring's entry only carries the labels. One more guarantee, removed by its
 own mutant run: copy read (``_copy_has_read``): the service's slot is let go of (its ``Release``
 queued) only once the copy that reads it has finished. Where registration fails, each batch is
-copied from the slot into the pinned one and handed back at once.
+copied from the slot into the ring's entry and handed back at once.
 """
 
 from __future__ import annotations
@@ -192,9 +192,15 @@ def _copy_in_place(mappings: Mappings, msg: P.Batch, outputs: List[np.ndarray]) 
 
 
 def _recv_labels(sock: zmq.Socket, msg: P.Batch) -> torch.Tensor:
-    """The labels frame of a batch handed over in place (its only data frame)."""
-    (frame,) = _recv_data_frames(sock, msg)
-    return torch.from_numpy(np.frombuffer(frame.bytes, dtype=np.int64).copy())
+    """The labels frame of a batch handed over in place (its only data frame), received straight
+    into the tensor's memory (libzmq's one copy; a frame of another size is refused after)."""
+    labels = np.empty(len(msg.indices), dtype=np.int64)
+    sizes = [_recv_size(sock, labels.view(np.uint8) if labels.size else None)]
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv()
+        sizes.append(0)
+    _check_sizes(msg, sizes)
+    return torch.from_numpy(labels)
 
 
 def _recv_data_frames(sock: zmq.Socket, msg: P.Batch) -> List[zmq.Frame]:
@@ -305,7 +311,9 @@ class HostBuffers:
         return buf
 
 
-class _Slot:
+class _Pinned:
+    """One entry of the pinned ring: a batch's outputs and labels in page-locked host memory."""
+
     def __init__(self, nbytes: List[int], nlabels: int):
         # pinned while the loader's device is current (portable to every device under UVA)
         self.outputs = [torch.empty(n, dtype=torch.uint8).pin_memory() for n in nbytes]
@@ -328,9 +336,9 @@ class CudaSink:
         self._output_bytes = [config.spec.batch_size * math.prod(shape) for _, shape in self.outputs]
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(device=self.device)
-            # one slot per batch the loader may hold before pushing it, plus one to receive into
-            self._slots = [_Slot(self._output_bytes, config.spec.batch_size) for _ in range(held + 1)]
-        self._free: Deque[_Slot] = deque(self._slots)  # oldest copy first: most likely finished
+            # one entry per batch the loader may hold before pushing it, plus one to receive into
+            self._ring = [_Pinned(self._output_bytes, config.spec.batch_size) for _ in range(held + 1)]
+        self._free: Deque[_Pinned] = deque(self._ring)  # oldest copy first: most likely finished
         self._done: Dict[int, torch.cuda.Event] = {}  # batch index -> its copy + normalize finished
         self._handed: Optional[Tuple[int, torch.cuda.Event]] = None  # the last batch handed over (echo)
         # the service's segments, for batches handed over in place (co-located): read-write, so that
@@ -346,30 +354,30 @@ class CudaSink:
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None):
-        """Into a free pinned slot. A co-located batch: its outputs stay in the service's slot,
+        """Into a free entry of the pinned ring. A co-located batch: its outputs stay in the service's slot,
         lent (``borrowed``) until the copy that reads them is done, where the mapping can be
-        registered; else copied from there into the pinned slot and handed back at once."""
+        registered; else copied from there into the ring's entry and handed back at once."""
         self._let_go_copied()
         shapes = _check_outputs(msg, self.outputs)
         if len(msg.indices) > self.config.spec.batch_size:
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"batch of {len(msg.indices)} samples exceeds the loader's "
-                              f"slots ({self.config.spec.batch_size})")
-        slot = self._take_slot()
+                              f"batch size ({self.config.spec.batch_size})")
+        pinned = self._take_pinned()
         n = len(msg.indices)
-        labels = slot.labels[:n]
+        labels = pinned.labels[:n]
         try:
             lent = self._lend(msg, shapes, borrowed) if msg.local else None
-            host = lent or [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(slot.outputs, shapes)]
+            host = lent or [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(pinned.outputs, shapes)]
             if msg.local:
-                if lent is None:  # one copy from the service's slot into the pinned one
+                if lent is None:  # one copy from the service's slot into the ring's entry
                     _copy_in_place(self.mappings, msg, [h.numpy() for h in host])
                 labels.copy_(_recv_labels(sock, msg))
             else:
                 _recv_frames(sock, msg, host, labels)
         except BaseException:
-            self._free.append(slot)
+            self._free.append(pinned)
             raise
-        return slot, host, labels, lent is not None
+        return pinned, host, labels, lent is not None
 
     def _lend(self, msg: P.Batch, shapes, borrowed: Optional[Borrowed]) -> Optional[List[torch.Tensor]]:
         """The batch's outputs as tensors over the service's slot, page-locked for the copy engine;
@@ -431,30 +439,30 @@ class CudaSink:
             self.settled += 1
             self.settle_s += time.perf_counter() - t0
 
-    def _take_slot(self) -> _Slot:
+    def _take_pinned(self) -> _Pinned:
         if not self._free:
             raise LoaderError(P.ErrorCode.INTERNAL, "more batches received than the loader's window allows")
-        slot = self._free.popleft()
-        if slot.copied is not None:
+        pinned = self._free.popleft()
+        if pinned.copied is not None:
             t0 = time.perf_counter()
-            self._wait_slot_free(slot)
+            self._wait_pinned_free(pinned)
             self.h2d_s += time.perf_counter() - t0
-        return slot
+        return pinned
 
     def push(self, msg: P.Batch, payload) -> Batch:
-        slot, host_outputs, host_labels, lent = payload
+        pinned, host_outputs, host_labels, lent = payload
         t0 = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             raw = [h.to(self.device, non_blocking=True) for h in host_outputs]
             labels = host_labels.to(self.device, non_blocking=True)
-            slot.copied = torch.cuda.Event()
-            slot.copied.record(self.stream)
+            pinned.copied = torch.cuda.Event()
+            pinned.copied.record(self.stream)
             batch = _build(msg, [n for n, _ in self.outputs], raw, labels, self.normalize)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._free.append(slot)  # reusable once ``copied`` has fired (the slot wait checks)
+        self._free.append(pinned)  # reusable once ``copied`` has fired (the ring wait checks)
         if lent:  # the service's slot is the trainer's until this copy has read it
-            self._reading.append((slot.copied, host_outputs))
+            self._reading.append((pinned.copied, host_outputs))
         del payload, host_outputs
         self._let_go_copied()
         self.h2d_s += time.perf_counter() - t0
@@ -476,8 +484,8 @@ class CudaSink:
 
     # The three guarantees, one small method each (tests/cuda replaces each with a no-op in
     # its mutant runs and expects a race test to fail).
-    def _wait_slot_free(self, slot: _Slot) -> None:
-        slot.copied.synchronize()  # the copy that last read this slot has finished
+    def _wait_pinned_free(self, pinned: _Pinned) -> None:
+        pinned.copied.synchronize()  # the copy that last read this entry has finished
 
     @staticmethod
     def _order_after_copy(stream: torch.cuda.Stream, done: torch.cuda.Event) -> None:
@@ -497,9 +505,9 @@ class CudaSink:
         self._handed = None
         self.stream.synchronize()
         self._reading.clear()
-        self._free = deque(self._slots)  # every copy has finished; batches not pushed are dropped
+        self._free = deque(self._ring)  # every copy has finished; batches not pushed are dropped
 
     def close(self) -> None:
         self.end()
-        self._slots, self._free = [], deque()
+        self._ring, self._free = [], deque()
         self.mappings.close()

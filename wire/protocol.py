@@ -247,9 +247,9 @@ class Batch(Message):
             _check_outputs(self.outputs)
             if len(self.shape) != 1 or not _is_int(self.shape[0]) or self.shape[0] < 0:
                 raise ProtocolError(f"shape must be [n] when outputs are named, got {brief(self.shape)}")
-        elif len(self.shape) != 4 or not all(_is_int(x) and x >= 0 for x in self.shape):
+        elif len(self.shape) != 4 or not _non_negative_ints(self.shape):
             raise ProtocolError(f"shape must be 4 non-negative ints, got {brief(self.shape)}")
-        if not all(_is_int(x) and x >= 0 for x in self.indices):
+        if not _non_negative_ints(self.indices):
             raise ProtocolError("indices must be non-negative ints")
         if self.shape[0] != len(self.indices):
             raise ProtocolError(f"shape[0]={self.shape[0]} but {len(self.indices)} indices")
@@ -417,25 +417,48 @@ def encode_header(msg: Message) -> bytes:
 
 def _changed(obj: Any) -> dict:
     """The fields of a message (or of a :class:`JobSpec` inside one) that differ from their defaults."""
-    defaults = _DEFAULTS.get(type(obj))
-    if defaults is None:
-        defaults = _DEFAULTS[type(obj)] = _defaults(type(obj))
     out = {}
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if f.name not in defaults or value != defaults[f.name]:
-            out[f.name] = _changed(value) if isinstance(value, JobSpec) else value
+    for name, default in _layout(type(obj)).defaults:
+        value = getattr(obj, name)
+        if default is _NO_DEFAULT or value != default:
+            out[name] = _changed(value) if isinstance(value, JobSpec) else value
     return out
 
 
-def _defaults(cls: type) -> dict:
-    out = {}
-    for f in fields(cls):
-        if f.default is not MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not MISSING:
-            out[f.name] = f.default_factory()
-    return out
+_NO_DEFAULT = object()
+
+
+class _Layout:
+    """A message class's fields as encode and decode walk them, resolved once per class (a
+    header is encoded or decoded once or twice per batch; ``fields`` and ``get_type_hints`` on
+    each would cost more than the rest of the decode)."""
+
+    __slots__ = ("names", "defaults", "types")
+
+    def __init__(self, cls: type):
+        hints = get_type_hints(cls)
+        self.names = frozenset(f.name for f in fields(cls))
+        # (name, its default or _NO_DEFAULT): what encode leaves out when unchanged
+        self.defaults = tuple((f.name, f.default if f.default is not MISSING
+                               else f.default_factory() if f.default_factory is not MISSING else _NO_DEFAULT)
+                              for f in fields(cls))
+        # (name, type, whether None is allowed, whether required): what decode checks
+        self.types = tuple((f.name, *_unwrap(hints[f.name]),
+                            f.default is MISSING and f.default_factory is MISSING) for f in fields(cls))
+
+
+def _unwrap(hint: Any) -> tuple:
+    """(type, whether it is Optional)."""
+    if get_origin(hint) is Union:  # Optional[X]
+        return [a for a in get_args(hint) if a is not type(None)][0], True
+    return hint, False
+
+
+def _layout(cls: type) -> _Layout:
+    layout = _LAYOUTS.get(cls)
+    if layout is None:
+        layout = _LAYOUTS[cls] = _Layout(cls)
+    return layout
 
 
 def decode(frames: Sequence[Any], expect: Optional[tuple] = None) -> tuple:
@@ -507,18 +530,16 @@ def frame_count(nbytes: int, chunk: int) -> int:
 
 def _build(cls: type, header: dict) -> Any:
     """``cls`` (a message, or a :class:`JobSpec` inside one) from a decoded map, every field checked."""
-    kwargs = {}
-    known = {f.name: f for f in fields(cls)}
-    unknown = set(header) - set(known)
+    layout = _layout(cls)
+    unknown = header.keys() - layout.names
     if unknown:
         raise ProtocolError(f"{cls.__name__} has no field(s) {brief(sorted(unknown))}")
-    hints = _HINTS.get(cls)
-    if hints is None:  # resolved once per class: get_type_hints costs ~80 us, a whole decode ~20
-        hints = _HINTS[cls] = get_type_hints(cls)
-    for name, f in known.items():
+    kwargs = {}
+    for name, hint, optional, required in layout.types:
         if name in header:
-            kwargs[name] = _coerce(cls, name, hints[name], header[name])
-        elif f.default is MISSING and f.default_factory is MISSING:
+            value = header[name]
+            kwargs[name] = None if optional and value is None else _coerce(cls, name, hint, value)
+        elif required:
             raise ProtocolError(f"{cls.__name__} is missing field {name!r}")
     msg = cls(**kwargs)
     msg.check()
@@ -526,11 +547,7 @@ def _build(cls: type, header: dict) -> Any:
 
 
 def _coerce(cls: type, name: str, hint: Any, value: Any) -> Any:
-    where = f"{cls.__name__}.{name}"
-    if get_origin(hint) is Union:  # Optional[X]
-        if value is None:
-            return None
-        hint = [a for a in get_args(hint) if a is not type(None)][0]
+    """``value`` checked against ``hint`` (Optional already unwrapped)."""
     if hint is bool:
         ok = isinstance(value, bool)
     elif hint is int:
@@ -546,13 +563,14 @@ def _coerce(cls: type, name: str, hint: Any, value: Any) -> Any:
         ok = isinstance(value, dict)
     elif hint is JobSpec:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ProtocolError(f"{where} must be a map of the job's fields, got {type(value).__name__}")
+            raise ProtocolError(f"{cls.__name__}.{name} must be a map of the job's fields, got {type(value).__name__}")
         return _build(JobSpec, value)
     else:  # pragma: no cover - a field type this module does not know is a programming error
-        raise TypeError(f"unsupported field type {hint!r} for {where}")
+        raise TypeError(f"unsupported field type {hint!r} for {cls.__name__}.{name}")
     if not ok:
         got = repr(value) if isinstance(value, float) else type(value).__name__
-        raise ProtocolError(f"{where} must be {'a finite ' if hint is float else ''}{getattr(hint, '__name__', hint)}, got {got}")
+        raise ProtocolError(f"{cls.__name__}.{name} must be {'a finite ' if hint is float else ''}"
+                            f"{getattr(hint, '__name__', hint)}, got {got}")
     return value
 
 
@@ -564,7 +582,7 @@ def _range(msg: Message, name: str, lo: int, hi: Optional[int] = None) -> None:
 
 
 def _check_batches(batches: list) -> None:
-    if not all(_is_int(b) and b >= 0 for b in batches):
+    if not _non_negative_ints(batches):
         raise ProtocolError("batches must be non-negative ints", ErrorCode.BAD_JOB)
     if len(set(batches)) != len(batches):
         raise ProtocolError("batches lists a batch twice", ErrorCode.BAD_JOB)
@@ -606,6 +624,12 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _non_negative_ints(xs: list) -> bool:
+    """Every item an int (not a bool) >= 0; checked over the items' types, not item by item (a
+    Batch lists one index per sample)."""
+    return all(issubclass(t, int) and not issubclass(t, bool) for t in set(map(type, xs))) and (not xs or min(xs) >= 0)
+
+
 def _as_bytes(frame: Any) -> bytes:
     if isinstance(frame, bytes):
         return frame
@@ -618,5 +642,4 @@ def _nbytes(frame: Any) -> int:
     return memoryview(buf).nbytes
 
 
-_HINTS: dict = {}
-_DEFAULTS: dict = {}
+_LAYOUTS: dict = {}

@@ -17,7 +17,7 @@ import torch
 from client.sinks import CudaSink
 
 # mutant name -> (the CudaSink method it removes, what stands in for it)
-MUTANTS = {"slot_wait": ("_wait_slot_free", lambda *args: None),
+MUTANTS = {"ring_wait": ("_wait_pinned_free", lambda *args: None),
            "stream_wait": ("_order_after_copy", lambda *args: None),
            "record_stream": ("_keep_alive", lambda *args: None),
            # co-located: a lent slot goes back to the service as soon as its copy is issued

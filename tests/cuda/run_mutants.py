@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # the race test each mutant must fail (others may fail too)
 MUST_FAIL = {
-    "slot_wait": "test_race_side_stream_lags_and_the_trainer_reads_at_once",
+    "ring_wait": "test_race_side_stream_lags_and_the_trainer_reads_at_once",
     "stream_wait": "test_race_side_stream_lags_and_the_trainer_reads_at_once",
     "record_stream": "test_race_slow_compute_stream_never_sees_a_batch_change_under_it",
     "copy_read": "test_race_co_located_copy_reads_the_service_s_slot_before_it_goes_back",

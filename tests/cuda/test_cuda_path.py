@@ -45,7 +45,7 @@ def as_ints(sums) -> list:
 # ---------------------------------------------------------------------------------------- races
 def test_race_side_stream_lags_and_the_trainer_reads_at_once(service, delayed_side_stream):
     """Copies queued behind GPU sleeps while the CPU receives on and the trainer reads each batch
-    at once. Without the slot wait the CPU rewrites a pinned slot before its copy ran; without
+    at once. Without the ring wait the CPU rewrites an entry of the pinned ring before its copy ran; without
     the stream wait the trainer's kernel reads device memory before the copy wrote it."""
     expected = cpu_reference(service.endpoint)
     with RemoteLoader(service.endpoint, **KW, device="cuda", device_prefetch=2, prefetch=8) as gpu:
@@ -254,7 +254,7 @@ def test_breaking_out_and_closing_never_hangs(service):
 
 # ------------------------------------------------------------------------------ several outputs
 def test_every_output_of_a_pipeline_is_copied_and_normalized_as_on_the_cpu(make_service):
-    """Each output gets its own pinned slot and copy; normalize applies to the outputs named."""
+    """Each output gets its own pinned buffer and copy; normalize applies to the outputs named."""
     svc = make_service(pipeline=("two=testkit.pipeline_doubles:two_views",))
     kw = dict(batch_size=16, seed=3, pipeline="two", pipeline_args={"size": 32}, normalize=["big"])
     with RemoteLoader(svc.endpoint, **kw) as cpu:

@@ -150,15 +150,16 @@ def _pair():
     return a, b
 
 
-def _sink_receive(name, blocks):
-    """A 2-sample 8x8 batch handed over in place at ``blocks`` of segment ``name``, through HostSink."""
+def _sink_receive(name, blocks, label_frames=(np.array([7, 8], np.int64).tobytes(),)):
+    """A 2-sample 8x8 batch handed over in place at ``blocks`` of segment ``name``, through HostSink,
+    its data frames ``label_frames`` (the labels, as a service sends them)."""
     from client.config import LoaderConfig
     from client.sinks import HostSink
     from wire import protocol as P
     msg = P.Batch(stream=4, epoch=0, index=1, indices=[5, 6], shape=[2, 8, 8, 3], local=[name, blocks])
     a, b = _pair()
     try:
-        a.send_multipart([P.encode_header(msg), np.array([7, 8], np.int64).tobytes()])
+        a.send_multipart([P.encode_header(msg), *label_frames])
         b.recv()  # the header, as Connections.recv reads it
         borrowed = local.Borrowed(limit=2)
         sink = HostSink(LoaderConfig.of("tcp://127.0.0.1:9", batch_size=2, image_size=8), held=1)
@@ -192,6 +193,20 @@ def test_a_batch_handed_over_in_place_that_the_segment_cannot_hold_is_a_clear_er
             "foreign": "shm-of-something-else"}[where]
     with pytest.raises(LoaderError, match=says) as info:
         _sink_receive(name, blocks)
+    assert info.value.code == "bad_message"
+
+
+@pytest.mark.parametrize("frames, says", [
+    ((), "missing data frames"),
+    ((bytes(8),), r"Batch frames are \[8\] bytes, header says \[16\]"),  # too short
+    ((bytes(24),), r"Batch frames are \[24\] bytes, header says \[16\]"),  # too long: cut, and refused
+    ((bytes(16), b"x"), "Batch takes 1 data frames, got 2"),  # a frame too many
+])
+def test_labels_of_a_batch_handed_over_in_place_that_are_not_its_size_are_a_clear_error(segment, frames, says):
+    """The labels are received straight into their tensor: a frame of another size, a missing or
+    an extra one is refused (and the message read to its end), never a short or stale tensor."""
+    with pytest.raises(LoaderError, match=says) as info:
+        _sink_receive(segment[0], [[100, 384]], frames)
     assert info.value.code == "bad_message"
 
 

@@ -7,6 +7,7 @@ twice within the backoff, a name that resolves to nothing keeps its replicas and
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Dict, List, Optional
 
@@ -296,6 +297,14 @@ class FleetDuringAnEpoch(RuleBasedStateMachine):
             assert r.draining == (self.fleet.membership.members[r.endpoint] is not None)
             assert not r.closed
         assert all(r.closed for r in self.conns.left)
+
+    @invariant()
+    def nothing_is_due_before_due(self):
+        """The fleet skips the membership's rules until ``due()`` during an epoch (it follows twice
+        per batch): before then, they must have nothing to do."""
+        m = self.fleet.membership
+        if self.clock.now < m.due():
+            assert copy.deepcopy(m).tick(self.clock.now) == []
 
     @invariant()
     def no_address_reconnected_within_the_backoff(self):

@@ -181,7 +181,7 @@ def test_the_host_sink_gathers_an_output_sent_in_frames_and_reuses_its_buffer_on
         b.close(0)
 
 
-def test_a_pinned_slot_fills_from_an_output_sent_in_frames(monkeypatch):
+def test_a_pinned_buffer_fills_from_an_output_sent_in_frames(monkeypatch):
     """CudaSink's receive path (_recv_frames) with host tensors: each frame lands at its offset."""
     from client.sinks import _recv_frames
 
@@ -194,3 +194,21 @@ def test_a_pinned_slot_fills_from_an_output_sent_in_frames(monkeypatch):
     finally:
         a.close(0)
         b.close(0)
+
+
+def test_each_cuda_mutant_removes_a_method_of_the_sink_and_names_a_race_test_that_exists():
+    """The mutant runs happen only on a GPU, which most sessions lack: a guarantee or a race test
+    renamed without them is found here, not on the next GPU's time."""
+    import ast
+    import os
+
+    from tests.cuda import run_mutants
+    from tests.cuda.conftest import MUTANTS
+
+    assert set(MUTANTS) == set(run_mutants.MUST_FAIL)
+    for name, (method, _) in MUTANTS.items():
+        assert callable(getattr(CudaSink, method, None)), (name, method)
+    path = os.path.join(os.path.dirname(run_mutants.__file__), "test_cuda_path.py")
+    with open(path) as f:
+        tests = {n.name for n in ast.parse(f.read()).body if isinstance(n, ast.FunctionDef)}
+    assert set(run_mutants.MUST_FAIL.values()) <= tests

@@ -229,3 +229,20 @@ def test_a_release_lists_each_batch_once_within_the_window(batches, code):
     with pytest.raises(P.ProtocolError) as exc:
         P.decode([header(t=int(P.MsgType.RELEASE), stream=1, batches=batches)])
     assert exc.value.code == code
+
+
+# ------------------------------------------------------------------ the checks of a list of indices
+@settings(max_examples=400, deadline=None)
+@given(xs=st.lists(st.integers(-3, 2**64) | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=2)
+                   | st.lists(st.integers(0, 3), max_size=2) | st.none(), max_size=6))
+def test_a_list_of_indices_is_checked_as_item_by_item(xs):
+    """The type-wise check of Batch.indices, Batch.shape and Request.batches refuses exactly what
+    the item-by-item one did: anything but ints (bools included) and any int below 0."""
+    assert P._non_negative_ints(xs) == all(P._is_int(x) and x >= 0 for x in xs)
+
+
+@pytest.mark.parametrize("bad", [[0, True], [0, -1], [0, 1.0], [0, [1]], [None]])
+def test_a_batch_whose_indices_are_not_non_negative_ints_is_refused(bad):
+    with pytest.raises(P.ProtocolError, match="indices must be non-negative ints"):
+        P.decode([header(t=int(P.MsgType.BATCH), stream=1, epoch=0, index=0, indices=bad,
+                         shape=[len(bad), 1, 1, 3]), b"", b"\0" * 8 * len(bad)])
