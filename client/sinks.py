@@ -193,14 +193,10 @@ def _copy_in_place(mappings: Mappings, msg: P.Batch, outputs: List[np.ndarray]) 
 
 def _recv_labels(sock: zmq.Socket, msg: P.Batch) -> torch.Tensor:
     """The labels frame of a batch handed over in place (its only data frame), received straight
-    into the tensor's memory (libzmq's one copy; a frame of another size is refused after)."""
-    labels = np.empty(len(msg.indices), dtype=np.int64)
-    sizes = [_recv_size(sock, labels.view(np.uint8) if labels.size else None)]
-    while sock.getsockopt(zmq.RCVMORE):
-        sock.recv()
-        sizes.append(0)
-    _check_sizes(msg, sizes)
-    return torch.from_numpy(labels)
+    into a new tensor (libzmq's one copy; a frame of another size is refused after)."""
+    labels = torch.empty(len(msg.indices), dtype=torch.int64)
+    _recv_frames(sock, msg, [], labels)
+    return labels
 
 
 def _recv_data_frames(sock: zmq.Socket, msg: P.Batch) -> List[zmq.Frame]:
@@ -371,7 +367,7 @@ class CudaSink:
             if msg.local:
                 if lent is None:  # one copy from the service's slot into the ring's entry
                     _copy_in_place(self.mappings, msg, [h.numpy() for h in host])
-                labels.copy_(_recv_labels(sock, msg))
+                _recv_frames(sock, msg, [], labels)  # the labels, its only data frame
             else:
                 _recv_frames(sock, msg, host, labels)
         except BaseException:
