@@ -166,7 +166,8 @@ class Connections:
     def send_releases(self) -> None:
         """Hand back the batches held in place (co-located) that the trainer let go of."""
         for r in self.replicas:
-            r.send_releases()
+            if r.borrowed.back:  # several times per batch, mostly with nothing let go of
+                r.send_releases()
 
     def poll(self, timeout_ms: float) -> List[Tuple[Replica, bool, bool]]:
         """Wait up to ``timeout_ms`` for anything on the set: ``(replica, connection event,

@@ -99,7 +99,6 @@ class EpochRun:
         """Wait (within the deadlines) until the next batch in plan order is pushed; take it."""
         c, flow, conns = self.config, self.flow, self.conns
         t0 = time.perf_counter()
-        self._hand_back()
         self._heard = max(self._heard, self._clock())  # the trainer's own time is no service's silence
         if self.fleet is not None:  # also when the next batch is already there: the fleet follows its name
             self.fleet.follow(conns, self._clock(), flow, self.epoch)
@@ -153,15 +152,16 @@ class EpochRun:
         flow.take()
         batch = self._pushed.popleft()
         self._ask()  # its place in the window is free
-        self._hand_back()  # what the pushes let go of (a CUDA copy from a lent slot that finished)
+        self._hand_back()  # what the Request above did not take along (another stream's; a CUDA copy that finished)
         self.stats.batches += 1
         self.stats.samples += len(batch)
         return batch
 
     def _hand_back(self) -> None:
-        """Send the Releases of the batches held in place (co-located) that were let go of, also
-        when no wait follows: a next() that finds its batch already received polls nothing, and
-        those slots are the service's room to work in."""
+        """Send the Releases of the batches held in place (co-located) that were let go of and
+        that no Request took along (``Replica.request``): also when no wait came, as a next() that
+        finds its batch already received polls nothing, and those slots are the service's room
+        to work in. (A wait's poll sends them first, before any time passes.)"""
         self.conns.send_releases()
         if self.lookahead is not None:
             self.lookahead.send_releases(self.conns)
@@ -209,6 +209,8 @@ class EpochRun:
     # ------------------------------------------------------------------ asking, and the replicas' fate
     def _ask(self) -> None:
         """Request what the flow control allows of the replicas that can take requests."""
+        if not self.flow.unasked():  # most calls: the window is full
+            return
         reps = {r.index: r for r in self.conns.replicas}
         live = [i for i, r in reps.items() if not r.dead and not r.draining and r.accepted and r.down_since is None]
         for i, batches in self.flow.assign(live, self._clock()).items():

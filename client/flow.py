@@ -72,6 +72,10 @@ class EpochFlow:
         """Every batch is requested or received (nothing left to assign)."""
         return self.next_new >= self.total and not self._redo
 
+    def unasked(self) -> bool:
+        """A batch waits to be assigned now: one to ask again, or a new one within the window."""
+        return bool(self._redo) or (self.next_new < self.total and self.next_new < self.next_yield + self.window)
+
     def in_flight(self) -> int:
         """Batches requested or received and not yet yielded (bounded by ``window``)."""
         return sum(len(o) for o in self.outstanding.values()) + len(self.received)

@@ -172,7 +172,9 @@ class Borrowed:
     def __init__(self, limit: int = 0):
         self.limit = limit
         self._held: Dict[Tuple[int, int], _Lent] = {}  # (stream, batch) -> where it lies
-        self._back: Deque[Tuple[int, int]] = deque()  # let go of: Release to send
+        # let go of, Release not yet sent: read without the lock (a deque's truth is atomic) by
+        # the checks that run several times per batch and mostly find nothing
+        self.back: Deque[Tuple[int, int]] = deque()
         self._lock = threading.RLock()  # the trainer may drop a batch in another thread, or the GC inside a locked part
         self.detached = 0  # batches detached so far (a copy each)
         # what holds lent batches only until a copy of them is done (the CUDA sink) lets go of them
@@ -205,16 +207,16 @@ class Borrowed:
     def _let_go(self, key: Tuple[int, int]) -> None:
         with self._lock:
             if self._held.pop(key, None) is not None:
-                self._back.append(key)
+                self.back.append(key)
 
     def releases(self) -> Dict[int, List[int]]:
         """Stream -> the batches let go of since the last call (their Releases to send)."""
         out: Dict[int, List[int]] = {}
-        if not self._back:  # the common case, several times per batch: no lock to take
+        if not self.back:  # the common case: no lock to take
             return out
         with self._lock:
-            while self._back:
-                stream, batch = self._back.popleft()
+            while self.back:
+                stream, batch = self.back.popleft()
                 out.setdefault(stream, []).append(batch)
         return out
 
@@ -226,7 +228,7 @@ class Borrowed:
             self.settle()
         with self._lock:
             held, self._held = list(self._held.values()), {}
-            self._back.clear()
+            self.back.clear()
         for lent in held:
             view = lent.view()  # keeps the mapping mapped while its pages are replaced
             if view is None:

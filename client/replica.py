@@ -115,9 +115,14 @@ class Replica:
     def request(self, batches, consumed: int, promote: bool = False, final: bool = False,
                 probe: bool = False) -> None:
         """Ask the current stream for ``batches``, with the stall seconds since the last report
-        (``probe``: and for a :class:`~wire.protocol.Progress` report)."""
+        (``probe``: and for a :class:`~wire.protocol.Progress` report). The stream's batches the
+        trainer let go of go with it (``Request.released``), those of older streams in a Release."""
+        back = self.borrowed.releases() if self.borrowed.back else {}
+        released = back.pop(self.stream, [])
+        for stream, let_go in back.items():
+            self.send(P.Release(stream=stream, batches=let_go))
         self.send(P.Request(stream=self.stream, batches=list(batches), wait_s=self.wait_s, h2d_s=self.h2d_s,
-                            consumed=consumed, promote=promote, final=final, probe=probe))
+                            consumed=consumed, promote=promote, final=final, probe=probe, released=released))
         self.wait_s = self.h2d_s = 0.0
 
     def on_monitor(self) -> bool:

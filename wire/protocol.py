@@ -29,7 +29,7 @@ from wire.jobspec import JobSpec, check_pipeline
 # 6: one kind of stream: every batch is asked for by a Request (Credit, Hello.on_demand and
 # Hello.start_batch removed; message type 2 stays unused); Hello.prefetch renamed slots (what it
 # is); Batch.chunk (an output larger than FRAME_MAX_BYTES crosses the wire in several frames); the
-# co-located mode: Hello.local, DatasetInfo.probe, Batch.local and Release
+# co-located mode: Hello.local, DatasetInfo.probe, Batch.local, Release and Request.released
 PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
@@ -147,6 +147,9 @@ class Request(Message):
     promote: bool = False
     final: bool = False  # nothing more will be asked: the stream ends once these are sent
     probe: bool = False  # the client has heard nothing for a while: answer with a Progress
+    # co-located: batches of this stream handed back, as a Release of them just before this
+    # Request would (one message per batch instead of two, the trainer's and the service's CPU)
+    released: list = field(default_factory=list)
 
     def check(self) -> None:
         _range(self, "stream", 0)
@@ -155,6 +158,8 @@ class Request(Message):
             raise ProtocolError("Request.batches lists more than 65536 batches", ErrorCode.BAD_JOB)
         _range(self, "consumed", 0)
         _check_stall(self)
+        if self.released:
+            _check_released(self.released)
 
 
 @dataclass(frozen=True)
@@ -170,9 +175,7 @@ class Release(Message):
 
     def check(self) -> None:
         _range(self, "stream", 0)
-        if len(self.batches) > MAX_WINDOW:
-            raise ProtocolError(f"Release.batches lists more than {MAX_WINDOW} batches", ErrorCode.BAD_RELEASE)
-        _check_batches(self.batches)
+        _check_released(self.batches)
 
 
 @dataclass(frozen=True)
@@ -586,6 +589,13 @@ def _check_batches(batches: list) -> None:
         raise ProtocolError("batches must be non-negative ints", ErrorCode.BAD_JOB)
     if len(set(batches)) != len(batches):
         raise ProtocolError("batches lists a batch twice", ErrorCode.BAD_JOB)
+
+
+def _check_released(batches: list) -> None:
+    """Batches handed back (Release.batches, Request.released): at most a window's worth, each once."""
+    if len(batches) > MAX_WINDOW:
+        raise ProtocolError(f"a Release lists more than {MAX_WINDOW} batches", ErrorCode.BAD_RELEASE)
+    _check_batches(batches)
 
 
 def _check_stall(msg: Message) -> None:

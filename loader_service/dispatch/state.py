@@ -348,6 +348,8 @@ class DispatchState:
             self._send(ident, P.Error(code=P.ErrorCode.UNKNOWN_CLIENT, stream=msg.stream, fatal=False,
                                       message="this service has no stream for the client; start it again"))
             return
+        if msg.released:  # what a Release of them just before would do (and may end the stream)
+            self._on_release(session, P.Release(stream=msg.stream, batches=msg.released))
         s = session.stream
         o = self.memory.waiting.get(ident) if s is None else None  # a stream still waiting for its slots
         if (o is None or o.hello.stream != msg.stream) and (s is None or s.id != msg.stream):

@@ -413,12 +413,15 @@ def test_a_batch_let_go_of_is_handed_back_by_the_next_call_even_one_that_waits_f
     service = make_service()
     call = [0]
     released = {}  # batch -> the next() call during which its Release was sent
+    rode = set()  # the batches handed back by a Request (Request.released), not a Release of their own
     polled = set()  # the calls that polled the sockets
     real_send, real_poll = Replica.send, Connections.poll
 
     def send(self, msg):
-        if isinstance(msg, P.Release):
-            released.update((b, call[0]) for b in msg.batches)
+        if isinstance(msg, (P.Release, P.Request)):
+            back = msg.batches if isinstance(msg, P.Release) else msg.released
+            released.update((b, call[0]) for b in back)
+            rode.update(back if isinstance(msg, P.Request) else ())
         return real_send(self, msg)
 
     def poll(self, timeout_ms):
@@ -450,3 +453,5 @@ def test_a_batch_let_go_of_is_handed_back_by_the_next_call_even_one_that_waits_f
     # batch i: returned by call i + 1, let go of as call i + 2 returns, handed back during call i + 3
     late = {i: released.get(i) for i in range(batches - 2) if released.get(i) != i + 3}
     assert not late, f"batch -> the call during which its Release went (due: batch + 3): {late}"
+    # one message per batch, not two: while the epoch has batches to ask for, the Request takes them along
+    assert rode and rode <= set(released)

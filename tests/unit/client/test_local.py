@@ -54,6 +54,48 @@ def test_a_batch_is_lent_as_views_and_queued_for_release_when_its_last_view_goes
     maps.close()
 
 
+def test_a_request_takes_its_stream_s_batches_let_go_of_along_and_a_release_carries_the_others(segment):
+    """One message per batch on the co-located path: the Request that asks for the next batch
+    hands back what the trainer let go of on its stream (Request.released); let-go batches of an
+    older stream still go in a Release of their own; nothing is handed back twice."""
+    import zmq
+    from client.replica import Replica
+    from wire import protocol as P
+
+    name, _, _ = segment
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    r = Replica(ctx, f"tcp://127.0.0.1:{port}", heartbeat_s=1.0)
+    maps = local.Mappings(writable=True)
+    r.borrowed.limit = 3
+
+    def received():
+        assert router.poll(10_000), "nothing came within 10 s"
+        msg, data = P.decode(router.recv_multipart()[1:])
+        return msg
+
+    try:
+        m = maps.mapping(name)
+        lent = [r.borrowed.lend(stream, batch, name, m, [[100 * batch, 10]]) for stream, batch in [(4, 1), (5, 2), (5, 3)]]
+        del lent  # the trainer lets go of all three
+        r.stream = 5
+        r.request([7], consumed=2)
+        assert received() == P.Release(stream=4, batches=[1])
+        ask = received()  # (let go of in whatever order the views died)
+        assert ask == P.Request(stream=5, batches=[7], consumed=2, released=ask.released)
+        assert sorted(ask.released) == [2, 3]
+        r.request([8], consumed=3)
+        assert received() == P.Request(stream=5, batches=[8], consumed=3)  # nothing twice
+        assert not router.poll(0)
+    finally:
+        r.close()
+        router.close()
+        maps.close()
+        ctx.term()
+
+
 def test_past_the_limit_or_read_only_a_batch_is_not_lent(segment):
     name, _, _ = segment
     rw, ro = local.Mappings(writable=True), local.Mappings()

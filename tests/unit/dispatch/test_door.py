@@ -205,17 +205,25 @@ class DoorMachine(RuleBasedStateMachine):
         self._send(client, header)
 
     @rule(client=st.sampled_from(["a", "b"]), batches=st.lists(HOSTILE_INTS, max_size=4),
-          borrowed=st.sampled_from([True, True, False]), which=st.sampled_from([0, 0, -1, 1]))
-    def release(self, client, batches, borrowed, which):
+          borrowed=st.sampled_from([True, True, False]), which=st.sampled_from([0, 0, -1, 1]),
+          by=st.sampled_from(["release", "request"]), ask=st.lists(IN_PLAN, max_size=2, unique=True))
+    def release(self, client, batches, borrowed, which, by, ask):
         """A co-located client's Release (issue 41): of batches it borrows (a good one), of
-        others, twice, or for another stream, in whatever life the stream is."""
+        others, twice, or for another stream, in whatever life the stream is; in a Release, or
+        taken along by a Request (``Request.released``, asking for ``ask``)."""
         stream = max(self.stream_ids[client] + which, 0)
         s = self._current(client)
         if borrowed and isinstance(s, Stream) and s.borrowed:
             batches = sorted(s.borrowed)[:2] + batches[:1]
         batches = [b for b in batches if b >= 0]
+        if by == "request":
+            header = {"t": int(P.MsgType.REQUEST), "stream": stream, "batches": ask, "released": batches}
+        else:
+            header = {"t": int(P.MsgType.RELEASE), "stream": stream, "batches": batches}
         if len(set(batches)) != len(batches):
-            self._send(client, {"t": int(P.MsgType.RELEASE), "stream": stream, "batches": batches})
+            self._send(client, header)
+        elif by == "request":
+            self._send(client, P.Request(stream=stream, batches=ask, released=batches))
         else:
             self._send(client, P.Release(stream=stream, batches=batches))
 

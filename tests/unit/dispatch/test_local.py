@@ -51,11 +51,22 @@ def _finish_one(d, s) -> int:
     return of_s[d.finish(wid)]
 
 
+def _hand_back(d, ident, batches, by: str, stream: int = 1) -> None:
+    """A Release of ``batches``, or a Request that takes them along (``Request.released``)."""
+    msg = P.Release(stream=stream, batches=batches) if by == "release" else \
+        P.Request(stream=stream, released=batches)
+    deliver(d, ident, msg, fd=20)
+
+
+BY = pytest.mark.parametrize("by", ["release", "request"])
+
+
 def _batches(d, ident):
     return [(h, list(c.blocks) + [c.labels]) for (i, h), c in zip(d.batches, d.data) if i == ident]
 
 
-def test_a_local_batch_is_handed_over_in_place_and_its_release_frees_the_slot(d):
+@BY
+def test_a_local_batch_is_handed_over_in_place_and_its_release_frees_the_slot(d, by):
     ident, s = _open(d)
     batch = _finish_one(d, s)
     (msg, data), = _batches(d, ident)
@@ -65,8 +76,20 @@ def test_a_local_batch_is_handed_over_in_place_and_its_release_frees_the_slot(d)
     slot = s.borrowed[batch]
     assert blocks == [[slot * s.layout.slot_bytes, 4 * 16 * 16 * 3]]
     assert slot in s.state.sending  # borrowed: held as a send in flight
-    deliver(d, ident, P.Release(stream=1, batches=[batch]), fd=20)
+    _hand_back(d, ident, [batch], by)
     assert s.borrowed == {} and slot not in s.state.sending and slot in s.state.free
+    assert [m for i, m in d.sent if i == ident and isinstance(m, P.Error)] == []
+
+
+def test_a_request_that_takes_a_release_along_frees_the_slot_then_asks(d):
+    """Request.released is a Release of those batches just before the Request: the slot is free
+    for the batch the same message asks for."""
+    ident, s = _open(d)
+    batch = _finish_one(d, s)
+    slot = s.borrowed[batch]
+    deliver(d, ident, P.Request(stream=1, batches=[2], released=[batch]), fd=20)
+    assert s.borrowed == {} and slot not in s.state.sending
+    assert s.state.has(2) and [m for i, m in d.sent if i == ident and isinstance(m, P.Error)] == []
 
 
 def test_a_stream_over_the_socket_sends_its_frames_and_hands_nothing_over(d):
@@ -76,23 +99,25 @@ def test_a_stream_over_the_socket_sends_its_frames_and_hands_nothing_over(d):
     assert not msg.local and len(data) == 2 and s.borrowed == {}
 
 
+@BY
 @pytest.mark.parametrize("release", [[5], [0, 0], "twice", []])
-def test_a_release_of_what_was_not_handed_over_ends_that_stream_alone(d, release):
+def test_a_release_of_what_was_not_handed_over_ends_that_stream_alone(d, release, by):
     ident, s = _open(d)
     other, s2 = _open(d, fd=21)
     batch = _finish_one(d, s)
     _finish_one(d, s2)
     if release == "twice":
-        deliver(d, ident, P.Release(stream=1, batches=[batch]), fd=20)
+        _hand_back(d, ident, [batch], by)
         release = [batch]
     if release == [0, 0]:  # a repeated batch: refused by the wire's checks before the stream sees it
         import msgpack
-        deliver(d, ident, [msgpack.packb({"v": P.PROTOCOL_VERSION, "t": int(P.MsgType.RELEASE), "stream": 1,
-                                          "batches": [batch, batch]})], fd=20)
+        t, field = (P.MsgType.RELEASE, "batches") if by == "release" else (P.MsgType.REQUEST, "released")
+        deliver(d, ident, [msgpack.packb({"v": P.PROTOCOL_VERSION, "t": int(t), "stream": 1,
+                                          field: [batch, batch]})], fd=20)
         errors = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
         assert errors and errors[-1].code == P.ErrorCode.BAD_JOB and "twice" in errors[-1].message
         return
-    deliver(d, ident, P.Release(stream=1, batches=release), fd=20)
+    _hand_back(d, ident, release, by)
     errors = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
     if not release:  # an empty Release hands nothing back: nothing wrong
         assert errors == [] and s.borrowed

@@ -17,6 +17,7 @@ SAMPLES = [
     P.Hello(stream=2, spec=JobSpec(batch_size=8, image_size=64, scale=[0.25, 1.0], pipeline="multicrop",
                                    pipeline_args={"crops": 2})),
     P.Request(stream=3, batches=[2, 9], wait_s=1.5, h2d_s=0.25, consumed=9, final=True),
+    P.Request(stream=3, batches=[10], released=[7, 8]),
     P.Hello(stream=3, spec=JobSpec(batch_size=8), batches=[0, 1], local=True),
     P.Release(stream=3, batches=[0, 4]),
     P.Bye(),
@@ -225,9 +226,13 @@ def test_a_lent_batch_that_names_blocks_amiss_is_refused(local, match):
 
 @pytest.mark.parametrize("batches, code", [([1, 1], P.ErrorCode.BAD_JOB), ([-1], P.ErrorCode.BAD_JOB),
                                            (list(range(P.MAX_WINDOW + 1)), P.ErrorCode.BAD_RELEASE)])
-def test_a_release_lists_each_batch_once_within_the_window(batches, code):
+@pytest.mark.parametrize("carrier", ["release", "request"])
+def test_a_release_lists_each_batch_once_within_the_window(batches, code, carrier):
+    """The same checks whether the batches come in a Release or taken along by a Request."""
+    fields = dict(t=int(P.MsgType.RELEASE), batches=batches) if carrier == "release" else \
+        dict(t=int(P.MsgType.REQUEST), batches=[2], released=batches)
     with pytest.raises(P.ProtocolError) as exc:
-        P.decode([header(t=int(P.MsgType.RELEASE), stream=1, batches=batches)])
+        P.decode([header(stream=1, **fields)])
     assert exc.value.code == code
 
 
