@@ -160,9 +160,10 @@ class _Lent:
 
     __slots__ = ("mapping", "address", "nbytes", "view")
 
-    def __init__(self, mapping: Mapping, address: int, nbytes: int, view: np.ndarray):
+    def __init__(self, mapping: Mapping, address: int, nbytes: int, view: np.ndarray, let_go: Callable):
         self.mapping, self.address, self.nbytes = mapping, address, nbytes
-        self.view = weakref.ref(view)
+        # ``let_go`` runs when the view dies, while this entry is held (a detach drops it first)
+        self.view = weakref.ref(view, let_go)
 
 
 class Borrowed:
@@ -200,8 +201,7 @@ class Borrowed:
         whole = np.frombuffer(m.mm, dtype=np.uint8, count=hi - lo, offset=lo)
         key = (stream, batch)
         with self._lock:
-            self._held[key] = _Lent(m, m.address + lo, hi - lo, whole)
-        weakref.finalize(whole, self._let_go, key)
+            self._held[key] = _Lent(m, m.address + lo, hi - lo, whole, lambda _: self._let_go(key))
         return [whole[o - lo:o - lo + n] for o, n in blocks]
 
     def _let_go(self, key: Tuple[int, int]) -> None:
