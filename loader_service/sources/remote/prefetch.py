@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, List, Optional, Sequence, Set
+from typing import Callable, List, Sequence, Set
 
 import numpy as np
 

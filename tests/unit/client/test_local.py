@@ -320,6 +320,7 @@ class BorrowedModel(RuleBasedStateMachine):
             part = t[3:9]
             del t
             assert key not in self.lent or self.borrowed.holds(*key)
+            assert part.tolist() == [value] * 6  # still the bytes lent to it
             del part
         else:
             del t
