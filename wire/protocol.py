@@ -148,7 +148,7 @@ class Request(Message):
     final: bool = False  # nothing more will be asked: the stream ends once these are sent
     probe: bool = False  # the client has heard nothing for a while: answer with a Progress
     # co-located: batches of this stream handed back, as a Release of them just before this
-    # Request would (one message per batch instead of two, the trainer's and the service's CPU)
+    # Request would (one message instead of two when a batch is let go of and one asked for)
     released: list = field(default_factory=list)
 
     def check(self) -> None:

@@ -11,7 +11,7 @@ slots the workers wrote, instead of receiving them over the socket.
   whose slots went to another stream, :class:`~loader_service.dispatch.door.Life`.)
 * The client copies the blocks out, or lends them to its trainer in place until it lets the batch
   go (client/local.py), and hands the batch back with a **Release** (:func:`release`), or
-  takes it along in its next Request (``Request.released``: one message per batch, not two),
+  takes it along in its next Request (``Request.released``: one message instead of two),
   checked like every client message: a batch that stream did not hand over is refused
   (``bad_release``) and ends that stream alone.
 * A stream that ends (finished, failed, replaced) keeps what its client borrows: it may still be
