@@ -192,3 +192,64 @@ def test_the_dataset_description_names_the_probe_which_holds_its_own_name(d):
     assert isinstance(info, P.DatasetInfo) and info.probe == d.colocation.name
     from client.local import reachable
     assert reachable(info.probe) and not reachable("loader_service-1-probe-nothere") and not reachable("")
+
+
+# ------------------------------------------------------------------ Request.released is a Release, then the Request
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+STEP = st.tuples(st.integers(0, 2),  # tasks the workers finish first
+                 st.integers(0, 3),  # borrowed batches handed back (the oldest first)
+                 st.sampled_from([None, None, None, 9, 1]),  # one more: never handed over (9), or perhaps twice
+                 st.lists(st.integers(0, 15), max_size=3, unique=True),  # batches asked for
+                 st.booleans())  # the Request is final
+
+
+def _seen(d, ident, s):
+    """What the client was sent and what its stream holds, without the segment's name."""
+    sent = [(type(m).__name__, getattr(m, "index", None), getattr(m, "code", None)) for i, m in d.sent if i == ident]
+    live = d.sessions.get(ident).stream is s
+    return sent, live, sorted(s.borrowed.items()), sorted(s.state.free), list(s.state.order), s.state.final
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(STEP, min_size=1, max_size=8))
+def test_a_release_riding_on_a_request_does_what_a_release_then_the_request_does(steps):
+    """Two services fed the same stream: one gets each hand-back as a Release followed by the
+    Request, the other the Request carrying it (``released``). Whatever is handed back (borrowed,
+    never handed over, twice) and asked (repeats, past the end, after final), both send the
+    client the same messages and keep the same slots, order and borrowed batches."""
+    from loader_service.sources.demo import ensure_demo
+
+    source = ensure_demo(64, quiet=True)
+    colocations = [local.Colocation(), local.Colocation()]
+    config = ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0)
+    pair = [loopless(config, source, workers=4, probe=c.name) for c in colocations]
+    try:
+        opened = [_open(d) for d in pair]
+        for finish, nback, extra, ask, final in steps:
+            for d, (ident, s) in zip(pair, opened):
+                for _ in range(finish):  # a worker finishes the stream's next task, if one is out
+                    d.tick()
+                    of_s = {a.task.task for a in d.assigned if a.stream is s}
+                    busy = [w for w, r in sorted(d.pool.workers.items()) if r.tasks and r.tasks[0] in of_s]
+                    if busy:
+                        d.finish(busy[0])
+            back = sorted(opened[0][1].borrowed)[:nback]
+            if extra is not None and extra not in back:
+                back.append(extra)
+            for by, d, (ident, s) in zip(("release", "request"), pair, opened):
+                if by == "release":
+                    deliver(d, ident, P.Release(stream=1, batches=back), fd=20)
+                    deliver(d, ident, P.Request(stream=1, batches=ask, final=final), fd=20)
+                else:
+                    deliver(d, ident, P.Request(stream=1, batches=ask, final=final, released=back), fd=20)
+                d.tick()
+            assert _seen(pair[0], *opened[0]) == _seen(pair[1], *opened[1])
+            assert all(d.totals.internal_errors == 0 for d in pair)
+    finally:
+        for d in pair:
+            close(d)
+        for c in colocations:
+            c.close()
+        source.close()
