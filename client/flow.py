@@ -93,13 +93,8 @@ class EpochFlow:
         known = [p for p in self.per_batch.values() if p is not None]
         default = sum(known) / len(known) if known else 1.0
         out: Dict[int, List[int]] = {}
-        while live:
-            if self._redo:
-                b = self._redo[0]
-            elif self.next_new < self.total and self.next_new < self.next_yield + self.window:
-                b = self.next_new
-            else:
-                break
+        while live and self.unasked():
+            b = self._redo[0] if self._redo else self.next_new
             free = [r for r in live if len(self.outstanding[r]) < self.credit]
             if not free:
                 break

@@ -117,7 +117,7 @@ class Replica:
         """Ask the current stream for ``batches``, with the stall seconds since the last report
         (``probe``: and for a :class:`~wire.protocol.Progress` report). The stream's batches the
         trainer let go of go with it (``Request.released``), those of older streams in a Release."""
-        back = self.borrowed.releases() if self.borrowed.back else {}
+        back = self.borrowed.releases()
         released = back.pop(self.stream, [])
         for stream, let_go in back.items():
             self.send(P.Release(stream=stream, batches=let_go))

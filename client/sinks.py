@@ -166,11 +166,15 @@ def _recv_frames(sock: zmq.Socket, msg: P.Batch, outputs: List[torch.Tensor], la
         for size in P.frame_sizes(flat.nbytes, msg.chunk if buf is not labels else 0):
             sizes.append(_recv_size(sock, flat[at:at + size]))
             at += size
-    extra = 0
+    _check_rest(sock, msg, sizes)
+
+
+def _check_rest(sock: zmq.Socket, msg: P.Batch, sizes: List[int]) -> None:
+    """Read what is left of this message (a peer's extra frames), then check the sizes of all
+    its data frames (``sizes``: those received so far)."""
     while sock.getsockopt(zmq.RCVMORE):
-        sock.recv()
-        extra += 1
-    _check_sizes(msg, sizes + [0] * extra)
+        sizes.append(len(sock.recv()))
+    _check_sizes(msg, sizes)
 
 
 _MISSING_FRAMES = "Batch message is missing data frames"
@@ -204,10 +208,7 @@ def _recv_labels(sock: zmq.Socket, msg: P.Batch) -> torch.Tensor:
     data = sock.recv()
     if not sock.getsockopt(zmq.RCVMORE) and len(data) == 8 * len(msg.indices):
         return torch.frombuffer(bytearray(data), dtype=torch.int64) if data else torch.empty(0, dtype=torch.int64)
-    sizes = [len(data)]
-    while sock.getsockopt(zmq.RCVMORE):
-        sizes.append(len(sock.recv()))
-    _check_sizes(msg, sizes)
+    _check_rest(sock, msg, [len(data)])
     raise AssertionError("unreachable: the sizes were those of one labels frame")
 
 
