@@ -7,6 +7,7 @@ loader service is refused like any stranger."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import time
@@ -161,6 +162,15 @@ class Told(logging.Handler):
         self.events.append(("log", record.getMessage()))
 
 
+def _thaw(pids: list) -> None:
+    """SIGCONT what was frozen (once; a process already gone is fine)."""
+    while pids:
+        try:
+            os.kill(pids.pop(), signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.fixture
 def asks(monkeypatch):
     """Every Request with batches the loader sends, as ("ask", endpoint, batches), and every line
@@ -184,19 +194,41 @@ def asks(monkeypatch):
     logger.setLevel(old)
 
 
-def test_a_replica_sigtermed_with_its_record_kept_drains_at_once_exactly_once(dns, make_service, asks):
+def test_a_replica_sigtermed_with_its_record_kept_drains_at_once_exactly_once(dns, make_service, asks, monkeypatch):
     """Scale-down (or a rolling update) with the pod's record still listed: its SIGTERM notice, not
     its record's going nor ``replica_timeout``, moves what it owes to the other replica."""
     port = port_free_on_every_host()
     kw = dict(KW, batch_size=4, image_size=96, prefetch=4)  # the services, not the trainer, set the pace
     a = make_service(host=HOSTS[0], data_port=port, workers=1)
     b = ServiceProcess(port, ["--host", HOSTS[1], "--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1"])
+    frozen: list = []
     try:
         with RemoteLoader(a.endpoint, **{**kw, "prefetch": 2}) as one:
             ref = [collect(one) for _ in range(2)]
         dns.set({NAME: HOSTS[:2]})  # and so it stays: the record outlives the process
         a_ep, b_ep = endpoints(HOSTS[0], port=port).pop(), endpoints(HOSTS[1], port=port).pop()
+        b_workers = [w["pid"] for w in b.status()["workers"]["list"] if w["pid"]]
+        assert b_workers
         waits, got, stopped = [], [], []
+        counted = Replica.request  # the asks fixture's: it records every Request
+
+        def request(self, batches, *args, **kw):
+            """Mid-epoch, as the loader asks b for more: b's worker is frozen before the Request
+            leaves, so b surely still owes these batches when its SIGTERM notice goes out (else a
+            loaded machine could let b send all it was asked first, and the test proves nothing).
+            It thaws once the client has taken the notice."""
+            if batches and not stopped and self.endpoint == b_ep and len(got) >= 10:
+                for pid in b_workers:
+                    os.kill(pid, signal.SIGSTOP)
+                frozen.extend(b_workers)
+                counted(self, batches, *args, **kw)
+                asks.append(("sigterm", len(got)))
+                b.proc.send_signal(signal.SIGTERM)
+                stopped.append(len(got))
+                return
+            counted(self, batches, *args, **kw)
+
+        monkeypatch.setattr(Replica, "request", request)
         with RemoteLoader(f"tcp://{NAME}:{port}", **kw, dns_server=dns.server, dns_refresh_s=0.1,
                           replica_timeout=30.0, timeout=60) as ld:
             it = iter(ld)
@@ -208,14 +240,13 @@ def test_a_replica_sigtermed_with_its_record_kept_drains_at_once_exactly_once(dn
                     break
                 waits.append(time.perf_counter() - t0)
                 got.append(record(batch))
-                # mid-epoch, just as the loader asked b for more (so it surely owes some)
-                if len(got) >= 10 and not stopped and asks[-1][:2] == ("ask", b_ep):
-                    asks.append(("sigterm", len(got)))
-                    b.proc.send_signal(signal.SIGTERM)
-                    stopped.append(len(got))
+                if frozen and any(e[0] == "log" and "is shutting down" in e[1] for e in asks):
+                    _thaw(frozen)  # so b's workers stop as on any SIGTERM, not by its stop ladder's kill
             epoch1 = [record(x) for x in ld]  # the next epoch: the record still lists it
+        assert stopped, "the loader never asked b for a batch after the 10th"
         assert b.proc.wait(30) == 0
     finally:
+        _thaw(frozen)
         b.stop()
     for mine, theirs in ((got, ref[0]), (epoch1, ref[1])):
         assert sorted(i for x in mine for i in x["indices"]) == list(range(DEMO_SIZE))
