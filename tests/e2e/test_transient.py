@@ -76,7 +76,8 @@ def test_a_restart_behind_an_accept_then_close_proxy_is_waited_for_exactly_once(
                     got.extend(b.indices)
             finally:
                 t.join(60)  # before the fixture stops the services, whatever happened
-            assert not t.errors, t.errors
+                # here, so that a service that failed to come back shows beside a loader's timeout
+                assert not t.errors, t.errors
             assert ld.stats()["restarts"] >= 1
     assert sorted(got) == list(range(DEMO_SIZE))
     assert proxy.closed >= 3
@@ -100,7 +101,8 @@ def test_a_stranger_briefly_on_the_data_port_is_waited_out_exactly_once(services
                 got = [i for b in ld for i in b.indices]
             finally:
                 t.join(60)  # before the fixture stops the services, whatever happened
-            assert not t.errors, t.errors
+                # here, so that a service that failed to come back shows beside a loader's timeout
+                assert not t.errors, t.errors
     finally:
         stranger.close()
     assert sorted(got) == list(range(DEMO_SIZE))
