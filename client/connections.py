@@ -163,17 +163,22 @@ class Connections:
         return {r.endpoint: r.refused for r in self.replicas if r.refused}
 
     # ------------------------------------------------------------------ receiving
-    def send_releases(self) -> None:
-        """Hand back the batches held in place (co-located) that the trainer let go of."""
+    def send_releases(self, waiting: bool = False) -> None:
+        """Hand back the batches held in place (co-located) that the trainer let go of.
+        ``waiting``: a run's wait for its next batch, which ends in a Request (or in these Releases
+        sent then): a replica's current stream keeps its own while its slots need none of them
+        (:meth:`Replica.send_releases`)."""
+        flow = self.flow if waiting else None
         for r in self.replicas:
             if r.borrowed.back:  # several times per batch, mostly with nothing let go of
-                r.send_releases()
+                r.send_releases(None if flow is None else len(flow.outstanding.get(r.index, ())))
 
-    def poll(self, timeout_ms: float) -> List[Tuple[Replica, bool, bool]]:
+    def poll(self, timeout_ms: float, waiting: bool = False) -> List[Tuple[Replica, bool, bool]]:
         """Wait up to ``timeout_ms`` for anything on the set: ``(replica, connection event,
-        message)`` for each replica with either, in replica order; empty if nothing came."""
+        message)`` for each replica with either, in replica order; empty if nothing came.
+        ``waiting``: see :meth:`send_releases`."""
         self.ahead = False  # a run waits on this set: its epoch is the trainer's now
-        self.send_releases()
+        self.send_releases(waiting)
         events = dict(self._poller.poll(timeout_ms))
         return [(r, r.monitor in events, r.sock in events) for r in self.replicas
                 if r.monitor in events or r.sock in events]

@@ -113,7 +113,7 @@ class EpochRun:
                 wake = min(wake, self.fleet.wake_at(now))
             if self.lookahead is not None:
                 self.lookahead.send_releases(conns)
-            events = conns.poll(max(1, int((wake - now) * 1000) + 1))
+            events = conns.poll(max(1, int((wake - now) * 1000) + 1), waiting=True)
             now = self._clock()
             conns.check_connections(now)
             if self.fleet is not None:
@@ -161,7 +161,8 @@ class EpochRun:
         """Send the Releases of the batches held in place (co-located) that were let go of and
         that no Request took along (``Replica.request``): also when no wait came, as a next() that
         finds its batch already received polls nothing, and those slots are the service's room
-        to work in. (A wait's poll sends them first, before any time passes.)"""
+        to work in. (A wait's poll sends first, before any time passes, those a stream's slots
+        need for the batches it owes; the rest wait for the Request after the take.)"""
         self.conns.send_releases()
         if self.lookahead is not None:
             self.lookahead.send_releases(self.conns)

@@ -209,16 +209,31 @@ class Borrowed:
             if self._held.pop(key, None) is not None:
                 self.back.append(key)
 
-    def releases(self) -> Dict[int, List[int]]:
-        """Stream -> the batches let go of since the last call (their Releases to send)."""
+    def releases(self, keep: Optional[int] = None) -> Dict[int, List[int]]:
+        """Stream -> the batches let go of since the last call (their Releases to send); those of
+        stream ``keep`` stay for a later call."""
         out: Dict[int, List[int]] = {}
         if not self.back:  # the common case: no lock to take
             return out
         with self._lock:
+            kept = []
             while self.back:
-                stream, batch = self.back.popleft()
-                out.setdefault(stream, []).append(batch)
+                key = self.back.popleft()
+                if key[0] == keep:
+                    kept.append(key)
+                else:
+                    out.setdefault(key[0], []).append(key[1])
+            self.back.extend(kept)
         return out
+
+    def room_without_releases(self, stream: int, slots: int, owed: int) -> bool:
+        """Whether the ``slots`` of ``stream`` hold every batch this connection keeps of it in
+        place (let go of or not: what a Release would free) and the ``owed`` ones (asked for, not
+        received: each has a slot, or takes one) together. Then the service needs no Release of
+        this stream to go on with what it was asked."""
+        with self._lock:
+            kept = sum(1 for s, _ in self._held if s == stream) + sum(1 for s, _ in self.back if s == stream)
+        return kept + owed <= slots
 
     def detach(self) -> None:
         """Give every batch still held its own private copy, in place: the connection moves on and

@@ -77,6 +77,7 @@ class Replica:
         self.refused = ""  # why its service is quarantined (it serves other data); "" while it is not
         self.draining = False  # no longer resolved: takes no new batch, leaves once it owes nothing
         self.stream = -1
+        self.slots = 0  # the current stream's batch slots on its service (its Hello's)
         self.epoch = 0  # of the current stream
         self.accepted = False  # the service accepted the current stream
         # what the service last said it does for our stream (answer to a probe), and when;
@@ -98,12 +99,20 @@ class Replica:
     def hello(self, stream: int, hello: P.Hello) -> None:
         """Start ``stream`` on this connection (``hello``'s stream field is set here)."""
         self.stream, self.epoch, self.accepted, self.progress = stream, hello.epoch, False, None
+        self.slots = hello.slots
         self.move_on()
         self.send(dataclasses.replace(hello, stream=stream))
 
-    def send_releases(self) -> None:
-        """Hand back the batches held in place that the trainer let go of since the last call."""
-        for stream, batches in self.borrowed.releases().items():
+    def send_releases(self, owed: Optional[int] = None) -> None:
+        """Hand back the batches held in place that the trainer let go of since the last call.
+        ``owed`` (a wait for a batch, with the Request that follows it to come): the current
+        stream's batches owed; its let-go ones stay for that Request (which takes them along) while
+        the stream's slots hold every owed batch without them, so a waiting trainer sends one
+        message per batch, not two."""
+        keep = None
+        if owed is not None and self.borrowed.room_without_releases(self.stream, self.slots, owed):
+            keep = self.stream
+        for stream, batches in self.borrowed.releases(keep).items():
             self.send(P.Release(stream=stream, batches=batches))
 
     def move_on(self) -> None:

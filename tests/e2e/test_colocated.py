@@ -424,9 +424,9 @@ def test_a_batch_let_go_of_is_handed_back_by_the_next_call_even_one_that_waits_f
             rode.update(back if isinstance(msg, P.Request) else ())
         return real_send(self, msg)
 
-    def poll(self, timeout_ms):
+    def poll(self, timeout_ms, waiting=False):
         polled.add(call[0])
-        return real_poll(self, timeout_ms)
+        return real_poll(self, timeout_ms, waiting)
 
     monkeypatch.setattr(Replica, "send", send)
     monkeypatch.setattr(Connections, "poll", poll)
@@ -455,3 +455,72 @@ def test_a_batch_let_go_of_is_handed_back_by_the_next_call_even_one_that_waits_f
     assert not late, f"batch -> the call during which its Release went (due: batch + 3): {late}"
     # one message per batch, not two: while the epoch has batches to ask for, the Request takes them along
     assert rode and rode <= set(released)
+
+
+def test_a_trainer_that_waits_for_every_batch_still_hands_each_back_in_the_next_request(make_service, demo_source,
+                                                                                        monkeypatch):
+    """A trainer faster than the service waits in most next() calls. The batch it let go of then
+    stays for the Request that follows the take, not a Release at the wait's poll, while the
+    stream's slots hold every batch owed without it: one message per batch. Only once every batch
+    of the epoch is asked for (no Request follows) does a Release go on its own."""
+    from client.connections import Connections
+    from client.replica import Replica
+    from testkit.fault_source import FaultSource
+
+    service = make_service(workers=1, sources={"demo": FaultSource(demo_source, read_delay_s=0.01)})
+    alone, rode = [], []  # (batch, whether the epoch still had batches to ask for) per Release; Request.released
+    waited_holding = [0]  # polls of a wait while a batch let go of was not handed back yet
+    fully_asked = [False]
+    real_send, real_poll = Replica.send, Connections.poll
+
+    def send(self, msg):
+        if isinstance(msg, P.Release):
+            alone.extend((b, fully_asked[0]) for b in msg.batches)
+        elif isinstance(msg, P.Request):
+            rode.extend(msg.released)
+        return real_send(self, msg)
+
+    def poll(self, timeout_ms, waiting=False):
+        if waiting and any(r.borrowed.back for r in self.replicas):
+            waited_holding[0] += 1
+        fully_asked[0] = self.flow is not None and self.flow.fully_asked
+        return real_poll(self, timeout_ms, waiting)
+
+    monkeypatch.setattr(Replica, "send", send)
+    monkeypatch.setattr(Connections, "poll", poll)
+    batches = DEMO_SIZE // KW["batch_size"]
+    with RemoteLoader(service.endpoint, **KW, local=True, prefetch=4, epoch_lookahead=False) as ld:
+        seen = [b.index for b in ld]  # the loop's variable holds one batch; rebinding lets go of the one before
+    assert seen == list(range(batches))
+    assert waited_holding[0] >= 1, "no wait found a batch let go of: the test proved nothing"
+    assert [b for b, late in alone if not late] == [], "a Release went alone while a Request was still to come"
+    assert sorted(rode + [b for b, _ in alone]) == list(range(batches))  # each once (the last at the close)
+
+
+def test_a_trainer_that_keeps_batches_gets_its_releases_sent_at_the_wait_so_the_service_never_stalls(
+        make_service, demo_source, monkeypatch):
+    """Kept batches fill the stream's slots: a wait then sends the Release of what the trainer let
+    go of at once (the service needs that slot for the batch awaited), and the epoch completes
+    (a Release held back for the Request after the take would wait for a batch that waits for it)."""
+    from client.replica import Replica
+    from testkit.fault_source import FaultSource
+
+    service = make_service(workers=1, sources={"demo": FaultSource(demo_source, read_delay_s=0.005)})
+    sent_at_wait = []
+    real = Replica.send_releases
+
+    def send_releases(self, owed=None):
+        if owed is not None and self.borrowed.back:
+            sent_at_wait.append(not self.borrowed.room_without_releases(self.stream, self.slots, owed))
+        return real(self, owed)
+
+    monkeypatch.setattr(Replica, "send_releases", send_releases)
+    kept, seen = [], []
+    with RemoteLoader(service.endpoint, **KW, local=True, prefetch=2, epoch_lookahead=False, timeout=20) as ld:
+        for b in ld:
+            seen.extend(b.indices)
+            kept.append(b)  # the last 2 kept: with the one let go of and the window, every slot is taken
+            kept = kept[-2:]
+    del b, kept
+    assert sorted(seen) == list(range(DEMO_SIZE))
+    assert any(sent_at_wait), "no wait found the slots full: the test proved nothing"

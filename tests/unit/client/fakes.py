@@ -147,10 +147,10 @@ class FakeConnections:
         for r in self.replicas:
             r.close()
 
-    def send_releases(self) -> None:
+    def send_releases(self, waiting: bool = False) -> None:
         pass  # no batch is held in place here (co-located mode has its own tests)
 
-    def poll(self, timeout_ms: float) -> list:
+    def poll(self, timeout_ms: float, waiting: bool = False) -> list:
         self.serve(self)
         events = [(r, bool(r.events), bool(r.inbox)) for r in self.replicas if r.events or r.inbox]
         if not events:

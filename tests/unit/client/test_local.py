@@ -54,28 +54,42 @@ def test_a_batch_is_lent_as_views_and_queued_for_release_when_its_last_view_goes
     maps.close()
 
 
-def test_a_request_takes_its_stream_s_batches_let_go_of_along_and_a_release_carries_the_others(segment):
-    """One message per batch on the co-located path: the Request that asks for the next batch
-    hands back what the trainer let go of on its stream (Request.released); let-go batches of an
-    older stream still go in a Release of their own; nothing is handed back twice."""
+@pytest.fixture
+def replica():
+    """A real Replica connected to a ROUTER on 127.0.0.1: ``(replica, received)``, ``received()``
+    the next message the ROUTER read."""
     import zmq
     from client.replica import Replica
     from wire import protocol as P
 
-    name, _, _ = segment
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     r = Replica(ctx, f"tcp://127.0.0.1:{port}", heartbeat_s=1.0)
-    maps = local.Mappings(writable=True)
-    r.borrowed.limit = 3
 
     def received():
         assert router.poll(10_000), "nothing came within 10 s"
-        msg, data = P.decode(router.recv_multipart()[1:])
-        return msg
+        return P.decode(router.recv_multipart()[1:])[0]
 
+    try:
+        yield r, received
+    finally:
+        r.close()
+        router.close()
+        ctx.term()
+
+
+def test_a_request_takes_its_stream_s_batches_let_go_of_along_and_a_release_carries_the_others(segment, replica):
+    """One message per batch on the co-located path: the Request that asks for the next batch
+    hands back what the trainer let go of on its stream (Request.released); let-go batches of an
+    older stream still go in a Release of their own; nothing is handed back twice."""
+    from wire import protocol as P
+
+    name, _, _ = segment
+    r, received = replica
+    r.borrowed.limit = 3
+    maps = local.Mappings(writable=True)
     try:
         m = maps.mapping(name)
         lent = [r.borrowed.lend(stream, batch, name, m, [[100 * batch, 10]]) for stream, batch in [(4, 1), (5, 2), (5, 3)]]
@@ -88,12 +102,44 @@ def test_a_request_takes_its_stream_s_batches_let_go_of_along_and_a_release_carr
         assert sorted(ask.released) == [2, 3]
         r.request([8], consumed=3)
         assert received() == P.Request(stream=5, batches=[8], consumed=3)  # nothing twice
-        assert not router.poll(0)
+        r.send(P.Describe())  # a marker: what comes before it is all that was sent
+        assert received() == P.Describe()
     finally:
-        r.close()
-        router.close()
         maps.close()
-        ctx.term()
+
+
+def test_a_wait_keeps_its_stream_s_let_go_batches_for_the_request_while_the_slots_need_none(segment, replica):
+    """In a wait (``owed`` given), the current stream's let-go batches stay for the Request that
+    follows the take while its slots hold them, those still held and the owed ones; once they do
+    not, they go at once in a Release (the service needs that slot). Other streams' always go."""
+    from wire import protocol as P
+
+    name, _, _ = segment
+    r, received = replica
+    r.borrowed.limit = 5
+    maps = local.Mappings(writable=True)
+    try:
+        m = maps.mapping(name)
+        r.stream, r.slots = 5, 6
+        held = r.borrowed.lend(5, 1, name, m, [[100, 10]])
+        lent = [r.borrowed.lend(stream, batch, name, m, [[100 * batch, 10]]) for stream, batch in [(4, 0), (5, 2)]]
+        del lent  # let go of: 4/0 (an older stream) and 5/2; 5/1 still held
+        r.send_releases(owed=4)  # 5's slots: 1 held + 1 let go + 4 owed = 6: room without the Release
+        assert received() == P.Release(stream=4, batches=[0])
+        r.send(P.Describe())  # a marker: what comes before it is all that was sent
+        assert received() == P.Describe()
+        assert r.borrowed.holds(5, 1) and list(r.borrowed.back) == [(5, 2)]
+        r.send_releases(owed=5)  # 7 > 6: the service needs it now
+        assert received() == P.Release(stream=5, batches=[2])
+        del held
+        r.send_releases(owed=4)  # kept again (1 let go + 4 owed <= 6) ...
+        r.request([9], consumed=3)  # ... and taken along by the Request
+        assert received() == P.Request(stream=5, batches=[9], consumed=3, released=[1])
+        r.send_releases()  # not a wait: nothing is kept, and nothing is left
+        r.send(P.Describe())
+        assert received() == P.Describe()
+    finally:
+        maps.close()
 
 
 def test_past_the_limit_or_read_only_a_batch_is_not_lent(segment):
@@ -345,6 +391,27 @@ class BorrowedModel(RuleBasedStateMachine):
         for key in self.let_go:
             self.free.add(self.lent.pop(key))
         self.let_go.clear()
+
+    @rule(data=st.data())
+    def loader_waits_and_keeps_one_stream_s_releases(self, data):
+        """A wait's poll: the Releases of every stream but ``keep`` go; ``keep``'s stay, once, for
+        a later call (the Request after the take)."""
+        keep = data.draw(st.sampled_from(sorted({s for s, _ in self.lent} | {self.stream})))
+        got = self.borrowed.releases(keep)
+        want = {}
+        for stream, batch in sorted(k for k in self.let_go if k[0] != keep):
+            want.setdefault(stream, []).append(batch)
+        assert {s: sorted(b) for s, b in got.items()} == want
+        for key in [k for k in self.let_go if k[0] != keep]:
+            self.free.add(self.lent.pop(key))
+            self.let_go.discard(key)
+
+    @rule(data=st.data(), slots=st.integers(0, SLOTS + 2), owed=st.integers(0, SLOTS))
+    def loader_asks_whether_the_slots_need_releases(self, data, slots, owed):
+        """The slots hold what is lent (let go of or not, not yet handed back) and what is owed."""
+        stream = data.draw(st.sampled_from(sorted({s for s, _ in self.lent} | {self.stream})))
+        kept = sum(1 for s, _ in self.lent if s == stream)
+        assert self.borrowed.room_without_releases(stream, slots, owed) == (kept + owed <= slots)
 
     @rule()
     def connection_moves_on(self):
