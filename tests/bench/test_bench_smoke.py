@@ -164,3 +164,19 @@ def test_percore_benchmark_reports_both_layouts_and_the_targets(tmp_path):
     assert stdout.count("service co-located, CPU per image: decode processes") == 2
     assert stdout.count("PASS ") + stdout.count("MISS ") == 6
     assert "co-located: trainer CPU per image <= 10 us" in stdout
+
+
+@pytest.mark.slow
+def test_messages_benchmark_counts_what_a_co_located_trainer_sends_per_batch(tmp_path):
+    from loader_service.sources.demo import demo_image, encode_jpeg
+
+    folder = tmp_path / "photos" / "class_0"
+    folder.mkdir(parents=True)
+    for i in range(16):
+        (folder / f"{i:02d}.jpg").write_bytes(encode_jpeg(demo_image(0, i, 1), 90))
+    stdout = run_bench("bench.messages", ["--photos", str(tmp_path / "photos"), "--batch-sizes", "4,8",
+                                          "--epochs", "2", "--workers", "1"])
+    rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 4 |") or line.startswith("| 8 |")]
+    assert [r[:2] for r in rows] == [["| 4", "8"], ["| 8", "4"]]  # batches in 2 timed epochs of 16 photos
+    for r in rows:  # every figure a number; some batch handed back, in a Request or a Release
+        assert all(float(x.split()[0]) >= 0 for x in r[2:8]) and float(r[4]) + float(r[5]) > 0
