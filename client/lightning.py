@@ -49,7 +49,7 @@ class ElasticResume(Callback):
         fetcher = getattr(fit_loop, "_data_fetcher", None)
         if fetcher is None or not hasattr(fetcher, "length"):
             raise RuntimeError("ElasticResume does not know this Lightning version's fit loop "
-                               f"(no data fetcher length): the resumed epoch's count cannot be set")
+                               "(no data fetcher length): the resumed epoch's count cannot be set")
         trained = fit_loop.epoch_loop.batch_progress.current.ready  # this epoch's, before the checkpoint
         count = trained + loader.batches_left()
         if count == fit_loop.max_batches:
