@@ -468,27 +468,27 @@ def test_a_trainer_that_waits_for_every_batch_still_hands_each_back_in_the_next_
     from testkit.fault_source import FaultSource
 
     service = make_service(workers=1, sources={"demo": FaultSource(demo_source, read_delay_s=0.01)})
-    alone, rode = [], []  # (batch, whether the epoch still had batches to ask for) per Release; Request.released
+    batches = DEMO_SIZE // KW["batch_size"]
+    alone, rode = [], []  # (batch, whether every batch was asked for by then) per Release; Request.released
+    asked = set()  # in the Hello and the Requests sent so far
     waited_holding = [0]  # polls of a wait while a batch let go of was not handed back yet
-    fully_asked = [False]
     real_send, real_poll = Replica.send, Connections.poll
 
     def send(self, msg):
         if isinstance(msg, P.Release):
-            alone.extend((b, fully_asked[0]) for b in msg.batches)
-        elif isinstance(msg, P.Request):
-            rode.extend(msg.released)
+            alone.extend((b, len(asked) == batches) for b in msg.batches)
+        elif isinstance(msg, (P.Hello, P.Request)):
+            asked.update(msg.batches)
+            rode.extend(getattr(msg, "released", ()))
         return real_send(self, msg)
 
     def poll(self, timeout_ms, waiting=False):
         if waiting and any(r.borrowed.back for r in self.replicas):
             waited_holding[0] += 1
-        fully_asked[0] = self.flow is not None and self.flow.fully_asked
         return real_poll(self, timeout_ms, waiting)
 
     monkeypatch.setattr(Replica, "send", send)
     monkeypatch.setattr(Connections, "poll", poll)
-    batches = DEMO_SIZE // KW["batch_size"]
     with RemoteLoader(service.endpoint, **KW, local=True, prefetch=4, epoch_lookahead=False) as ld:
         seen = [b.index for b in ld]  # the loop's variable holds one batch; rebinding lets go of the one before
     assert seen == list(range(batches))
