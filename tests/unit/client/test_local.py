@@ -55,91 +55,87 @@ def test_a_batch_is_lent_as_views_and_queued_for_release_when_its_last_view_goes
 
 
 @pytest.fixture
-def replica():
-    """A real Replica connected to a ROUTER on 127.0.0.1: ``(replica, received)``, ``received()``
-    the next message the ROUTER read."""
+def replica(segment):
+    """A real Replica connected to a ROUTER on 127.0.0.1, and the segment mapped read-write:
+    ``(replica, received, lend)``; ``received()`` the next message the ROUTER read, ``lend(stream,
+    batch)`` the views of batch ``batch`` of ``stream`` lent in place (10 bytes at 100 x batch)."""
     import zmq
     from client.replica import Replica
     from wire import protocol as P
 
+    name, _, _ = segment
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     r = Replica(ctx, f"tcp://127.0.0.1:{port}", heartbeat_s=1.0)
+    maps = local.Mappings(writable=True)
+    m = maps.mapping(name)
 
     def received():
         assert router.poll(10_000), "nothing came within 10 s"
         return P.decode(router.recv_multipart()[1:])[0]
 
+    def lend(stream, batch):
+        return r.borrowed.lend(stream, batch, name, m, [[100 * batch, 10]])
+
     try:
-        yield r, received
+        yield r, received, lend
     finally:
+        maps.close()
         r.close()
         router.close()
         ctx.term()
 
 
-def test_a_request_takes_its_stream_s_batches_let_go_of_along_and_a_release_carries_the_others(segment, replica):
+def test_a_request_takes_its_stream_s_batches_let_go_of_along_and_a_release_carries_the_others(replica):
     """One message per batch on the co-located path: the Request that asks for the next batch
     hands back what the trainer let go of on its stream (Request.released); let-go batches of an
     older stream still go in a Release of their own; nothing is handed back twice."""
     from wire import protocol as P
 
-    name, _, _ = segment
-    r, received = replica
+    r, received, lend = replica
     r.borrowed.limit = 3
-    maps = local.Mappings(writable=True)
-    try:
-        m = maps.mapping(name)
-        lent = [r.borrowed.lend(stream, batch, name, m, [[100 * batch, 10]]) for stream, batch in [(4, 1), (5, 2), (5, 3)]]
-        del lent  # the trainer lets go of all three
-        r.stream = 5
-        r.request([7], consumed=2)
-        assert received() == P.Release(stream=4, batches=[1])
-        ask = received()  # (let go of in whatever order the views died)
-        assert ask == P.Request(stream=5, batches=[7], consumed=2, released=ask.released)
-        assert sorted(ask.released) == [2, 3]
-        r.request([8], consumed=3)
-        assert received() == P.Request(stream=5, batches=[8], consumed=3)  # nothing twice
-        r.send(P.Describe())  # a marker: what comes before it is all that was sent
-        assert received() == P.Describe()
-    finally:
-        maps.close()
+    lent = [lend(stream, batch) for stream, batch in [(4, 1), (5, 2), (5, 3)]]
+    del lent  # the trainer lets go of all three
+    r.stream = 5
+    r.request([7], consumed=2)
+    assert received() == P.Release(stream=4, batches=[1])
+    ask = received()  # (let go of in whatever order the views died)
+    assert ask == P.Request(stream=5, batches=[7], consumed=2, released=ask.released)
+    assert sorted(ask.released) == [2, 3]
+    r.request([8], consumed=3)
+    assert received() == P.Request(stream=5, batches=[8], consumed=3)  # nothing twice
+    r.send(P.Describe())  # a marker: what comes before it is all that was sent
+    assert received() == P.Describe()
 
 
-def test_a_wait_keeps_its_stream_s_let_go_batches_for_the_request_while_the_slots_need_none(segment, replica):
+def test_a_wait_keeps_its_stream_s_let_go_batches_for_the_request_while_the_slots_need_none(replica):
     """In a wait (``owed`` given), the current stream's let-go batches stay for the Request that
     follows the take while its slots hold them, those still held and the owed ones; once they do
     not, they go at once in a Release (the service needs that slot). Other streams' always go."""
     from wire import protocol as P
 
-    name, _, _ = segment
-    r, received = replica
+    r, received, lend = replica
     r.borrowed.limit = 5
-    maps = local.Mappings(writable=True)
-    try:
-        m = maps.mapping(name)
-        r.stream, r.slots = 5, 6
-        held = r.borrowed.lend(5, 1, name, m, [[100, 10]])
-        lent = [r.borrowed.lend(stream, batch, name, m, [[100 * batch, 10]]) for stream, batch in [(4, 0), (5, 2)]]
-        del lent  # let go of: 4/0 (an older stream) and 5/2; 5/1 still held
-        r.send_releases(owed=4)  # 5's slots: 1 held + 1 let go + 4 owed = 6: room without the Release
-        assert received() == P.Release(stream=4, batches=[0])
-        r.send(P.Describe())  # a marker: what comes before it is all that was sent
-        assert received() == P.Describe()
-        assert r.borrowed.holds(5, 1) and list(r.borrowed.back) == [(5, 2)]
-        r.send_releases(owed=5)  # 7 > 6: the service needs it now
-        assert received() == P.Release(stream=5, batches=[2])
-        del held
-        r.send_releases(owed=4)  # kept again (1 let go + 4 owed <= 6) ...
-        r.request([9], consumed=3)  # ... and taken along by the Request
-        assert received() == P.Request(stream=5, batches=[9], consumed=3, released=[1])
-        r.send_releases()  # not a wait: nothing is kept, and nothing is left
-        r.send(P.Describe())
-        assert received() == P.Describe()
-    finally:
-        maps.close()
+    r.stream, r.slots = 5, 6
+    held = lend(5, 1)
+    lent = [lend(stream, batch) for stream, batch in [(4, 0), (5, 2)]]
+    del lent  # let go of: 4/0 (an older stream) and 5/2; 5/1 still held
+    r.send_releases(owed=4)  # 5's slots: 1 held + 1 let go + 4 owed = 6: room without the Release
+    assert received() == P.Release(stream=4, batches=[0])
+    r.send(P.Describe())  # a marker: what comes before it is all that was sent
+    assert received() == P.Describe()
+    assert r.borrowed.holds(5, 1) and list(r.borrowed.back) == [(5, 2)]
+    r.send_releases(owed=5)  # 7 > 6: the service needs it now
+    assert received() == P.Release(stream=5, batches=[2])
+    del held
+    r.send_releases(owed=4)  # kept again (1 let go + 4 owed <= 6) ...
+    r.request([9], consumed=3)  # ... and taken along by the Request
+    assert received() == P.Request(stream=5, batches=[9], consumed=3, released=[1])
+    r.send_releases()  # not a wait: nothing is kept, and nothing is left
+    r.send(P.Describe())
+    assert received() == P.Describe()
 
 
 def test_past_the_limit_or_read_only_a_batch_is_not_lent(segment):
