@@ -2,7 +2,8 @@
 pyzmq program that moves the same messages over the same socket types.
 
     python -m bench.transport [--batch-size 64] [--image-size 224] [--workers 2] [--window W]
-                              [--seconds 5 | --batches N] [--warmup 20] [--rounds 3] [--json PATH]
+                              [--seconds 5 | --batches N] [--warmup 20] [--rounds 3] [--local]
+                              [--ceilings] [--json PATH]
 
 Both rows move the same messages: a msgpack header frame shaped like ``protocol.Batch`` (0.1-0.4
 KB at batch 64), an image frame of ``batch x size x size x 3`` uint8 bytes (9.63 MB at 64 x 224)
@@ -45,6 +46,18 @@ default ``max(4, 2 x workers)``, what ``bench.throughput`` gives ``RemoteLoader`
    (one copy into a reused host buffer), the slot handed back with a Release; only the header
    and labels cross the socket. The target (the % of raw column) is about the socket rows.
 
+4. with ``--ceilings``, three rows that bound any change to the network path (issue 41: "several
+   connections per replica"). They do not set the 100% of the % of raw column.
+
+   * **raw pyzmq over two connections**: the raw pyzmq program with two DEALERs (contexts of two
+     I/O threads on both sides), each with the whole window of credits; every batch comes whole
+     on one of them, received with ``recv(copy=False)``.
+   * **raw TCP sockets**: no ZeroMQ, no header, no Python per frame: a spawned
+     process ``sendall``s each batch's image (and labels) from one of ``window`` preallocated
+     buffers to this one, which ``recv_into``s them into one preallocated buffer, with the same
+     credits (one byte per batch). Over one connection, and striped over two (half the image on
+     each, a thread per connection on both sides): what this machine's loopback moves at all.
+
 The service binds tcp only (``Dispatcher`` has no ipc endpoint), so there is no ipc row.
 
 How to read the table:
@@ -72,9 +85,12 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import queue
 import signal
+import socket
 import statistics
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -92,9 +108,15 @@ from client import RemoteLoader
 from loader_service.sources.demo import ensure_demo
 
 RAW, RAW_ZC, SERVICE, LOCAL = "raw_pyzmq", "raw_pyzmq_zero_copy", "service_client", "service_client_local"
+RAW_ZC2, TCP1, TCP2 = "raw_pyzmq_zero_copy_2", "raw_tcp_1", "raw_tcp_2"
+CEILINGS = (RAW_ZC2, TCP1, TCP2)
 LABELS = {RAW: "raw pyzmq ROUTER -> DEALER, recv_into", RAW_ZC: "raw pyzmq ROUTER -> DEALER, recv(copy=False)",
           SERVICE: "service (decode off) + RemoteLoader",
-          LOCAL: "service (decode off) + RemoteLoader(local=True), shared memory"}
+          LOCAL: "service (decode off) + RemoteLoader(local=True), shared memory",
+          RAW_ZC2: "raw pyzmq ROUTER -> 2 DEALERs, 2 I/O threads, recv(copy=False)",
+          TCP1: "raw TCP socket (no ZeroMQ), 1 connection, recv_into",
+          TCP2: "raw TCP sockets (no ZeroMQ), 2 connections, a thread each, recv_into"}
+
 TARGET = 0.80  # DESIGN.md: transport alone >= 80% of raw pyzmq on the same socket type
 STOP_JOIN_S = 10.0
 
@@ -183,12 +205,14 @@ def _batch_header(k: int, n: int, size: int) -> bytes:
                           "skipped": [], "dtype": "uint8"}, use_bin_type=True)
 
 
-def _raw_router(settings: Settings, conn) -> None:
-    """The raw sender (a spawned process): one batch per credit until the parent says stop."""
+def _raw_router(settings: Settings, conn, connections: int = 1) -> None:
+    """The raw sender (a spawned process): one batch per credit until the parent says stop;
+    a buffer per batch that may be in flight (the window of each connection)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
-    ctx = zmq.Context(1)
+    ctx = zmq.Context(connections)
     sock = ctx.socket(zmq.ROUTER)
-    trackers: List[Optional[zmq.MessageTracker]] = [None] * settings.window
+    buffers = settings.window * connections
+    trackers: List[Optional[zmq.MessageTracker]] = [None] * buffers
     try:
         for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
             sock.setsockopt(opt, val)
@@ -196,7 +220,7 @@ def _raw_router(settings: Settings, conn) -> None:
         n, size = settings.batch_size, settings.image_size
         # written once, so every page is real memory: an untouched zeroed buffer would map the
         # kernel's one shared zero page and make the send copies unrealistically cache-friendly
-        slots = [np.full(settings.image_bytes, 0x5A, np.uint8) for _ in range(settings.window)]
+        slots = [np.full(settings.image_bytes, 0x5A, np.uint8) for _ in range(buffers)]
         labels = np.zeros(n, np.int64).tobytes()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -213,7 +237,7 @@ def _raw_router(settings: Settings, conn) -> None:
                 except zmq.Again:
                     break
                 for _ in range(msgpack.unpackb(header, raw=False)["n"]):
-                    slot = k % settings.window
+                    slot = k % buffers
                     t = trackers[slot]
                     if t is not None and not t.done:
                         t.wait()  # never rewrite a buffer zmq may still be sending
@@ -232,14 +256,15 @@ def _raw_router(settings: Settings, conn) -> None:
         ctx.term()  # returns once zmq has let go of every zero-copy frame
 
 
-def bench_raw(settings: Settings, zero_copy: bool = False) -> Run:
+def bench_raw(settings: Settings, zero_copy: bool = False, connections: int = 1) -> Run:
     """The raw program; the receiver takes each image either into a preallocated buffer
-    (``recv_into``: one memcpy) or as zmq's own message buffer (``recv(copy=False)``: none)."""
+    (``recv_into``: one memcpy) or as zmq's own message buffer (``recv(copy=False)``: none).
+    ``connections`` DEALERs, each with the whole window, take whichever batch comes first."""
     mpctx = mp.get_context("spawn")
     parent, child = mpctx.Pipe()
-    proc = mpctx.Process(target=_raw_router, args=(settings, child), name="raw-pyzmq-router")
-    ctx = zmq.Context(1)
-    sock = ctx.socket(zmq.DEALER)
+    proc = mpctx.Process(target=_raw_router, args=(settings, child, connections), name="raw-pyzmq-router")
+    ctx = zmq.Context(connections)
+    socks = [ctx.socket(zmq.DEALER) for _ in range(connections)]
     try:
         proc.start()
         child.close()
@@ -252,16 +277,31 @@ def bench_raw(settings: Settings, zero_copy: bool = False) -> Run:
             raise RuntimeError(f"the raw ROUTER process exited (code {proc.exitcode}) before it was ready") from None
         if kind != "ready":
             raise RuntimeError(f"the raw ROUTER process failed:\n{endpoint}")
-        for opt, val in ((zmq.LINGER, 0), (zmq.RCVHWM, 0)):
-            sock.setsockopt(opt, val)
-        sock.connect(endpoint)
+        poller = zmq.Poller()
+        for sock in socks:
+            for opt, val in ((zmq.LINGER, 0), (zmq.RCVHWM, 0)):
+                sock.setsockopt(opt, val)
+            sock.connect(endpoint)
+            poller.register(sock, zmq.POLLIN)
         images = np.empty(settings.image_bytes, np.uint8)
         labels = np.empty(settings.batch_size, np.int64)
         want = (settings.image_bytes, labels.nbytes)
         credit = msgpack.packb({"v": 1, "t": 2, "stream": 1, "n": 1}, use_bin_type=True)
-        sock.send(msgpack.packb({"v": 1, "t": 2, "stream": 1, "n": settings.window}, use_bin_type=True))
+        for sock in socks:
+            sock.send(msgpack.packb({"v": 1, "t": 2, "stream": 1, "n": settings.window}, use_bin_type=True))
+        turn = [0]
 
         def next_batch() -> None:
+            # one connection: its next batch; several: the first that has one, from the one after
+            # the last served (so none waits behind the other)
+            sock = socks[0]
+            if connections > 1:
+                ready = dict(poller.poll(START_TIMEOUT_S * 1000))
+                order = socks[turn[0]:] + socks[:turn[0]]
+                sock = next((x for x in order if x in ready), None)
+                if sock is None:
+                    raise TimeoutError(f"raw: no batch within {START_TIMEOUT_S:.0f}s")
+                turn[0] = (socks.index(sock) + 1) % connections
             header = msgpack.unpackb(sock.recv(), raw=False)
             if zero_copy:
                 got = tuple(sock.recv(copy=False).buffer.nbytes for _ in range(2))
@@ -273,7 +313,8 @@ def bench_raw(settings: Settings, zero_copy: bool = False) -> Run:
 
         return timed(next_batch, settings, lambda: [psutil.Process(proc.pid)])
     finally:
-        sock.close(0)
+        for sock in socks:
+            sock.close(0)
         ctx.term()
         if proc.pid is not None:
             with contextlib.suppress(OSError):
@@ -282,6 +323,124 @@ def bench_raw(settings: Settings, zero_copy: bool = False) -> Run:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(STOP_JOIN_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        parent.close()
+
+
+# --------------------------------------------------------------------------- raw TCP sockets
+def _parts(settings: Settings, connections: int) -> List[tuple]:
+    """(offset, bytes) of the image each connection carries: the image cut in ``connections`` pieces."""
+    step = -(-settings.image_bytes // connections)
+    return [(at, min(step, settings.image_bytes - at)) for at in range(0, settings.image_bytes, step)]
+
+
+def _raw_tcp_sender(settings: Settings, connections: int, conn) -> None:
+    """The raw TCP sender (a spawned process): per connection, a thread that answers each credit
+    byte with that connection's piece of the next batch (labels on the first), until EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    listener = socket.create_server(("127.0.0.1", 0), backlog=connections)
+    socks: List[socket.socket] = []
+    try:
+        listener.settimeout(START_TIMEOUT_S)
+        slots = [np.full(settings.image_bytes, 0x5A, np.uint8) for _ in range(settings.window)]
+        labels = np.zeros(settings.batch_size, np.int64).tobytes()
+        conn.send(("ready", listener.getsockname()[1]))
+        socks = [listener.accept()[0] for _ in range(connections)]
+        parts = _parts(settings, connections)
+
+        def serve(j: int) -> None:
+            s, (at, nbytes), k = socks[j], parts[j], 0
+            with contextlib.suppress(OSError):  # the receiver closed its end: the run is over
+                while True:
+                    credits = s.recv(4096)
+                    if not credits:
+                        return
+                    for _ in range(len(credits)):
+                        s.sendall(memoryview(slots[k % settings.window])[at:at + nbytes])
+                        if j == 0:
+                            s.sendall(labels)
+                        k += 1
+
+        threads = [threading.Thread(target=serve, args=(j,), daemon=True) for j in range(connections)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        for s in socks:
+            s.close()
+        listener.close()
+
+
+def _recv_exactly(s: socket.socket, view: memoryview) -> None:
+    while view.nbytes:
+        n = s.recv_into(view)
+        if n == 0:
+            raise ConnectionError("raw TCP: the sender closed the connection")
+        view = view[n:]
+
+
+def bench_raw_tcp(settings: Settings, connections: int) -> Run:
+    """The raw TCP program over ``connections`` connections (see the module's docstring, row 4)."""
+    mpctx = mp.get_context("spawn")
+    parent, child = mpctx.Pipe()
+    proc = mpctx.Process(target=_raw_tcp_sender, args=(settings, connections, child), name="raw-tcp-sender")
+    socks: List[socket.socket] = []
+    try:
+        proc.start()
+        child.close()
+        if not parent.poll(START_TIMEOUT_S):
+            raise TimeoutError(f"the raw TCP process did not start within {START_TIMEOUT_S:.0f}s")
+        kind, port = parent.recv()
+        if kind != "ready":
+            raise RuntimeError(f"the raw TCP process failed:\n{port}")
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=START_TIMEOUT_S) for _ in range(connections)]
+        images = np.full(settings.image_bytes, 1, np.uint8)  # touched: real pages, as a reused buffer is
+        labels = np.empty(settings.batch_size, np.int64)
+        pieces = [memoryview(images)[at:at + n] for at, n in _parts(settings, connections)]
+        for s in socks:
+            s.sendall(bytes(settings.window))  # the window's credits, one byte each
+        if connections == 1:
+            def next_batch() -> None:
+                _recv_exactly(socks[0], pieces[0])
+                _recv_exactly(socks[0], memoryview(labels).cast("B"))
+                socks[0].sendall(b"\0")
+        else:
+            done: "queue.Queue[Optional[BaseException]]" = queue.Queue()
+
+            def receive(j: int) -> None:
+                try:
+                    while True:
+                        _recv_exactly(socks[j], pieces[j])
+                        if j == 0:
+                            _recv_exactly(socks[j], memoryview(labels).cast("B"))
+                        done.put(None)
+                        socks[j].sendall(b"\0")
+                except BaseException as exc:  # the socket closed at the end, or a failure
+                    done.put(exc)
+
+            for j in range(connections):
+                threading.Thread(target=receive, args=(j,), daemon=True, name=f"raw-tcp-{j}").start()
+
+            def next_batch() -> None:
+                for _ in range(connections):
+                    err = done.get(timeout=START_TIMEOUT_S)
+                    if err is not None:
+                        raise RuntimeError(f"raw TCP receiver failed: {err!r}")
+
+        return timed(next_batch, settings, lambda: [psutil.Process(proc.pid)])
+    finally:
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        if proc.pid is not None:
+            proc.join(STOP_JOIN_S)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -347,7 +506,7 @@ def report(results: dict, header: dict) -> dict:
                      "llrrrrrrr"))
     raw = max(results[RAW]["summary"]["batches_per_s"], results[RAW_ZC]["summary"]["batches_per_s"])
     procs = {RAW: "1 -> 1", RAW_ZC: "1 -> 1", SERVICE: f"1 + {s['workers']} workers -> 1",
-             LOCAL: f"1 + {s['workers']} workers -> 1"}
+             LOCAL: f"1 + {s['workers']} workers -> 1", RAW_ZC2: "1 -> 1", TCP1: "1 -> 1", TCP2: "1 -> 1"}
     for name, r in results.items():
         m = r["summary"]
         pct = 100.0 * m["batches_per_s"] / raw if raw else 0.0
@@ -382,6 +541,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--demo-size", type=int, default=2000, help="demo images the service serves (its epoch length)")
     p.add_argument("--local", action="store_true", help="add a row: the co-located mode (RemoteLoader(local=True): "
                    "batches read from the service's shared memory instead of the socket)")
+    p.add_argument("--ceilings", action="store_true", help="add rows that bound the network path: raw pyzmq over "
+                   "two connections, raw TCP sockets without ZeroMQ over one connection and striped over two")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--plot", metavar="PNG", help="the table's figure (default: next to --json, else "
                                                  "results/bench_transport.png)")
@@ -409,6 +570,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = {RAW: {"runs": []}, RAW_ZC: {"runs": []}, SERVICE: {"runs": [], "decode_skipped": True}}
     if args.local:
         results[LOCAL] = {"runs": [], "decode_skipped": True}
+    if args.ceilings:
+        results.update({name: {"runs": []} for name in CEILINGS})
     try:
         ensure_demo(args.demo_size).close()  # generate it now if needed, not while the service starts
         log(f"transport benchmark: batch {args.batch_size} x {args.image_size}px "
@@ -425,6 +588,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 r, skipped = bench_service(settings, local=name == LOCAL)
                 results[name]["runs"].append(r)
                 results[name]["decode_skipped"] &= skipped
+                log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
+            for name in CEILINGS if args.ceilings else ():
+                log(f"round {i + 1}/{args.rounds}: {LABELS[name]} ...")
+                r = bench_raw(settings, True, connections=2) if name == RAW_ZC2 else \
+                    bench_raw_tcp(settings, 1 if name == TCP1 else 2)
+                results[name]["runs"].append(r)
                 log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
     except KeyboardInterrupt:
         log("interrupted")

@@ -72,17 +72,20 @@ def test_benchmark_runs_repeats_and_training_step(tmp_path):
 TRANSPORT_SCRIPT = "bench.transport"
 
 
-@pytest.mark.slow
-def test_transport_benchmark_reports_every_row(tmp_path):
+def run_transport(tmp_path, batches: int, *extra: str) -> "tuple[dict, str]":
+    """bench.transport on tiny batches: 4 x 96 x 96 x 3 = 108 KiB, above the zero-copy threshold;
+    32 images = 8 batches per epoch, so the service's row crosses epoch boundaries. Its JSON and output."""
     out = tmp_path / "transport.json"
-    # 4 x 96 x 96 x 3 = 108 KiB: above the zero-copy threshold; 32 images = 8 batches per epoch,
-    # so the service's row crosses epoch boundaries
-    batches = 12
     stdout = run_bench(TRANSPORT_SCRIPT, ["--batch-size", "4", "--image-size", "96", "--workers", "1", "--batches",
                                      str(batches), "--warmup", "3", "--rounds", "1", "--demo-size", "32",
-                                     "--json", str(out)])
+                                     "--json", str(out), *extra])
+    return json.loads(out.read_text()), stdout
 
-    result = json.loads(out.read_text())
+
+@pytest.mark.slow
+def test_transport_benchmark_reports_every_row(tmp_path):
+    batches = 12
+    result, stdout = run_transport(tmp_path, batches)
     rows = result["rows"]
     assert set(rows) == {"raw_pyzmq", "raw_pyzmq_zero_copy", "service_client"}
     for name, row in rows.items():
@@ -96,6 +99,21 @@ def test_transport_benchmark_reports_every_row(tmp_path):
     assert "| raw pyzmq ROUTER -> DEALER, recv(copy=False) |" in stdout
     assert "| service (decode off) + RemoteLoader |" in stdout
     assert ("PASS " in stdout) != ("MISS " in stdout)
+
+
+@pytest.mark.slow
+def test_transport_benchmark_ceilings_time_every_batch_over_one_and_two_connections(tmp_path):
+    batches = 10
+    result, stdout = run_transport(tmp_path, batches, "--ceilings")
+    rows = result["rows"]
+    assert set(rows) == {"raw_pyzmq", "raw_pyzmq_zero_copy", "service_client", "raw_pyzmq_zero_copy_2",
+                         "raw_tcp_1", "raw_tcp_2"}
+    for name in ("raw_pyzmq_zero_copy_2", "raw_tcp_1", "raw_tcp_2"):
+        assert rows[name]["batches"] == batches, (name, rows[name])
+        assert rows[name]["mb_per_s"] == pytest.approx(rows[name]["batches_per_s"] * 4 * 96 * 96 * 3 / 1e6)
+    assert "| raw pyzmq ROUTER -> 2 DEALERs, 2 I/O threads, recv(copy=False) |" in stdout
+    assert "| raw TCP socket (no ZeroMQ), 1 connection, recv_into |" in stdout
+    assert "| raw TCP sockets (no ZeroMQ), 2 connections, a thread each, recv_into |" in stdout
 
 
 @pytest.mark.slow
