@@ -94,7 +94,7 @@ import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import msgpack
 import numpy as np
@@ -109,7 +109,6 @@ from loader_service.sources.demo import ensure_demo
 
 RAW, RAW_ZC, SERVICE, LOCAL = "raw_pyzmq", "raw_pyzmq_zero_copy", "service_client", "service_client_local"
 RAW_ZC2, TCP1, TCP2 = "raw_pyzmq_zero_copy_2", "raw_tcp_1", "raw_tcp_2"
-CEILINGS = (RAW_ZC2, TCP1, TCP2)
 LABELS = {RAW: "raw pyzmq ROUTER -> DEALER, recv_into", RAW_ZC: "raw pyzmq ROUTER -> DEALER, recv(copy=False)",
           SERVICE: "service (decode off) + RemoteLoader",
           LOCAL: "service (decode off) + RemoteLoader(local=True), shared memory",
@@ -117,6 +116,11 @@ LABELS = {RAW: "raw pyzmq ROUTER -> DEALER, recv_into", RAW_ZC: "raw pyzmq ROUTE
           TCP1: "raw TCP socket (no ZeroMQ), 1 connection, recv_into",
           TCP2: "raw TCP sockets (no ZeroMQ), 2 connections, a thread each, recv_into"}
 
+# the --ceilings rows: each measured by (settings) -> Run, defined below
+CEILINGS: "dict[str, Callable[[Settings], Run]]" = {
+    RAW_ZC2: lambda settings: bench_raw(settings, zero_copy=True, connections=2),
+    TCP1: lambda settings: bench_raw_tcp(settings, 1),
+    TCP2: lambda settings: bench_raw_tcp(settings, 2)}
 TARGET = 0.80  # DESIGN.md: transport alone >= 80% of raw pyzmq on the same socket type
 STOP_JOIN_S = 10.0
 
@@ -205,7 +209,7 @@ def _batch_header(k: int, n: int, size: int) -> bytes:
                           "skipped": [], "dtype": "uint8"}, use_bin_type=True)
 
 
-def _raw_router(settings: Settings, conn, connections: int = 1) -> None:
+def _raw_router(settings: Settings, connections: int, conn) -> None:
     """The raw sender (a spawned process): one batch per credit until the parent says stop;
     a buffer per batch that may be in flight (the window of each connection)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
@@ -256,66 +260,28 @@ def _raw_router(settings: Settings, conn, connections: int = 1) -> None:
         ctx.term()  # returns once zmq has let go of every zero-copy frame
 
 
-def bench_raw(settings: Settings, zero_copy: bool = False, connections: int = 1) -> Run:
-    """The raw program; the receiver takes each image either into a preallocated buffer
-    (``recv_into``: one memcpy) or as zmq's own message buffer (``recv(copy=False)``: none).
-    ``connections`` DEALERs, each with the whole window, take whichever batch comes first."""
+@contextlib.contextmanager
+def _sender(target: Callable, args: tuple, what: str, name: str) -> Iterator["tuple[mp.Process, Any]"]:
+    """``target(*args, conn)`` in a spawned process named ``name``, once it has sent ``("ready",
+    payload)`` on ``conn``: yields ``(process, payload)``. On exit it is told to stop and joined
+    (terminated, then killed, if it will not end)."""
     mpctx = mp.get_context("spawn")
     parent, child = mpctx.Pipe()
-    proc = mpctx.Process(target=_raw_router, args=(settings, child, connections), name="raw-pyzmq-router")
-    ctx = zmq.Context(connections)
-    socks = [ctx.socket(zmq.DEALER) for _ in range(connections)]
+    proc = mpctx.Process(target=target, args=(*args, child), name=name)
     try:
         proc.start()
         child.close()
         if not parent.poll(START_TIMEOUT_S):
-            raise TimeoutError(f"the raw ROUTER process did not start within {START_TIMEOUT_S:.0f}s")
+            raise TimeoutError(f"the {what} process did not start within {START_TIMEOUT_S:.0f}s")
         try:
-            kind, endpoint = parent.recv()
+            kind, payload = parent.recv()
         except EOFError:
             proc.join(STOP_JOIN_S)
-            raise RuntimeError(f"the raw ROUTER process exited (code {proc.exitcode}) before it was ready") from None
+            raise RuntimeError(f"the {what} process exited (code {proc.exitcode}) before it was ready") from None
         if kind != "ready":
-            raise RuntimeError(f"the raw ROUTER process failed:\n{endpoint}")
-        poller = zmq.Poller()
-        for sock in socks:
-            for opt, val in ((zmq.LINGER, 0), (zmq.RCVHWM, 0)):
-                sock.setsockopt(opt, val)
-            sock.connect(endpoint)
-            poller.register(sock, zmq.POLLIN)
-        images = np.empty(settings.image_bytes, np.uint8)
-        labels = np.empty(settings.batch_size, np.int64)
-        want = (settings.image_bytes, labels.nbytes)
-        credit = msgpack.packb({"v": 1, "t": 2, "stream": 1, "n": 1}, use_bin_type=True)
-        for sock in socks:
-            sock.send(msgpack.packb({"v": 1, "t": 2, "stream": 1, "n": settings.window}, use_bin_type=True))
-        turn = [0]
-
-        def next_batch() -> None:
-            # one connection: its next batch; several: the first that has one, from the one after
-            # the last served (so none waits behind the other)
-            sock = socks[0]
-            if connections > 1:
-                ready = dict(poller.poll(START_TIMEOUT_S * 1000))
-                order = socks[turn[0]:] + socks[:turn[0]]
-                sock = next((x for x in order if x in ready), None)
-                if sock is None:
-                    raise TimeoutError(f"raw: no batch within {START_TIMEOUT_S:.0f}s")
-                turn[0] = (socks.index(sock) + 1) % connections
-            header = msgpack.unpackb(sock.recv(), raw=False)
-            if zero_copy:
-                got = tuple(sock.recv(copy=False).buffer.nbytes for _ in range(2))
-            else:
-                got = (sock.recv_into(images), sock.recv_into(labels))
-            if got != want or sock.getsockopt(zmq.RCVMORE) or header["t"] != 11:
-                raise RuntimeError(f"raw: unexpected message: frames {got}, header {header}")
-            sock.send(credit)
-
-        return timed(next_batch, settings, lambda: [psutil.Process(proc.pid)])
+            raise RuntimeError(f"the {what} process failed:\n{payload}")
+        yield proc, payload
     finally:
-        for sock in socks:
-            sock.close(0)
-        ctx.term()
         if proc.pid is not None:
             with contextlib.suppress(OSError):
                 parent.send(("stop", None))
@@ -327,6 +293,55 @@ def bench_raw(settings: Settings, zero_copy: bool = False, connections: int = 1)
                 proc.kill()
                 proc.join()
         parent.close()
+
+
+def bench_raw(settings: Settings, zero_copy: bool = False, connections: int = 1) -> Run:
+    """The raw program; the receiver takes each image either into a preallocated buffer
+    (``recv_into``: one memcpy) or as zmq's own message buffer (``recv(copy=False)``: none).
+    ``connections`` DEALERs, each with the whole window, take whichever batch comes first."""
+    with _sender(_raw_router, (settings, connections), "raw ROUTER", "raw-pyzmq-router") as (proc, endpoint):
+        ctx = zmq.Context(connections)
+        socks = [ctx.socket(zmq.DEALER) for _ in range(connections)]
+        try:
+            poller = zmq.Poller()
+            for sock in socks:
+                for opt, val in ((zmq.LINGER, 0), (zmq.RCVHWM, 0)):
+                    sock.setsockopt(opt, val)
+                sock.connect(endpoint)
+                poller.register(sock, zmq.POLLIN)
+            images = np.empty(settings.image_bytes, np.uint8)
+            labels = np.empty(settings.batch_size, np.int64)
+            want = (settings.image_bytes, labels.nbytes)
+            credit = msgpack.packb({"v": 1, "t": 2, "stream": 1, "n": 1}, use_bin_type=True)
+            for sock in socks:
+                sock.send(msgpack.packb({"v": 1, "t": 2, "stream": 1, "n": settings.window}, use_bin_type=True))
+            turn = [0]
+
+            def next_batch() -> None:
+                # one connection: its next batch; several: the first that has one, from the one after
+                # the last served (so none waits behind the other)
+                sock = socks[0]
+                if connections > 1:
+                    ready = dict(poller.poll(START_TIMEOUT_S * 1000))
+                    order = socks[turn[0]:] + socks[:turn[0]]
+                    sock = next((x for x in order if x in ready), None)
+                    if sock is None:
+                        raise TimeoutError(f"raw: no batch within {START_TIMEOUT_S:.0f}s")
+                    turn[0] = (socks.index(sock) + 1) % connections
+                header = msgpack.unpackb(sock.recv(), raw=False)
+                if zero_copy:
+                    got = tuple(sock.recv(copy=False).buffer.nbytes for _ in range(2))
+                else:
+                    got = (sock.recv_into(images), sock.recv_into(labels))
+                if got != want or sock.getsockopt(zmq.RCVMORE) or header["t"] != 11:
+                    raise RuntimeError(f"raw: unexpected message: frames {got}, header {header}")
+                sock.send(credit)
+
+            return timed(next_batch, settings, lambda: [psutil.Process(proc.pid)])
+        finally:
+            for sock in socks:
+                sock.close(0)
+            ctx.term()
 
 
 # --------------------------------------------------------------------------- raw TCP sockets
@@ -387,64 +402,50 @@ def _recv_exactly(s: socket.socket, view: memoryview) -> None:
 
 def bench_raw_tcp(settings: Settings, connections: int) -> Run:
     """The raw TCP program over ``connections`` connections (see the module's docstring, row 4)."""
-    mpctx = mp.get_context("spawn")
-    parent, child = mpctx.Pipe()
-    proc = mpctx.Process(target=_raw_tcp_sender, args=(settings, connections, child), name="raw-tcp-sender")
-    socks: List[socket.socket] = []
-    try:
-        proc.start()
-        child.close()
-        if not parent.poll(START_TIMEOUT_S):
-            raise TimeoutError(f"the raw TCP process did not start within {START_TIMEOUT_S:.0f}s")
-        kind, port = parent.recv()
-        if kind != "ready":
-            raise RuntimeError(f"the raw TCP process failed:\n{port}")
-        socks = [socket.create_connection(("127.0.0.1", port), timeout=START_TIMEOUT_S) for _ in range(connections)]
-        images = np.full(settings.image_bytes, 1, np.uint8)  # touched: real pages, as a reused buffer is
-        labels = np.empty(settings.batch_size, np.int64)
-        pieces = [memoryview(images)[at:at + n] for at, n in _parts(settings, connections)]
-        for s in socks:
-            s.sendall(bytes(settings.window))  # the window's credits, one byte each
-        if connections == 1:
-            def next_batch() -> None:
-                _recv_exactly(socks[0], pieces[0])
-                _recv_exactly(socks[0], memoryview(labels).cast("B"))
-                socks[0].sendall(b"\0")
-        else:
-            done: "queue.Queue[Optional[BaseException]]" = queue.Queue()
+    with _sender(_raw_tcp_sender, (settings, connections), "raw TCP", "raw-tcp-sender") as (proc, port):
+        socks: List[socket.socket] = []
+        try:
+            socks = [socket.create_connection(("127.0.0.1", port), timeout=START_TIMEOUT_S)
+                     for _ in range(connections)]
+            images = np.full(settings.image_bytes, 1, np.uint8)  # touched: real pages, as a reused buffer is
+            labels = np.empty(settings.batch_size, np.int64)
+            pieces = [memoryview(images)[at:at + n] for at, n in _parts(settings, connections)]
+            for s in socks:
+                s.sendall(bytes(settings.window))  # the window's credits, one byte each
+            if connections == 1:
+                def next_batch() -> None:
+                    _recv_exactly(socks[0], pieces[0])
+                    _recv_exactly(socks[0], memoryview(labels).cast("B"))
+                    socks[0].sendall(b"\0")
+            else:
+                done: "queue.Queue[Optional[BaseException]]" = queue.Queue()
 
-            def receive(j: int) -> None:
-                try:
-                    while True:
-                        _recv_exactly(socks[j], pieces[j])
-                        if j == 0:
-                            _recv_exactly(socks[j], memoryview(labels).cast("B"))
-                        done.put(None)
-                        socks[j].sendall(b"\0")
-                except BaseException as exc:  # the socket closed at the end, or a failure
-                    done.put(exc)
+                def receive(j: int) -> None:
+                    try:
+                        while True:
+                            _recv_exactly(socks[j], pieces[j])
+                            if j == 0:
+                                _recv_exactly(socks[j], memoryview(labels).cast("B"))
+                            done.put(None)
+                            socks[j].sendall(b"\0")
+                    except BaseException as exc:  # the socket closed at the end, or a failure
+                        done.put(exc)
 
-            for j in range(connections):
-                threading.Thread(target=receive, args=(j,), daemon=True, name=f"raw-tcp-{j}").start()
+                for j in range(connections):
+                    threading.Thread(target=receive, args=(j,), daemon=True, name=f"raw-tcp-{j}").start()
 
-            def next_batch() -> None:
-                for _ in range(connections):
-                    err = done.get(timeout=START_TIMEOUT_S)
-                    if err is not None:
-                        raise RuntimeError(f"raw TCP receiver failed: {err!r}")
+                def next_batch() -> None:
+                    for _ in range(connections):
+                        err = done.get(timeout=START_TIMEOUT_S)
+                        if err is not None:
+                            raise RuntimeError(f"raw TCP receiver failed: {err!r}")
 
-        return timed(next_batch, settings, lambda: [psutil.Process(proc.pid)])
-    finally:
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-        if proc.pid is not None:
-            proc.join(STOP_JOIN_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        parent.close()
+            return timed(next_batch, settings, lambda: [psutil.Process(proc.pid)])
+        finally:
+            for s in socks:  # the sender's threads end at EOF
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
 
 
 # --------------------------------------------------------------- service + RemoteLoader
@@ -591,8 +592,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
             for name in CEILINGS if args.ceilings else ():
                 log(f"round {i + 1}/{args.rounds}: {LABELS[name]} ...")
-                r = bench_raw(settings, True, connections=2) if name == RAW_ZC2 else \
-                    bench_raw_tcp(settings, 1 if name == TCP1 else 2)
+                r = CEILINGS[name](settings)
                 results[name]["runs"].append(r)
                 log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
     except KeyboardInterrupt:
