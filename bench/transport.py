@@ -109,9 +109,11 @@ from loader_service.sources.demo import ensure_demo
 
 RAW, RAW_ZC, SERVICE, LOCAL = "raw_pyzmq", "raw_pyzmq_zero_copy", "service_client", "service_client_local"
 RAW_ZC2, TCP1, TCP2 = "raw_pyzmq_zero_copy_2", "raw_tcp_1", "raw_tcp_2"
+LANES = "service_client_lanes"
 LABELS = {RAW: "raw pyzmq ROUTER -> DEALER, recv_into", RAW_ZC: "raw pyzmq ROUTER -> DEALER, recv(copy=False)",
           SERVICE: "service (decode off) + RemoteLoader",
           LOCAL: "service (decode off) + RemoteLoader(local=True), shared memory",
+          LANES: "service (decode off, --lane-port) + RemoteLoader(lanes=N), bulk lanes",
           RAW_ZC2: "raw pyzmq ROUTER -> 2 DEALERs, 2 I/O threads, recv(copy=False)",
           TCP1: "raw TCP socket (no ZeroMQ), 1 connection, recv_into",
           TCP2: "raw TCP sockets (no ZeroMQ), 2 connections, a thread each, recv_into"}
@@ -449,15 +451,17 @@ def bench_raw_tcp(settings: Settings, connections: int) -> Run:
 
 
 # --------------------------------------------------------------- service + RemoteLoader
-def bench_service(settings: Settings, local: bool = False) -> "tuple[Run, bool]":
+def bench_service(settings: Settings, local: bool = False, lanes: int = 0) -> "tuple[Run, bool]":
     """Returns the run and whether decoding was really off (the first batch is all zeros).
-    ``local``: the co-located mode (batches read from the service's shared memory, one copy)."""
+    ``local``: the co-located mode (batches read from the service's shared memory, one copy);
+    ``lanes``: batch bytes on that many bulk lanes (the service with --lane-port 0)."""
     svc = start_service(["--demo", "--demo-size", str(settings.demo_size), "--workers", str(settings.workers),
-                         "--pipeline", doubles.BLANK])
+                         "--pipeline", doubles.BLANK, *(["--lane-port", "0"] if lanes else [])])
     try:
         with RemoteLoader(svc.endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
                           prefetch=settings.window, drop_last=True, pipeline="blank",
-                          pipeline_args={"size": settings.image_size}, **({"local": True} if local else {})) as loader:
+                          pipeline_args={"size": settings.image_size}, **({"local": True} if local else {}),
+                          **({"lanes": lanes} if lanes else {})) as loader:
             batches = forever(loader)
             try:
                 first = next(batches)
@@ -507,11 +511,12 @@ def report(results: dict, header: dict) -> dict:
                      "llrrrrrrr"))
     raw = max(results[RAW]["summary"]["batches_per_s"], results[RAW_ZC]["summary"]["batches_per_s"])
     procs = {RAW: "1 -> 1", RAW_ZC: "1 -> 1", SERVICE: f"1 + {s['workers']} workers -> 1",
-             LOCAL: f"1 + {s['workers']} workers -> 1", RAW_ZC2: "1 -> 1", TCP1: "1 -> 1", TCP2: "1 -> 1"}
+             LOCAL: f"1 + {s['workers']} workers -> 1", LANES: f"1 + {s['workers']} workers -> 1", RAW_ZC2: "1 -> 1", TCP1: "1 -> 1", TCP2: "1 -> 1"}
     for name, r in results.items():
         m = r["summary"]
         pct = 100.0 * m["batches_per_s"] / raw if raw else 0.0
-        print(table_row([LABELS[name], procs[name], f"{m['batches_per_s']:.1f}", f"{m['images_per_s']:.0f}",
+        label = LABELS[name].replace("=N", f"={s['lanes']}") if name == LANES else LABELS[name]
+        print(table_row([label, procs[name], f"{m['batches_per_s']:.1f}", f"{m['images_per_s']:.0f}",
                          f"{m['mb_per_s']:.0f}", f"{pct:.1f}%", f"{m['receiver_cpu_ms_per_batch']:.2f}",
                          f"{m['sender_cpu_ms_per_batch']:.2f}", f"{m['sender_io_cpu_us_per_image']:.1f}"]))
     ratios = [100.0 * sv.batches_per_s / max(rw.batches_per_s, zc.batches_per_s, 1e-9)
@@ -522,7 +527,7 @@ def report(results: dict, header: dict) -> dict:
     check = {"target": f"transport alone (no decode) >= {100 * TARGET:.0f}% of raw pyzmq", "pass": pct >= 100 * TARGET,
              "pct_of_raw": pct, "pct_of_raw_per_round": ratios,
              "detail": f"{pct:.1f}% ({results[SERVICE]['summary']['batches_per_s']:.1f} vs {raw:.1f} batches/s)"}
-    if not all(results[n]["decode_skipped"] for n in (SERVICE, LOCAL) if n in results):
+    if not all(results[n]["decode_skipped"] for n in (SERVICE, LOCAL, LANES) if n in results):
         check["detail"] += "; WARNING: the service decoded, so this is not the transport alone"
     print(f"\n{'PASS' if check['pass'] else 'MISS'} {check['target']}: {check['detail']}")
     return check
@@ -542,6 +547,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--demo-size", type=int, default=2000, help="demo images the service serves (its epoch length)")
     p.add_argument("--local", action="store_true", help="add a row: the co-located mode (RemoteLoader(local=True): "
                    "batches read from the service's shared memory instead of the socket)")
+    p.add_argument("--lanes", type=int, default=0, metavar="N", help="add a row: the service with bulk lanes "
+                   "(--lane-port), its RemoteLoader receiving each batch's bytes on N plain TCP connections")
     p.add_argument("--ceilings", action="store_true", help="add rows that bound the network path: raw pyzmq over "
                    "two connections, raw TCP sockets without ZeroMQ over one connection and striped over two")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -559,11 +566,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("--demo-size must be at least --batch-size (the service drops the last partial batch)")
     if args.window > 256:
         p.error("--window must be <= 256 (the client's prefetch limit)")
+    if not 0 <= args.lanes <= 8:
+        p.error("--lanes must be in [0, 8]")
 
     settings = Settings(args.batch_size, args.image_size, args.workers, args.window, args.warmup, args.seconds,
                         args.batches, args.demo_size)
     command_line = command("bench.transport", argv)
-    header = {"machine": machine(), "command": command_line, "settings": asdict(settings), "rounds": args.rounds,
+    header = {"machine": machine(), "command": command_line, "settings": {**asdict(settings), "lanes": args.lanes},
+              "rounds": args.rounds,
               "image_mb": settings.image_bytes / 1e6,
               "header_bytes": len(_batch_header(0, args.batch_size, args.image_size)),
               "ipc": "skipped: the service binds tcp only"}
@@ -571,6 +581,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = {RAW: {"runs": []}, RAW_ZC: {"runs": []}, SERVICE: {"runs": [], "decode_skipped": True}}
     if args.local:
         results[LOCAL] = {"runs": [], "decode_skipped": True}
+    if args.lanes:
+        results[LANES] = {"runs": [], "decode_skipped": True}
     if args.ceilings:
         results.update({name: {"runs": []} for name in CEILINGS})
     try:
@@ -584,9 +596,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 r = bench_raw(settings, zero_copy)
                 results[name]["runs"].append(r)
                 log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")
-            for name in (SERVICE, LOCAL) if args.local else (SERVICE,):
+            for name in (SERVICE, *((LOCAL,) if args.local else ()), *((LANES,) if args.lanes else ())):
                 log(f"round {i + 1}/{args.rounds}: {LABELS[name]} ...")
-                r, skipped = bench_service(settings, local=name == LOCAL)
+                r, skipped = bench_service(settings, local=name == LOCAL, lanes=args.lanes if name == LANES else 0)
                 results[name]["runs"].append(r)
                 results[name]["decode_skipped"] &= skipped
                 log(f"  {r.batches_per_s:.1f} batches/s, {r.mb_per_s:.0f} MB/s ({r.batches} batches in {r.seconds:.2f}s)")

@@ -45,6 +45,9 @@ class LoaderConfig:
     # co-located mode: a replica whose shared memory this process reaches (same host, shared /dev/shm)
     # lends its batches in place (one copy out of its slots, no socket); the others go over the socket
     local: bool = False
+    # bulk lanes: receive each batch's outputs on this many plain TCP connections per replica, beside
+    # its ZeroMQ connection, where the service offers them (--lane-port); 0: data frames only
+    lanes: int = 0
 
     @classmethod
     def of(cls, endpoint: str, **settings: Any) -> "LoaderConfig":
@@ -82,7 +85,7 @@ class LoaderConfig:
             ("timeout", self.timeout > 0), ("echo", self.echo >= 1),
             ("replica_timeout", self.replica_timeout > 0), ("heartbeat_s", self.heartbeat_s > 0),
             ("dns_refresh_s", self.dns_refresh_s >= 0), ("expect_replicas", 0 <= self.expect_replicas <= 64),
-            ("device_prefetch", 1 <= self.device_prefetch <= 8),
+            ("device_prefetch", 1 <= self.device_prefetch <= 8), ("lanes", 0 <= self.lanes <= 8),
             ("dtype", self.dtype in ("float32", "float16", "bfloat16")),
             ("mean/std", len(self.mean) == 3 and len(self.std) == 3 and all(s > 0 for s in self.std)),
         ]

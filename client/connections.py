@@ -35,6 +35,7 @@ from client import local
 from client.curve import ClientKeys
 from client.errors import LoaderError, LoaderTimeout
 from client.flow import EpochFlow
+from client.lanes import Lanes, LanesLost
 from client.replica import Replica
 from client.sinks import lends_in_place
 from client.stats import LoaderStats
@@ -200,7 +201,11 @@ class Connections:
             return None, None
         payload = None
         if isinstance(msg, P.Batch):
-            payload = sink.receive(r.sock, msg, r.borrowed)
+            try:
+                payload = sink.receive(r.sock, msg, r.borrowed, r.lanes)
+            except LanesLost:
+                r.drain()
+                raise
             if msg.local and not r.borrowed.holds(msg.stream, msg.index):  # copied out: hand it back now
                 r.send(P.Release(stream=msg.stream, batches=[msg.index]))
             self._stats.bytes += msg.image_bytes
@@ -210,6 +215,8 @@ class Connections:
             return None, None  # the stream we ended with a final Request is done
         if isinstance(msg, (P.Accept, P.DatasetInfo)) and not self._check_identity(r, msg):
             return None, None  # quarantined: its stream's batches are stale from now on
+        if isinstance(msg, P.Accept) and msg.lanes and self.config.lanes and r.lanes is None and not r.lanes_off:
+            self._open_lanes(r, msg.lanes)
         if isinstance(msg, P.Error):
             if msg.code == P.ErrorCode.SHUTTING_DOWN:  # the reconnect that follows restarts the stream
                 r.shutdown_at, r.shutdown_wall = time.monotonic(), time.time()  # said if it never comes back
@@ -219,6 +226,21 @@ class Connections:
                 raise LoaderError(msg.code, f"{msg.message} (from {r.endpoint})" if len(self.replicas) > 1
                                   else msg.message, msg.traceback)
         return msg, payload
+
+    def _open_lanes(self, r: Replica, port: int) -> None:
+        """Open ``config.lanes`` bulk lanes to ``r``'s service, on ``port`` of its host; where they
+        cannot be opened (a firewall lets the data port alone through, say) the loader goes on
+        without, and says why once."""
+        if r.endpoint in self.colocated:
+            return  # its batches are handed over in place: nothing to carry
+        host = r.endpoint.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+        try:
+            r.lanes = Lanes(host, port, r.identity, self.config.lanes, self.frame_cap, self._queued)
+        except OSError as exc:
+            r.lanes_off = f"cannot open bulk lanes to {host}:{port}: {exc}"
+            log.warning("service replica %s: %s; its batches come in data frames", r.endpoint, r.lanes_off)
+            return
+        log.info("service replica %s: %d bulk lanes open on port %d", r.endpoint, self.config.lanes, port)
 
     def _usable(self, r: Replica) -> bool:
         """``r`` may take this epoch's batches now (what :class:`~client.epoch.EpochRun` asks of)."""

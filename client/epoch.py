@@ -25,6 +25,7 @@ from client.connections import Connections
 from client.errors import LoaderError
 from client.fleet import Fleet
 from client.flow import EpochFlow, InOrder
+from client.lanes import LanesLost
 from client.lookahead import Lookahead
 from client.replica import Replica
 from client.stats import LoaderStats
@@ -180,7 +181,12 @@ class EpochRun:
         for _ in range(64):
             if not r.has_message():
                 break
-            msg, payload = self.conns.recv(r, self.sink)
+            try:
+                msg, payload = self.conns.recv(r, self.sink)
+            except LanesLost as exc:
+                self._lanes_lost(r, exc)
+                heard = True
+                continue
             if isinstance(msg, P.Progress):  # the service is alive, but the timeout counts until a batch
                 r.progress, r.progress_at = msg, time.monotonic()
                 continue
@@ -231,6 +237,14 @@ class EpochRun:
             return
         self.stats.restarts += 1
         self.conns.hello(r, r.epoch, sorted(self.flow.outstanding.get(r.index, ())))
+
+    def _lanes_lost(self, r: Replica, exc: LanesLost) -> None:
+        """``r``'s bulk lanes failed: what it owes is asked for again on a new stream, in data
+        frames from now on (a batch whose bytes were lost is still owed: none is lost or doubled)."""
+        log.warning("service replica %s: %s; asking again for its %d batches owed, in data frames from now on",
+                    r.endpoint, exc.why, len(self.flow.outstanding.get(r.index, ())))
+        r.drop_lanes(exc.why)
+        self._restart(r)
 
     def _on_monitor(self, r: Replica, now: float) -> None:
         was_up = r.down_since is None

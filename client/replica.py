@@ -22,6 +22,7 @@ from client.attempts import Attempts, Probe, Refuse
 from client.curve import AUTH_FAILED, EVENTS as HANDSHAKE_EVENTS, ClientKeys, HandshakeWatch, greeting_mechanism, \
     secure_dealer
 from client.errors import LoaderError
+from client.lanes import Lanes
 from client.local import Borrowed
 
 
@@ -90,6 +91,10 @@ class Replica:
         # co-located: the batches of this connection the trainer holds in place (its limit is
         # set by the loader once it knows the stream's slots; 0: every batch copied out)
         self.borrowed = Borrowed()
+        # bulk lanes to its service, once open (client.lanes); why this connection goes without them
+        self.lanes: Optional[Lanes] = None
+        self.lanes_off = ""
+        self.identity = sock.getsockopt(zmq.IDENTITY)
 
     def stall(self, wait_s: float, h2d_s: float) -> None:
         """The trainer waited ``wait_s`` more seconds; the next message reports it."""
@@ -100,6 +105,8 @@ class Replica:
         """Start ``stream`` on this connection (``hello``'s stream field is set here)."""
         self.stream, self.epoch, self.accepted, self.progress = stream, hello.epoch, False, None
         self.slots = hello.slots
+        if self.lanes is not None:
+            self.lanes.assembly.forget(stream)
         self.move_on()
         self.send(dataclasses.replace(hello, stream=stream))
 
@@ -222,7 +229,16 @@ class Replica:
         while self.sock.getsockopt(zmq.RCVMORE):
             self.sock.recv(copy=False)
 
+    def drop_lanes(self, why: str) -> None:
+        """Go on without bulk lanes on this connection (for good: the next ones would likely fail alike)."""
+        self.lanes_off = why
+        if self.lanes is not None:
+            self.lanes.close()
+            self.lanes = None
+
     def close(self) -> None:
+        if self.lanes is not None:
+            self.lanes.close()
         try:
             self.move_on()  # a detach that fails is raised, after the socket is closed all the same
         finally:

@@ -70,6 +70,7 @@ from wire import protocol as P
 from client.batch import Batch
 from client.config import LoaderConfig
 from client.errors import LoaderError
+from client.lanes import Lanes, LanesLost
 from client.local import CAN_LEND, Borrowed, Mapping, Mappings
 from client.transform import Normalize
 
@@ -187,6 +188,13 @@ def _recv_size(sock: zmq.Socket, into: Optional[np.ndarray]) -> int:
     return len(sock.recv()) if into is None else sock.recv_into(into)
 
 
+def _from_lanes(lanes: Optional[Lanes], msg: P.Batch, timeout: float) -> np.ndarray:
+    """The bytes of a batch sent on bulk lanes, once they are all here (LanesLost: they will not be)."""
+    if lanes is None:
+        raise LanesLost(f"batch {msg.index} came on bulk lanes this connection has not open")
+    return lanes.take(msg.stream, msg.index, msg.image_bytes, timeout)
+
+
 def _copy_in_place(mappings: Mappings, msg: P.Batch, outputs: List[np.ndarray]) -> None:
     """A batch handed over in place (co-located, ``msg.local``): each output's block of the service's slot copied
     once into ``outputs`` (the Release that follows gives the slot back). The decode checked that
@@ -246,10 +254,22 @@ class HostSink:
         self.mappings = Mappings(writable=True)
         self.h2d_s = 0.0
 
-    def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None):
+    def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None,
+                lanes: Optional[Lanes] = None):
         """The batch's (outputs, labels). ``borrowed``: the connection's batches held in place,
         where a co-located batch's outputs are lent as views of the service's slot if it takes
-        them (see client/local.py); otherwise they are copied out."""
+        them (see client/local.py); otherwise they are copied out. ``lanes``: the connection's
+        bulk lanes, where a batch sent on them (``msg.lanes``) lies: its outputs are views of the
+        buffer the lanes received it into."""
+        if msg.lanes:
+            shapes = _check_outputs(msg, self.outputs)
+            data, raw, at = _from_lanes(lanes, msg, self.config.timeout), [], 0
+            for _, shape in shapes:
+                nbytes = math.prod(shape)
+                raw.append(torch.from_numpy(data[at:at + nbytes]).view(shape) if nbytes
+                           else torch.empty(shape, dtype=torch.uint8))
+                at += nbytes
+            return raw, _recv_labels(sock, msg)
         if msg.local:
             shapes = _check_outputs(msg, self.outputs)
             name, blocks = msg.local  # one block per output, each its size (the protocol checked them)
@@ -362,8 +382,10 @@ class CudaSink:
         self.settled, self.settle_s = 0, 0.0  # waits for copies from lent slots (a detach, an unmapping)
         self.h2d_s = 0.0
 
-    def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None):
-        """Into a free entry of the pinned ring. A co-located batch: its outputs stay in the service's slot,
+    def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None,
+                lanes: Optional[Lanes] = None):
+        """Into a free entry of the pinned ring (a batch sent on bulk lanes: copied there from
+        the buffer the lanes received it into). A co-located batch: its outputs stay in the service's slot,
         lent (``borrowed``) until the copy that reads them is done, where the mapping can be
         registered; else copied from there into the ring's entry and handed back at once."""
         self._let_go_copied()
@@ -381,6 +403,12 @@ class CudaSink:
                 if lent is None:  # one copy from the service's slot into the ring's entry
                     _copy_in_place(self.mappings, msg, [h.numpy() for h in host])
                 _recv_frames(sock, msg, [], labels)  # the labels, its only data frame
+            elif msg.lanes:
+                data, at = _from_lanes(lanes, msg, self.config.timeout), 0
+                for h in host:
+                    np.copyto(h.numpy().reshape(-1), data[at:at + h.numel()])
+                    at += h.numel()
+                _recv_frames(sock, msg, [], labels)
             else:
                 _recv_frames(sock, msg, host, labels)
         except BaseException:

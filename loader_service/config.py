@@ -52,6 +52,10 @@ class ServiceConfig:
     host: Annotated[str, opt("address to bind (0.0.0.0 in containers)")] = "127.0.0.1"
     data_port: Annotated[int, opt("ZeroMQ data port (0: any free port)")] = 5555
     http_port: Annotated[int, opt("REST port, also the status page at / (0: any free port)")] = 8080
+    lane_port: Annotated[int, opt(
+        "bulk-lane port: clients that ask (RemoteLoader(lanes=N)) receive batch bytes on N plain TCP connections "
+        "here, beside the data port, at up to twice its throughput (docs/deployment.md); -1: no lanes, 0: any free "
+        "port. Not encrypted: refused with --curve-keys")] = -1
     max_shm_mb: Annotated[int, opt("cap on batch slots in shared memory, all clients together (MiB)")] = 4096
     reclaim_idle_s: Annotated[float, opt(
         "a connected client's stream that has asked for nothing, with nothing in flight, for this long lends its "
@@ -158,6 +162,11 @@ class ServiceConfig:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if not -1 <= self.lane_port <= 65535:
+            raise ValueError(f"lane_port must be -1 (no lanes) or in [0, 65535], got {self.lane_port}")
+        if self.lane_port >= 0 and self.curve_keys:
+            raise ValueError("bulk lanes (--lane-port) carry batches in the clear: they cannot be used with "
+                             "--curve-keys; leave --lane-port at -1")
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
         if self.start_method not in START_METHODS:

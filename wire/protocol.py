@@ -12,6 +12,7 @@ service's dependencies.
 """
 
 import math
+import struct
 from dataclasses import MISSING, dataclass, field, fields
 from enum import IntEnum
 from typing import Any, ClassVar, Optional, Sequence, Union, get_args, get_origin, get_type_hints
@@ -210,6 +211,12 @@ class Accept(Message):
     dataset: str
     service: str = ""  # the service instance id (changes on restart)
     fingerprint: str = ""  # the dataset's identity beside its length (Source.fingerprint)
+    # the service's bulk-lane port (see "Bulk lanes" below): a client may open lanes there and
+    # receive its batches' outputs on them; 0: the service has none
+    lanes: int = 0
+
+    def check(self) -> None:
+        _range(self, "lanes", 0, 65535)
 
 
 @dataclass(frozen=True)
@@ -237,10 +244,16 @@ class Batch(Message):
     # co-located: [segment name, [[offset, bytes], ...]], each output's block in the service's shared
     # memory (the client copies it out, then sends Release); the data frames are the labels alone
     local: list = field(default_factory=list)
+    # > 0: the outputs' bytes come on this many bulk lanes (lane_stripe), not in data frames; the
+    # data frames are the labels alone
+    lanes: int = 0
 
     def check(self) -> None:
         if self.local:
             _check_local(self)
+        _range(self, "lanes", 0, MAX_LANES)
+        if self.lanes and self.local:
+            raise ProtocolError("Batch.lanes and Batch.local exclude each other")
         if self.chunk and not ZERO_COPY_MIN_BYTES <= self.chunk <= MAX_CHUNK_BYTES:
             raise ProtocolError(f"Batch.chunk must be 0 or in [{ZERO_COPY_MIN_BYTES}, {MAX_CHUNK_BYTES}], "
                                 f"got {self.chunk}")
@@ -260,7 +273,7 @@ class Batch(Message):
 
     def data_frames(self) -> int:
         """Frames after the header: each output's (several when chunked, none when handed over in place), then the labels'."""
-        if self.local:
+        if self.local or self.lanes:
             return 1
         return sum(frame_count(math.prod(s), self.chunk) for _, s in self.output_shapes()) + 1
 
@@ -511,10 +524,58 @@ def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
     if len(sizes) != msg.data_frames():
         raise ProtocolError(f"{type(msg).__name__} takes {msg.data_frames()} data frames, got {len(sizes)}")
     if isinstance(msg, Batch):  # the count matched, so these lists are as long as what came
-        want = [] if msg.local else [n for _, s in msg.output_shapes() for n in frame_sizes(math.prod(s), msg.chunk)]
+        want = [] if msg.local or msg.lanes else [n for _, s in msg.output_shapes() for n in frame_sizes(math.prod(s), msg.chunk)]
         want.append(8 * len(msg.indices))
         if list(sizes) != want:
             raise ProtocolError(f"Batch frames are {list(sizes)} bytes, header says {want}")
+
+
+# --------------------------------------------------------------------------- bulk lanes
+# A client that asks for them (RemoteLoader(lanes=N)) opens N plain TCP connections to the port its
+# service names in Accept.lanes, and says on each, within LANE_HELLO_S, which ZeroMQ connection it
+# belongs to (that connection's routing id: 16 random bytes the service already knows) and which
+# lane of how many it is. From then on the service may send a batch's outputs on the lanes instead
+# of in data frames (Batch.lanes): the outputs' bytes, one after another, split in LANE_COUNT
+# stripes (lane_stripe), lane i carrying stripe i after a LANE_PIECE header. The client receives
+# each stripe straight into the batch's buffer (recv_into): one copy fewer than a ZeroMQ frame,
+# and several connections at once (docs/benchmarks.md section 17). Lanes carry no secret and are
+# not encrypted: a service with CURVE keys has none.
+MAX_LANES = 8
+LANE_MAGIC = b"RLL1"
+LANE_HELLO = struct.Struct("<4s16sBB")  # magic, the ZeroMQ routing id, this lane's number, the lanes in all
+LANE_PIECE = struct.Struct("<4sQQQ")  # magic, stream, batch index, the batch's output bytes in all
+LANE_HELLO_S = 5.0  # a lane that has not said who it is by then is closed
+
+
+def lane_stripe(total: int, lane: int, lanes: int) -> tuple:
+    """The ``[start, end)`` of ``total`` bytes that lane ``lane`` of ``lanes`` carries."""
+    return total * lane // lanes, total * (lane + 1) // lanes
+
+
+def lane_hello(identity: bytes, lane: int, lanes: int) -> bytes:
+    return LANE_HELLO.pack(LANE_MAGIC, identity, lane, lanes)
+
+
+def parse_lane_hello(data: bytes) -> tuple:
+    """(routing id, lane, lanes) from a lane's first bytes; raise ProtocolError."""
+    if len(data) != LANE_HELLO.size:
+        raise ProtocolError(f"a lane hello is {LANE_HELLO.size} bytes, got {len(data)}")
+    magic, identity, lane, lanes = LANE_HELLO.unpack(data)
+    if magic != LANE_MAGIC or not 1 <= lanes <= MAX_LANES or lane >= lanes:
+        raise ProtocolError(f"not a lane hello (magic {brief(magic)}, lane {lane} of {lanes})")
+    return identity, lane, lanes
+
+
+def lane_piece(stream: int, index: int, total: int) -> bytes:
+    return LANE_PIECE.pack(LANE_MAGIC, stream, index, total)
+
+
+def parse_lane_piece(data: Buffer) -> tuple:
+    """(stream, batch index, the batch's output bytes) from a piece header; raise ProtocolError."""
+    magic, stream, index, total = LANE_PIECE.unpack(data)
+    if magic != LANE_MAGIC:
+        raise ProtocolError(f"a lane piece starts with {brief(bytes(magic))}, not {LANE_MAGIC!r}")
+    return stream, index, total
 
 
 def frame_sizes(nbytes: int, chunk: int) -> list:

@@ -100,7 +100,8 @@ def format_status(st: dict) -> str:
     w, t = st["workers"], st["totals"]
     lines = [
         f"service {st['instance']}  up {st['uptime_s']:.0f}s  data port {st['data_port']}"
-        + (" (CURVE)" if st.get("data_port_curve") else ""),
+        + (" (CURVE)" if st.get("data_port_curve") else "")
+        + (f", lane port {st['lane_port']} ({st.get('lanes_open', 0)} lanes open)" if st.get("lane_port", -1) >= 0 else ""),
         "datasets: " + ", ".join(f"{n} ({d['length']} samples)" for n, d in st["datasets"].items()),
         f"workers: target {w['target']}  " + "  ".join(f"{k} {v}" for k, v in sorted(w["counts"].items()))
         + f"  deaths {w['deaths']}" + (f"  BROKEN: {w['broken'].splitlines()[0]}" if w.get("broken") else ""),

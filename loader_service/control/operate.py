@@ -39,6 +39,8 @@ def snapshot(d: "Dispatcher", autoscaler: Optional[Autoscaler] = None) -> Servic
     return ServiceStatus(
         instance=d.instance, uptime_s=round(time.time() - d.started, 1), healthy=not problem,
         problem=problem, data_port=d.data_port, data_port_curve=d.guard.curve,
+        lane_port=d.lanes.port if d.lanes is not None else -1,
+        lanes_open=sum(s.count for s in d.lane_sets.values() if s.ready),
         datasets={n: status.dataset(s, d.disk_changes.get(n)) for n, s in d.sources.items()},
         shard_cache={n: s.cache_status() for n, s in d.sources.items() if hasattr(s, "cache_status")},
         workers=status.workers(pool, t.hung_tasks, now),

@@ -138,19 +138,24 @@ class Send:
 
 @dataclass(frozen=True)
 class SendData:
-    """Send a batch to ``ident``: ``header``, the ``blocks`` (offset, size) of ``segment`` (large
+    """Send a batch to ``ident``: its ``message``, the ``blocks`` (offset, size) of ``segment`` (large
     ones zero-copy: :class:`LetGo` comes back once libzmq lets go of them all, or at once if none
     was), then ``labels``. Without ``let_go`` no LetGo comes: a co-located client borrows the
     slot and hands it back with a Release (:mod:`.local`)."""
 
     ident: bytes
-    header: bytes
+    message: "P.Batch"
     segment: "Segment"
     blocks: Tuple[Tuple[int, int], ...]
     labels: bytes
     stream: "Stream"
     slot: int
     let_go: bool = True
+
+    @property
+    def header(self) -> bytes:
+        """The message's frame 0, as sent in data frames."""
+        return P.encode_header(self.message)
 
 
 @dataclass(frozen=True)

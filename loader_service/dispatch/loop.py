@@ -29,11 +29,14 @@ import sys
 import threading
 import time
 import traceback
+import socket
 import uuid
 from collections import deque
+from dataclasses import replace
 from concurrent.futures import Future
 from typing import Callable, Deque, Dict, Optional
 
+import numpy as np
 import zmq
 
 from wire import protocol as P
@@ -42,6 +45,7 @@ from loader_service.decode.pipelines import Registry
 from loader_service.dispatch import events as E
 from loader_service.dispatch import heap, local, sending
 from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
+from loader_service.dispatch.lanes import LaneListener, LaneSet
 from loader_service.dispatch.mailbox import Mailbox
 from loader_service.dispatch.state import DispatchState
 from loader_service.sources import Source
@@ -52,6 +56,7 @@ log = logging.getLogger("loader_service.dispatch.loop")
 
 CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued may take to leave
 CLIENT_QUEUE = 32  # messages of one connection queued unread at most (ZMQ_RCVHWM)
+MAX_LANES_TOTAL = 256  # bulk lanes of all clients together (a sender thread each); past it a lane is closed
 
 
 class Dispatcher:
@@ -66,6 +71,17 @@ class Dispatcher:
         pipelines = Registry(config.pipeline)  # first: a pipeline that does not import stops the start here
         self.instance = uuid.uuid4().hex[:12]
         self.ctx, self.front, self.guard, self.monitor, self.data_port = _data_port(config)
+        self.lane_sets: Dict[bytes, LaneSet] = {}  # a client's routing id -> its bulk lanes (loop thread only)
+        self.lanes: Optional[LaneListener] = None
+        if config.lane_port >= 0:
+            try:
+                self.lanes = LaneListener(config.host, config.lane_port, self._lane_arrived)
+            except OSError as exc:
+                self.monitor.close(0)
+                self.front.close(0)
+                self.guard.close()
+                self.ctx.term()
+                raise cannot_bind("lane", config.host, config.lane_port, exc.errno) from None
         # The workers' socket has a context (an I/O thread) of its own: on the data port's, every
         # task and result queued behind the work of every client connection; at 10,000 connections
         # that thread spends most of its time in libzmq's heartbeat timers (issue 32, see
@@ -76,7 +92,8 @@ class Dispatcher:
         self.mailbox = Mailbox()  # functions other threads hand to this one
         self.colocation = local.Colocation()  # the probe a co-located client reads (issue 41)
         self.state = DispatchState(config, sources, pipelines, self.pool, self.instance,
-                                   self.guard.authorized if self.guard.curve else None, self.colocation.name)
+                                   self.guard.authorized if self.guard.curve else None, self.colocation.name,
+                                   self.lanes.port if self.lanes is not None else 0)
         self._events: Deque[E.Event] = deque()  # events met while carrying out commands: handled next
         self._handling = False
         # dataset name -> DiskChange: written whole by the service's watch thread, read by snapshot
@@ -174,6 +191,10 @@ class Dispatcher:
             self._events.append(E.Unreachable(ident))
 
     def _send_data(self, c: E.SendData) -> None:
+        lanes = self.lane_sets.get(c.ident) if c.let_go and self.lane_sets else None
+        if lanes is not None and lanes.ready and sum(size for _, size in c.blocks):
+            self._send_on_lanes(c, lanes)
+            return
         pending = [0]  # zero-copy frames of this batch libzmq still reads: the slot is free at 0
 
         def sent() -> None:  # a post: runs on this thread, after this method has counted every frame
@@ -186,10 +207,61 @@ class Dispatcher:
             frame, zero_copy = sending.frame(c.segment, offset, size, lambda: self.post(sent))
             frames.append(frame)
             pending[0] += zero_copy
-        self._send_frames(c.ident, [c.header, *frames, c.labels], copy=False)
+        self._send_frames(c.ident, [P.encode_header(c.message), *frames, c.labels], copy=False)
         if not pending[0] and c.let_go:
             self._events.append(E.LetGo(c.stream, c.slot))
         del frames  # unsent zero-copy frames are released here: their ``sent`` runs all the same
+
+    def _send_on_lanes(self, c: E.SendData, lanes: LaneSet) -> None:
+        """The batch's outputs striped over the client's bulk lanes, the message and the labels in
+        data frames; the slot is let go of once every lane is done with its stripe."""
+        pending = [lanes.count]
+
+        def sent() -> None:  # a post, like a zero-copy frame's
+            pending[0] -= 1
+            if not pending[0]:
+                self.handle(E.LetGo(c.stream, c.slot))
+
+        views = [memoryview(c.segment.array(np.uint8, (size,), offset)) for offset, size in c.blocks]
+        lanes.send(c.message.stream, c.message.index, views, lambda: self.post(sent))
+        del views  # the senders hold what they still write
+        self._send_frames(c.ident, [P.encode_header(replace(c.message, lanes=lanes.count)), c.labels])
+
+    # ------------------------------------------------------------------ bulk lanes
+    def _lane_arrived(self, ident: bytes, lane: int, lanes: int, sock: socket.socket) -> None:
+        """A lane said who it is (the listener's thread): the loop decides whether to keep it."""
+        if self._closed:
+            sock.close()
+        else:
+            self.post(lambda: self._adopt_lane(ident, lane, lanes, sock))
+
+    def _adopt_lane(self, ident: bytes, lane: int, lanes: int, sock: socket.socket) -> None:
+        """Keep lane ``lane`` of ``lanes`` for client ``ident`` if it has a session here and room
+        is left; a set that failed, or of another count, makes way for a new one."""
+        if self._closed or self.state.sessions.get(ident) is None \
+                or sum(s.count for s in self.lane_sets.values()) + 1 > MAX_LANES_TOTAL:
+            sock.close()
+            return
+        current = self.lane_sets.get(ident)
+        if current is None or current.broken or current.count != lanes or current.has(lane):
+            if current is not None:
+                current.close()
+            current = self.lane_sets[ident] = LaneSet(ident, lanes)
+        current.add(lane, sock)
+
+    def _sweep_lanes(self) -> None:
+        """Close the lanes of clients whose session is gone, and sets that failed."""
+        for ident, lanes in list(self.lane_sets.items()):
+            if lanes.broken or self.state.sessions.get(ident) is None:
+                del self.lane_sets[ident]
+                lanes.close()
+
+    def _close_lanes(self) -> None:
+        if self.lanes is not None:
+            self.lanes.close()
+        for lanes in self.lane_sets.values():
+            lanes.close()
+        self.lane_sets.clear()
 
     def _assign(self, c: E.Assign) -> None:
         self.pool.assign(c.worker, c.task)
@@ -248,6 +320,8 @@ class Dispatcher:
             self._read_monitor()  # a report still queued confirms its connection
         self.pool.expire_starts(now)
         self.handle(E.Tick())
+        if self.lane_sets:
+            self._sweep_lanes()
 
     def _poll_timeout_ms(self) -> Optional[int]:
         """Until the state's next deadline, a starting worker's deadline, or the end of a
@@ -334,6 +408,7 @@ class Dispatcher:
             self.pool.close(timeout=self.config.stop_timeout_s)
         finally:
             self.handle(E.Closed())
+            self._close_lanes()  # before the segments go: a sender may still read a slot
             self.monitor.close(0)
             self.front.close()  # LINGER (CLOSE_LINGER_MS) lets the goodbyes above leave
             self.guard.close()  # the ZAP handler's socket would hold term() up
@@ -391,8 +466,9 @@ def _data_port(config: ServiceConfig):
 
 
 def cannot_bind(port: str, host: str, number: int, err: int) -> OSError:
-    """The error for a ``port`` ("data" or "REST") that cannot be bound, with what to change."""
-    option = {"data": "--data-port / LOADER_DATA_PORT", "REST": "--http-port / LOADER_HTTP_PORT"}[port]
+    """The error for a ``port`` ("data", "REST" or "lane") that cannot be bound, with what to change."""
+    option = {"data": "--data-port / LOADER_DATA_PORT", "REST": "--http-port / LOADER_HTTP_PORT",
+              "lane": "--lane-port / LOADER_LANE_PORT"}[port]
     if err == errno.EADDRINUSE:
         hint = f"another process listens there: choose another port with {option}, or 0 for any free one"
     elif err == errno.EADDRNOTAVAIL:

@@ -66,12 +66,14 @@ class DispatchState:
     ``workers``: the pool, read only (its places, counts and what each worker is on);
     ``instance``: this service's id, sent in every Accept; ``authorized``: whether a CURVE key
     may still be served (None without CURVE); ``probe``: the shared-memory segment a co-located
-    client reads to know it shares this host's /dev/shm (:mod:`.local`; "": none)."""
+    client reads to know it shares this host's /dev/shm (:mod:`.local`; "": none); ``lane_port``:
+    the bulk-lane port every Accept names (:mod:`.lanes`; 0: none)."""
 
     def __init__(self, config: ServiceConfig, sources: Dict[str, Source], pipelines: Registry, workers: WorkerPool,
-                 instance: str, authorized: Optional[Callable[[str, float], bool]] = None, probe: str = ""):
+                 instance: str, authorized: Optional[Callable[[str, float], bool]] = None, probe: str = "",
+                 lane_port: int = 0):
         self.config, self.workers, self.instance, self.authorized = config, workers, instance, authorized
-        self.probe = probe
+        self.probe, self.lane_port = probe, lane_port
         self.admission = Admission(sources, pipelines, StreamLimits(on_error=config.on_error,
                                                                     max_skipped=config.max_skipped))
         self.sessions = Sessions()
@@ -334,7 +336,7 @@ class DispatchState:
         self._send(session.ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=plan.num_batches,
                                            num_samples=plan.num_samples, dataset_length=len(s.source),
                                            dataset=s.source.name, service=self.instance,
-                                           fingerprint=s.source.fingerprint()))
+                                           fingerprint=s.source.fingerprint(), lanes=self.lane_port))
         log.info("client %s job %r rank %d/%d epoch %d: stream %d asked at once for %d of %d batches%s", session.name,
                  hello.job, hello.rank, hello.spec.world_size, hello.epoch, hello.stream, len(s.state.order),
                  plan.num_batches, " (lookahead)" if hello.lookahead else "")
@@ -473,7 +475,7 @@ class DispatchState:
             self.totals.skipped += len(out.message.skipped)
         n = len(out.indices)
         labels = np.ascontiguousarray(s.source.labels[out.indices], dtype=np.int64).tobytes()
-        self._out.append(E.SendData(s.ident, P.encode_header(out.message), s.segment, tuple(out.blocks), labels,
+        self._out.append(E.SendData(s.ident, out.message, s.segment, tuple(out.blocks), labels,
                                     s, e.slot, let_go=not in_place))
         # counted as sent now: a send that finds the connection gone drops the client right after
         session = self.sessions.get(s.ident)

@@ -159,6 +159,8 @@ class ServiceStatus(_Frozen):
     problem: str  # why not healthy ("" when healthy)
     data_port: int
     data_port_curve: bool = False  # CURVE (--curve-keys) on the data port
+    lane_port: int = -1  # the bulk-lane port (--lane-port; -1: none)
+    lanes_open: int = 0  # bulk lanes of all clients, sending now
     datasets: Dict[str, DatasetStatus]
     workers: WorkersStatus
     clients: List[ClientStatus]  # the busiest CLIENTS_SHOWN clients (see clients_total)

@@ -1,0 +1,132 @@
+"""Bulk lanes (issue 41): batch bytes on plain TCP connections beside the ZeroMQ one. The same
+bytes as in data frames, every sample once; a lane cut in the middle of an epoch costs nothing
+(what it owed is asked for again in data frames); strangers on the lane port are closed; a
+service with CURVE keys refuses to open a lane port."""
+
+import socket
+import struct
+
+import pytest
+import torch
+
+from client import RemoteLoader
+from loader_service.config import ServiceConfig
+from wire import protocol as P
+
+from tests.conftest import DEMO_SIZE
+
+KW = dict(batch_size=8, image_size=32, shuffle=True, seed=3, epoch_lookahead=False)
+
+
+def _epoch(endpoint, epochs=1, cut_after=None, cut=None, **kw):
+    """Every batch of ``epochs`` epochs as (epoch, indices, raw, labels, batch); ``cut_after``:
+    after that many batches, ``cut(loader)`` cuts a lane; and whether each replica's lanes were
+    open at the end."""
+    out = []
+    with RemoteLoader(endpoint, **KW, **kw) as ld:
+        for e in range(epochs):
+            ld.set_epoch(e)
+            for k, b in enumerate(ld):
+                out.append((e, b.indices, b.raw.clone(), b.labels.clone(), b))
+                if cut_after is not None and len(out) == cut_after:
+                    assert ld._conns.replicas[0].lanes is not None, "the lanes were not open"
+                    cut(ld)
+        used = [r.lanes is not None for r in ld._conns.replicas]
+    return out, used
+
+
+def _same(a, b):
+    assert [x[:2] for x in a] == [x[:2] for x in b]
+    for (_, _, raw_a, lab_a, _), (_, _, raw_b, lab_b, _) in zip(a, b):
+        assert torch.equal(raw_a, raw_b) and torch.equal(lab_a, lab_b)
+
+
+def test_batches_on_lanes_are_the_batches_in_data_frames(make_service):
+    service = make_service(lane_port=0)
+    frames, used_frames = _epoch(service.endpoint, epochs=2)
+    lanes, used_lanes = _epoch(service.endpoint, epochs=2, lanes=3)
+    assert used_frames == [False] and used_lanes == [True]
+    _same(frames, lanes)
+    for e in (0, 1):
+        assert sorted(i for ep, idx, *_ in lanes if ep == e for i in idx) == list(range(DEMO_SIZE))
+    kept = [b for *_, b in lanes]
+    assert all(torch.equal(k.raw, x[2]) for k, x in zip(kept, lanes))  # a kept batch keeps its own bytes
+    status = service.dispatcher.call(lambda: service.dispatcher.lane_sets).result(5)
+    assert status == {}  # the loader closed: its lanes went with its session
+
+
+@pytest.mark.parametrize("side", ["service", "client"])
+def test_a_lane_cut_mid_epoch_loses_and_doubles_nothing(make_service, caplog, side):
+    service = make_service(lane_port=0)
+    d = service.dispatcher
+
+    def cut(ld):
+        if side == "client":
+            ld._conns.replicas[0].lanes._socks[1].shutdown(socket.SHUT_RDWR)
+        else:  # on the dispatcher's thread, which owns the lanes
+            d.call(lambda: [s._socks[1].shutdown(socket.SHUT_RDWR) for s in d.lane_sets.values()]).result(5)
+
+    plain, _ = _epoch(service.endpoint, epochs=2)
+    after_cut, used = _epoch(service.endpoint, epochs=2, cut_after=3, cut=cut, lanes=2)
+    assert used == [False]  # after the cut: data frames for good
+    _same(plain, after_cut)
+    assert "lane 1" in caplog.text and "asking again for its" in caplog.text
+
+
+def test_a_service_without_lanes_serves_a_loader_that_asks_for_them(make_service):
+    service = make_service()
+    plain, used = _epoch(service.endpoint, lanes=2)
+    assert used == [False]
+    assert sorted(i for _, idx, *_ in plain for i in idx) == list(range(DEMO_SIZE))
+
+
+def _connect(port):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.settimeout(5)
+    return s
+
+
+def _closed_by_peer(s) -> bool:
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_strangers_on_the_lane_port_are_closed_and_the_service_serves_on(make_service):
+    service = make_service(lane_port=0)
+    port = service.dispatcher.lanes.port
+    garbage = _connect(port)
+    garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    unknown = _connect(port)
+    unknown.sendall(P.lane_hello(b"\x01" * 16, 0, 1))  # a routing id with no session
+    bad_count = _connect(port)
+    bad_count.sendall(struct.pack("<4s16sBB", P.LANE_MAGIC, b"\x02" * 16, 3, 2))  # lane 3 of 2
+    try:
+        for s in (garbage, unknown, bad_count):
+            assert _closed_by_peer(s)
+        out, _ = _epoch(service.endpoint, lanes=2)
+        assert sorted(i for _, idx, *_ in out for i in idx) == list(range(DEMO_SIZE))
+    finally:
+        for s in (garbage, unknown, bad_count):
+            s.close()
+
+
+def test_a_silent_lane_is_closed_after_its_deadline(make_service, monkeypatch):
+    from loader_service.dispatch import lanes as L
+
+    monkeypatch.setattr(L.P, "LANE_HELLO_S", 0.3)
+    service = make_service(lane_port=0)
+    silent = _connect(service.dispatcher.lanes.port)
+    silent.sendall(P.LANE_MAGIC)  # a part of a hello, then nothing
+    try:
+        assert _closed_by_peer(silent)
+    finally:
+        silent.close()
+
+
+def test_lanes_and_curve_keys_exclude_each_other(tmp_path):
+    with pytest.raises(ValueError, match="cannot be used with --curve-keys"):
+        ServiceConfig(demo=True, lane_port=0, curve_keys=str(tmp_path))
+    with pytest.raises(ValueError, match="lane_port must be -1"):
+        ServiceConfig(demo=True, lane_port=-2)
