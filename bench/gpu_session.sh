@@ -9,8 +9,8 @@
 #   bash bench/gpu_session.sh bench    # ON THE GPU: python -m bench.gpu at batch 128 and 256, and 256 co-located
 #   bash bench/gpu_session.sh issue41  # ON THE GPU: issue 41's checks in one call: tests/cuda, the
 #                                      # copy_read mutant run, bench.gpu at 256 and 128 with a model
-#                                      # the service outpaces (--model-passes 5), fed over TCP and
-#                                      # co-located
+#                                      # the service outpaces (--model-passes 5), fed over TCP (data
+#                                      # frames, and bulk lanes) and co-located
 #   bash bench/gpu_session.sh lease    # ON THE GPU: what one 15-minute lease holds, most telling
 #                                      # first, every part cut to what is left of LEASE_S (540 s):
 #                                      # tests/cuda, the 1-GPU torchrun example, bench.gpu at 256
@@ -152,8 +152,8 @@ case $STEP in
     part cuda-plain 120 pass "$PY" -m pytest tests/cuda -v -rs -p no:cacheprovider
     part mutant-copy-read 100 pass "$PY" tests/cuda/run_mutants.py --only copy_read --out "$RESULTS/mutants"
     for b in 256 128; do
-      part "bench-gpu-$b" 170 pass "$PY" -m bench.gpu --batch-size "$b" --steps 100 --model-passes 5 \
-        --json "$RESULTS/bench-gpu-$b.json"
+      part "bench-gpu-$b" 200 pass "$PY" -m bench.gpu --batch-size "$b" --steps 100 --model-passes 5 \
+        --feeds tcp,lanes,local --json "$RESULTS/bench-gpu-$b.json"
     done
     finish
     ;;

@@ -215,8 +215,11 @@ class Connections:
             return None, None  # the stream we ended with a final Request is done
         if isinstance(msg, (P.Accept, P.DatasetInfo)) and not self._check_identity(r, msg):
             return None, None  # quarantined: its stream's batches are stale from now on
-        if isinstance(msg, P.Accept) and msg.lanes and self.config.lanes and r.lanes is None and not r.lanes_off:
-            self._open_lanes(r, msg.lanes)
+        if isinstance(msg, P.Accept) and msg.lanes and self.config.lanes and not r.lanes_off:
+            if r.lanes is not None and r.lanes.failed:  # while no batch was on them (its service restarted)
+                r.drop_lanes(r.lanes.failed)
+            if r.lanes is None and not r.lanes_off:
+                self._open_lanes(r, msg.lanes)
         if isinstance(msg, P.Error):
             if msg.code == P.ErrorCode.SHUTTING_DOWN:  # the reconnect that follows restarts the stream
                 r.shutdown_at, r.shutdown_wall = time.monotonic(), time.time()  # said if it never comes back
@@ -235,7 +238,8 @@ class Connections:
             return  # its batches are handed over in place: nothing to carry
         host = r.endpoint.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         try:
-            r.lanes = Lanes(host, port, r.identity, self.config.lanes, self.frame_cap, self._queued)
+            # the window's batches and the two the trainer and the sink hold: the buffers worth keeping
+            r.lanes = Lanes(host, port, r.identity, self.config.lanes, self.frame_cap, self._queued, self.window + 2)
         except OSError as exc:
             r.lanes_off = f"cannot open bulk lanes to {host}:{port}: {exc}"
             log.warning("service replica %s: %s; its batches come in data frames", r.endpoint, r.lanes_off)

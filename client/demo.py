@@ -42,12 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--local", action="store_true", help="co-located: read batches from the service's shared memory "
                    "when it is reachable (same host or a shared /dev/shm), else over the socket")
+    p.add_argument("--lanes", type=int, default=0, metavar="N", help="receive batch bytes on N bulk lanes per "
+                   "replica where the service offers them (loader-service serve --lane-port P); 0: data frames only")
     return p
 
 
 def main() -> int:
     a = build_parser().parse_args()
-    consume(a.endpoint, a.epochs, a.batch_size, a.image_size, timeout=a.timeout, local=a.local)
+    consume(a.endpoint, a.epochs, a.batch_size, a.image_size, timeout=a.timeout, local=a.local, lanes=a.lanes)
     return 0
 
 

@@ -239,11 +239,13 @@ class EpochRun:
         self.conns.hello(r, r.epoch, sorted(self.flow.outstanding.get(r.index, ())))
 
     def _lanes_lost(self, r: Replica, exc: LanesLost) -> None:
-        """``r``'s bulk lanes failed: what it owes is asked for again on a new stream, in data
-        frames from now on (a batch whose bytes were lost is still owed: none is lost or doubled)."""
-        log.warning("service replica %s: %s; asking again for its %d batches owed, in data frames from now on",
-                    r.endpoint, exc.why, len(self.flow.outstanding.get(r.index, ())))
+        """``r``'s bulk lanes failed: what it owes is asked for again on a new stream (a batch
+        whose bytes were lost is still owed: none is lost or doubled), on new lanes once that
+        stream is accepted, or in data frames after too many failures."""
         r.drop_lanes(exc.why)
+        log.warning("service replica %s: %s; asking again for its %d batches owed, on a new stream (%s)", r.endpoint,
+                    exc.why, len(self.flow.outstanding.get(r.index, ())),
+                    r.lanes_off or "new lanes open once it is accepted")
         self._restart(r)
 
     def _on_monitor(self, r: Replica, now: float) -> None:

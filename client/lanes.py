@@ -135,13 +135,14 @@ class Assembly:
 
 class Lanes:
     """``count`` lanes to ``host``:``port`` for the ZeroMQ connection with routing id
-    ``identity``, each read by a thread into an :class:`Assembly`. Connecting blocks up to
-    ``connect_s``; raises OSError if a lane cannot be opened (the loader goes on without)."""
+    ``identity``, each read by a thread into an :class:`Assembly` (``keep``: buffers kept for
+    reuse, per batch size). Connecting blocks up to ``connect_s``; raises OSError if a lane
+    cannot be opened (the loader goes on without)."""
 
     def __init__(self, host: str, port: int, identity: bytes, count: int, max_bytes: int, max_batches: int,
-                 connect_s: float = P.LANE_HELLO_S):
+                 keep: int, connect_s: float = P.LANE_HELLO_S):
         self.count = count
-        self.assembly = Assembly(count, max_bytes, max_batches, keep=max_batches + 2)
+        self.assembly = Assembly(count, max_bytes, max_batches, keep)
         self._socks: List[socket.socket] = []
         self._threads: List[threading.Thread] = []
         self._closed = False

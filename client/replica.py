@@ -26,6 +26,7 @@ from client.lanes import Lanes
 from client.local import Borrowed
 
 
+MAX_LANES_LOST = 3  # bulk lane sets of one connection that may fail before it goes on without
 CUT_GRACE_S = 1.0  # a disconnect with no reconnect scheduled this long after it was a cut
 HANDSHAKE_S = 5.0  # a peer that accepts and says nothing for this long is dropped and tried again
 
@@ -93,7 +94,8 @@ class Replica:
         self.borrowed = Borrowed()
         # bulk lanes to its service, once open (client.lanes); why this connection goes without them
         self.lanes: Optional[Lanes] = None
-        self.lanes_off = ""
+        self.lanes_off = ""  # "": lanes may be opened with the next accepted stream
+        self.lanes_lost = 0  # lane sets of this connection that failed
         self.identity = sock.getsockopt(zmq.IDENTITY)
 
     def stall(self, wait_s: float, h2d_s: float) -> None:
@@ -230,8 +232,11 @@ class Replica:
             self.sock.recv(copy=False)
 
     def drop_lanes(self, why: str) -> None:
-        """Go on without bulk lanes on this connection (for good: the next ones would likely fail alike)."""
-        self.lanes_off = why
+        """Close the bulk lanes, which failed: the next accepted stream opens new ones (a service
+        that restarted), up to MAX_LANES_LOST failed sets; then data frames for good."""
+        self.lanes_lost += 1
+        if self.lanes_lost >= MAX_LANES_LOST:
+            self.lanes_off = f"{self.lanes_lost} sets of bulk lanes failed, the last: {why}"
         if self.lanes is not None:
             self.lanes.close()
             self.lanes = None

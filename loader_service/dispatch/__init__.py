@@ -9,7 +9,8 @@ reserves, lending, waiting); ``streams`` (the Opening and Stream records); ``str
 stream's progress); ``sending`` (the BatchLayout, a batch's message and frames); ``tasks`` (tasks
 on workers) with ``deadlines``; ``scheduler``; ``sessions``; ``status`` (the snapshot, and the
 one Totals type); ``curve`` (CURVE keys on the data port); ``heap`` (freed heap given back after
-a flood).
+a flood); ``lanes`` (bulk lanes: the lane port's listener and each client's lane senders, owned
+by the loop).
 
 Glossary (one meaning each, in code and messages):
 
@@ -55,6 +56,9 @@ segment
     ident's reserve for the next stream.
 replica
     One loader service among several that serve the same data to a client.
+lane
+    A plain TCP connection beside an ident's ZeroMQ one (``--lane-port``, ``RemoteLoader(lanes=N)``)
+    that carries a stripe of each of its batches' outputs; an ident's lanes are its *lane set*.
 lookahead
     A client's next epoch started early, on a second connection: served only when no current
     epoch can use a worker, and given slots only if a current epoch keeps room.

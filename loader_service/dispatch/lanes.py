@@ -10,7 +10,7 @@ that routing id has a session.
 
 :class:`LaneSet` is one client's lanes: a sender thread per lane, each with a queue of pieces
 (a header and views of a batch slot) that it writes with ``sendall`` (the GIL is released while
-the kernel copies). Every piece's ``done`` runs once, sent or not; a lane that fails (the client
+the kernel copies). Every batch's ``done`` runs once, when each lane's stripe is sent or dropped; a lane that fails (the client
 closed it, or died) breaks the whole set: later pieces are dropped (their ``done`` runs), and
 the loop sends that client's batches in data frames again.
 """
@@ -60,12 +60,21 @@ class LaneSet:
 
     def send(self, stream: int, index: int, blocks: Sequence[memoryview], done: Callable[[], None]) -> None:
         """Queue one batch: ``blocks`` (its outputs, in order) striped over the lanes; ``done``
-        runs once per lane when that lane is finished with its stripe (sent, or dropped)."""
+        runs once, on the sender that finishes last (every stripe sent, or dropped)."""
         total = sum(b.nbytes for b in blocks)
         header = P.lane_piece(stream, index, total)
+        left, lock = [self.count], threading.Lock()
+
+        def stripe_done() -> None:  # one wake-up of the loop per batch, not one per lane
+            with lock:
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                done()
+
         for lane, q in enumerate(self._queues):
             start, end = P.lane_stripe(total, lane, self.count)
-            q.put((header, _cut(blocks, start, end), done))
+            q.put((header, _cut(blocks, start, end), stripe_done))
 
     def _sender(self, lane: int, sock: socket.socket) -> None:
         q = self._queues[lane]
@@ -88,18 +97,23 @@ class LaneSet:
                 del views, item
                 done()
 
-    def close(self) -> None:
-        """Stop the senders (pieces still queued are dropped, their ``done`` run) and close the
-        lanes. Idempotent."""
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop the senders and close the lanes. ``linger_s``: how long what is queued may still
+        go out (a graceful stop, as the data port's LINGER); then, or at once, what is left is
+        dropped (its ``done`` runs). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self.broken = self.broken or "closed"
+        for q in self._queues:
+            q.put(None)  # after what is queued: a sender stops once it has sent it
+        if linger_s > 0:
+            deadline = time.monotonic() + linger_s
+            for t in self._threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+        self.broken = self.broken or "closed"  # a sender still at work drops the rest
         for s in self._socks:
             if s is not None:
                 _shut(s)  # a sender inside sendall returns at once
-        for q in self._queues:
-            q.put(None)
         for t in self._threads:
             t.join(JOIN_S)
         for q in self._queues:  # what no sender took any more

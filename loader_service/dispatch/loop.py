@@ -215,15 +215,9 @@ class Dispatcher:
     def _send_on_lanes(self, c: E.SendData, lanes: LaneSet) -> None:
         """The batch's outputs striped over the client's bulk lanes, the message and the labels in
         data frames; the slot is let go of once every lane is done with its stripe."""
-        pending = [lanes.count]
-
-        def sent() -> None:  # a post, like a zero-copy frame's
-            pending[0] -= 1
-            if not pending[0]:
-                self.handle(E.LetGo(c.stream, c.slot))
-
         views = [memoryview(c.segment.array(np.uint8, (size,), offset)) for offset, size in c.blocks]
-        lanes.send(c.message.stream, c.message.index, views, lambda: self.post(sent))
+        lanes.send(c.message.stream, c.message.index, views,
+                   lambda: self.post(lambda: self.handle(E.LetGo(c.stream, c.slot))))
         del views  # the senders hold what they still write
         self._send_frames(c.ident, [P.encode_header(replace(c.message, lanes=lanes.count)), c.labels])
 
@@ -257,10 +251,12 @@ class Dispatcher:
                 lanes.close()
 
     def _close_lanes(self) -> None:
+        """At the end: batches already announced may still finish on their lanes, for as long as
+        the data port lets its last messages leave."""
         if self.lanes is not None:
             self.lanes.close()
         for lanes in self.lane_sets.values():
-            lanes.close()
+            lanes.close(linger_s=CLOSE_LINGER_MS / 1000)
         self.lane_sets.clear()
 
     def _assign(self, c: E.Assign) -> None:

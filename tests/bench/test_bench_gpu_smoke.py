@@ -18,17 +18,18 @@ SCRIPT = "bench.gpu"
 def test_gpu_benchmark_runs_and_reports_every_row(tmp_path):
     out = tmp_path / "gpu.json"
     stdout = run_bench(SCRIPT, ["--batch-size", "8", "--image-size", "32", "--steps", "12", "--demo-size", "64",
-                           "--workers", "1", "--h2d-iters", "12", "--model-passes", "2", "--json", str(out)])
+                           "--workers", "1", "--h2d-iters", "12", "--model-passes", "2", "--feeds", "tcp,local,lanes",
+                           "--json", str(out)])
     result = json.loads(out.read_text())
     cuda = torch.cuda.is_available()
     assert result["cuda"] is cuda
-    expected_rows = {"recv_only", "recv_sink", "service_tcp", "service_local"} | (
+    expected_rows = {"recv_only", "recv_sink", "service_tcp", "service_lanes", "service_local"} | (
         {"pageable", "raw_pinned", "ring", "ring_normalize", "service_local_copy"} if cuda else set())
     assert set(result["h2d"]) == expected_rows
     assert all(v > 0 for v in result["h2d"].values()), result["h2d"]
     t = result["train"]
-    assert t["resident_step_s"] > 0 and set(t) == {"resident_step_s", "model_rate", "tcp", "local"}
-    for feed in ("tcp", "local"):  # one fed run each (the default --feeds)
+    assert t["resident_step_s"] > 0 and set(t) == {"resident_step_s", "model_rate", "tcp", "local", "lanes"}
+    for feed in ("tcp", "local", "lanes"):  # one fed run each
         r = t[feed]
         assert r["fed_step_s"] > 0 and r["service_rate"] > 0
         assert 0 <= r["stall_step_ratio"] < 1 and 0 <= r["cpu_blocked_in_next"] < 1
@@ -38,7 +39,8 @@ def test_gpu_benchmark_runs_and_reports_every_row(tmp_path):
     assert result["args"]["warmup"] >= 10
     assert "| receive only: recv_into a host buffer (loopback tcp) |" in stdout
     assert "| data stall: 1 - resident / fed step time |" in stdout
-    assert "| feed | loopback TCP | co-located (local=True) |" in stdout
+    assert "| feed | loopback TCP | co-located (local=True) | loopback TCP, 2 bulk lanes |" in stdout
+    assert "bytes on bulk lanes |" in stdout  # the lanes receive row (issue 41)
     assert "shared memory |" in stdout  # the co-located receive row (issue 41)
     assert result["args"]["model_passes"] == 2 and "SmallResNet x 2 passes per batch" in stdout
     if not cuda:
@@ -60,7 +62,7 @@ def test_gpu_benchmark_refuses_an_unknown_feed():
 
     proc = subprocess.run([sys.executable, "-m", SCRIPT, "--feeds", "tcp,carrier-pigeon"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--feeds takes tcp, local or both" in proc.stderr
+    assert proc.returncode == 2 and "--feeds takes tcp, local, lanes or several" in proc.stderr
 
 
 def test_gpu_benchmark_refuses_fewer_than_one_model_pass():

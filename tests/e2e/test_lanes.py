@@ -3,6 +3,7 @@ bytes as in data frames, every sample once; a lane cut in the middle of an epoch
 (what it owed is asked for again in data frames); strangers on the lane port are closed; a
 service with CURVE keys refuses to open a lane port."""
 
+import signal
 import socket
 import struct
 
@@ -11,6 +12,7 @@ import torch
 
 from client import RemoteLoader
 from loader_service.config import ServiceConfig
+from testkit.service import ServiceProcess, free_port
 from wire import protocol as P
 
 from tests.conftest import DEMO_SIZE
@@ -20,15 +22,15 @@ KW = dict(batch_size=8, image_size=32, shuffle=True, seed=3, epoch_lookahead=Fal
 
 def _epoch(endpoint, epochs=1, cut_after=None, cut=None, **kw):
     """Every batch of ``epochs`` epochs as (epoch, indices, raw, labels, batch); ``cut_after``:
-    after that many batches, ``cut(loader)`` cuts a lane; and whether each replica's lanes were
-    open at the end."""
+    after each of these counts of batches, ``cut(loader)`` cuts a lane; and whether each
+    replica's lanes were open at the end."""
     out = []
     with RemoteLoader(endpoint, **KW, **kw) as ld:
         for e in range(epochs):
             ld.set_epoch(e)
             for k, b in enumerate(ld):
                 out.append((e, b.indices, b.raw.clone(), b.labels.clone(), b))
-                if cut_after is not None and len(out) == cut_after:
+                if cut_after is not None and len(out) in cut_after:
                     assert ld._conns.replicas[0].lanes is not None, "the lanes were not open"
                     cut(ld)
         used = [r.lanes is not None for r in ld._conns.replicas]
@@ -55,9 +57,7 @@ def test_batches_on_lanes_are_the_batches_in_data_frames(make_service):
     assert status == {}  # the loader closed: its lanes went with its session
 
 
-@pytest.mark.parametrize("side", ["service", "client"])
-def test_a_lane_cut_mid_epoch_loses_and_doubles_nothing(make_service, caplog, side):
-    service = make_service(lane_port=0)
+def _cutter(service, side):
     d = service.dispatcher
 
     def cut(ld):
@@ -65,12 +65,28 @@ def test_a_lane_cut_mid_epoch_loses_and_doubles_nothing(make_service, caplog, si
             ld._conns.replicas[0].lanes._socks[1].shutdown(socket.SHUT_RDWR)
         else:  # on the dispatcher's thread, which owns the lanes
             d.call(lambda: [s._socks[1].shutdown(socket.SHUT_RDWR) for s in d.lane_sets.values()]).result(5)
+    return cut
 
+
+@pytest.mark.parametrize("side", ["service", "client"])
+def test_a_lane_cut_mid_epoch_loses_and_doubles_nothing_and_new_lanes_open(make_service, caplog, side):
+    service = make_service(lane_port=0)
     plain, _ = _epoch(service.endpoint, epochs=2)
-    after_cut, used = _epoch(service.endpoint, epochs=2, cut_after=3, cut=cut, lanes=2)
-    assert used == [False]  # after the cut: data frames for good
+    after_cut, used = _epoch(service.endpoint, epochs=2, cut_after={3}, cut=_cutter(service, side), lanes=2)
+    assert used == [True]  # the stream that asked again opened new lanes
     _same(plain, after_cut)
     assert "lane 1" in caplog.text and "asking again for its" in caplog.text
+    assert "new lanes open once it is accepted" in caplog.text
+
+
+def test_a_connection_whose_lanes_keep_failing_goes_on_in_data_frames(make_service, caplog):
+    service = make_service(lane_port=0)
+    plain, _ = _epoch(service.endpoint, epochs=3)
+    after_cuts, used = _epoch(service.endpoint, epochs=3, cut_after={2, 5, 8}, cut=_cutter(service, "service"),
+                              lanes=2)
+    assert used == [False]
+    _same(plain, after_cuts)
+    assert "3 sets of bulk lanes failed" in caplog.text
 
 
 def test_a_service_without_lanes_serves_a_loader_that_asks_for_them(make_service):
@@ -130,3 +146,27 @@ def test_lanes_and_curve_keys_exclude_each_other(tmp_path):
         ServiceConfig(demo=True, lane_port=0, curve_keys=str(tmp_path))
     with pytest.raises(ValueError, match="lane_port must be -1"):
         ServiceConfig(demo=True, lane_port=-2)
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_a_replica_stopped_or_killed_mid_epoch_with_lanes_costs_no_batch(demo_source, how):
+    args = ["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1", "--lane-port", "0"]
+    a, b = ServiceProcess(free_port(), args), ServiceProcess(free_port(), args)
+    try:
+        ref, _ = _epoch(a.endpoint)
+        with RemoteLoader([a.endpoint, b.endpoint], **KW, lanes=2, replica_timeout=1.0, heartbeat_s=0.3) as ld:
+            got = []
+            for i, batch in enumerate(ld):
+                got.append((batch.indices, batch.raw.clone()))
+                if i == 4:
+                    assert all(r.lanes is not None for r in ld._conns.replicas)
+                    b.proc.send_signal(how)  # and it never comes back
+        assert [i for i, _ in got] == [x[1] for x in ref]
+        assert all(torch.equal(raw, x[2]) for (_, raw), x in zip(got, ref))
+    finally:
+        a.stop()
+        b.stop()
+    if how == signal.SIGKILL:  # a SIGKILLed service cannot unlink its segments; the next start sweeps them
+        from loader_service import shm
+
+        shm.sweep_stale()
