@@ -2,6 +2,7 @@
 of every event: stripes begun and delivered by any lane in any order, takes, stale streams
 forgotten, hostile pieces; and the lane framing (wire.protocol) with hostile bytes."""
 
+import socket
 import threading
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from client.lanes import Assembly, LanesLost
+from client.lanes import Assembly, Lanes, LanesLost
 from wire import protocol as P
 
 LANES, MAX_BYTES, MAX_BATCHES = 3, 64, 4
@@ -153,3 +154,77 @@ def test_a_batch_on_lanes_takes_the_labels_frame_alone():
         with pytest.raises(P.ProtocolError):
             P.decode([P.encode_header(P.Batch(stream=1, epoch=0, index=0, indices=[0, 1], shape=[2, 4, 4, 3],
                                               **bad)), b"\0" * 16])
+
+
+class _FakeService:
+    """A lane port on loopback that accepts ``lanes`` lanes, reads their hellos, and lets a test
+    write what it likes on each."""
+
+    def __init__(self, lanes: int):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port, self.lanes, self.conns = self.server.getsockname()[1], lanes, {}
+
+    def accept(self, ident: bytes) -> None:
+        for _ in range(self.lanes):
+            conn, _ = self.server.accept()
+            conn.settimeout(10)
+            got_ident, lane, lanes = P.parse_lane_hello(conn.recv(P.LANE_HELLO.size, socket.MSG_WAITALL))
+            assert (got_ident, lanes) == (ident, self.lanes)
+            self.conns[lane] = conn
+
+    def close(self) -> None:
+        for c in self.conns.values():
+            c.close()
+        self.server.close()
+
+
+def _stripe(data: bytes, lane: int, lanes: int) -> bytes:
+    return data[slice(*P.lane_stripe(len(data), lane, lanes))]
+
+
+@pytest.mark.parametrize("hostile", ["wrong_magic", "too_large", "twice", "cut_mid_batch"])
+def test_lanes_from_a_hostile_service_fail_and_free_their_waiter(hostile):
+    svc = _FakeService(2)
+    ident = b"\x05" * 16
+    result = {}
+
+    def connect():
+        result["lanes"] = Lanes("127.0.0.1", svc.port, ident, 2, max_bytes=1000, max_batches=4, keep=2)
+
+    t = threading.Thread(target=connect)
+    t.start()
+    svc.accept(ident)
+    t.join(10)
+    lanes = result["lanes"]
+    try:
+        good = bytes(range(100))
+        for lane, c in svc.conns.items():  # one good batch first
+            c.sendall(P.lane_piece(1, 0, len(good)) + _stripe(good, lane, 2))
+        assert bytes(lanes.take(1, 0, len(good), timeout=10)) == good
+        c = svc.conns[0]
+        if hostile == "wrong_magic":
+            c.sendall(b"XXXX" + P.lane_piece(1, 1, 10)[4:])
+        elif hostile == "too_large":
+            c.sendall(P.lane_piece(1, 1, 1001))
+        elif hostile == "twice":
+            c.sendall(P.lane_piece(1, 1, 10) + _stripe(b"a" * 10, 0, 2) + P.lane_piece(1, 1, 10))
+        else:
+            c.sendall(P.lane_piece(1, 1, 100) + b"x" * 7)
+            c.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(LanesLost) as err:
+            lanes.take(1, 1, 10 if hostile != "cut_mid_batch" else 100, timeout=10)
+        assert {"wrong_magic": "not b'RLL1'", "too_large": "at most 1000", "twice": "twice",
+                "cut_mid_batch": "in the middle of batch 1"}[hostile] in err.value.why
+        assert lanes.failed == err.value.why
+    finally:
+        lanes.close()
+        lanes.close()  # idempotent
+        svc.close()
+    assert not any(t.is_alive() for t in lanes._threads)
+
+
+def test_lanes_that_cannot_connect_raise_and_leave_nothing_open():
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    with pytest.raises(OSError):
+        Lanes("127.0.0.1", port, b"\0" * 16, 2, max_bytes=100, max_batches=2, keep=2, connect_s=2)
