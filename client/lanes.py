@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -182,8 +183,10 @@ class Lanes:
                     raise LanesLost(f"lane {lane} was closed by the service in the middle of batch {index}")
                 del into
                 self.assembly.delivered(lane, stream, index)
-        except (LanesLost, OSError) as exc:
-            why = "closed" if self._closed else exc.why if isinstance(exc, LanesLost) else f"lane {lane}: {exc}"
+        except Exception as exc:  # LanesLost, OSError, or a bug: the loader hears of it at its next take
+            why = "closed" if self._closed else exc.why if isinstance(exc, LanesLost) else \
+                f"lane {lane}: {exc}" if isinstance(exc, OSError) else \
+                f"lane {lane}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             try:
                 self.assembly.fail(why)
             except LanesLost:

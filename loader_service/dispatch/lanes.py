@@ -88,14 +88,24 @@ class LaneSet:
                     sock.sendall(header)
                     for v in views:
                         sock.sendall(v)
-            except OSError as exc:
-                self.broken = self.broken or f"lane {lane}: {exc}"
-                log.info("bulk lanes of client %s fail (%s); its batches go in data frames again",
-                         self.ident.hex()[:12], self.broken)
-                _shut(sock)
+            except OSError as exc:  # the client closed the lane, or is gone
+                self._fail(sock, f"lane {lane}: {exc}")
+            except Exception as exc:  # a bug: loud, and the client's batches go in data frames
+                log.exception("bulk lane %d of client %s failed", lane, self.ident.hex()[:12])
+                self._fail(sock, f"lane {lane}: {type(exc).__name__}: {exc}")
             finally:
                 del views, item
-                done()
+                try:
+                    done()
+                except Exception:  # never leave the rest of the queue without its done
+                    log.exception("a bulk lane's completion failed")
+
+    def _fail(self, sock: socket.socket, why: str) -> None:
+        if not self.broken:  # once per set (a close has set it already)
+            self.broken = why
+            log.info("bulk lanes of client %s fail (%s); its batches go in data frames again",
+                     self.ident.hex()[:12], why)
+        _shut(sock)
 
     def close(self, linger_s: float = 0.0) -> None:
         """Stop the senders and close the lanes. ``linger_s``: how long what is queued may still

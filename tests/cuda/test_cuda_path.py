@@ -148,17 +148,22 @@ def test_co_located_gpu_epochs_equal_the_socket_s_byte_for_byte(service, delayed
     monkeypatch.setattr(CudaSink, "register", register)
     with RemoteLoader(service.endpoint, **KW) as cpu, \
          RemoteLoader(service.endpoint, **KW, device="cuda", local=True) as gpu:
-        for epoch in range(3):
-            cpu.set_epoch(epoch)
-            gpu.set_epoch(epoch)
-            expected = [tuple(int(v) for v in checksum(b)) for b in cpu]
-            batches = [(bt.index, bt.indices, checksum(bt)) for bt in gpu]
-            assert [i for i, *_ in batches] == list(range(BATCHES))
-            assert sorted(x for _, idx, _ in batches for x in idx) == list(range(DEMO_SIZE))
-            assert as_ints([s for *_, s in batches]) == expected
+        _epochs_equal(cpu, gpu, 3)
         lent = gpu._sink.lent
     assert (lent > 0) is register and lent <= 3 * BATCHES
     assert not any(_until_nothing_borrowed(service))
+
+
+def _epochs_equal(cpu, gpu, epochs: int) -> None:
+    """``epochs`` epochs of a GPU loader: the CPU loader's bytes, every batch in order, each sample once."""
+    for epoch in range(epochs):
+        cpu.set_epoch(epoch)
+        gpu.set_epoch(epoch)
+        expected = [tuple(int(v) for v in checksum(b)) for b in cpu]
+        batches = [(bt.index, bt.indices, checksum(bt)) for bt in gpu]
+        assert [i for i, *_ in batches] == list(range(BATCHES))
+        assert sorted(x for _, idx, _ in batches for x in idx) == list(range(DEMO_SIZE))
+        assert as_ints([s for *_, s in batches]) == expected
 
 
 def _until_nothing_borrowed(service, deadline_s: float = 30.0) -> list:
@@ -266,3 +271,14 @@ def test_every_output_of_a_pipeline_is_copied_and_normalized_as_on_the_cpu(make_
         assert g["big"].dtype == torch.float32 and g["small"].dtype == torch.uint8
         assert torch.allclose(g["big"], w["big"], atol=1e-4)
         assert all(torch.equal(g[k], w[k]) for k in ("small", "stamp", "labels"))
+
+
+def test_gpu_epochs_over_bulk_lanes_equal_the_cpu_s_byte_for_byte(make_service, delayed_side_stream):
+    """Issue 41: each batch's bytes on two bulk lanes, copied from the lanes' host buffer into the
+    pinned ring while the side stream lags: the same bytes as a CPU loader's over data frames, each
+    sample once per epoch, and the lanes really carried them."""
+    service = make_service(lane_port=0)
+    with RemoteLoader(service.endpoint, **KW) as cpu, \
+         RemoteLoader(service.endpoint, **KW, device="cuda", lanes=2) as gpu:
+        _epochs_equal(cpu, gpu, 2)
+        assert all(r.lanes is not None and not r.lanes.failed for r in gpu._conns.replicas)
