@@ -241,7 +241,13 @@ class EpochRun:
     def _lanes_lost(self, r: Replica, exc: LanesLost) -> None:
         """``r``'s bulk lanes failed: what it owes is asked for again on a new stream (a batch
         whose bytes were lost is still owed: none is lost or doubled), on new lanes once that
-        stream is accepted, or in data frames after too many failures."""
+        stream is accepted, or in data frames after too many failures. A batch sent on a set it
+        already let go of (the service had not seen that yet) is asked for again alone."""
+        if exc.stale:
+            log.info("service replica %s: %s; asking again for its %d batches owed, on a new stream", r.endpoint,
+                     exc.why, len(self.flow.outstanding.get(r.index, ())))
+            self._restart(r)
+            return
         r.drop_lanes(exc.why)
         log.warning("service replica %s: %s; asking again for its %d batches owed, on a new stream (%s)", r.endpoint,
                     exc.why, len(self.flow.outstanding.get(r.index, ())),

@@ -15,6 +15,7 @@ new stream without lanes (client.epoch), so no batch is lost or doubled.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import sys
 import threading
@@ -32,11 +33,12 @@ JOIN_S = 5.0  # how long close() waits for a reader
 
 
 class LanesLost(LoaderError):
-    """The lanes failed: the batches they still owed must be asked for again, without lanes."""
+    """The lanes failed: the batches they still owed must be asked for again. ``stale``: not a
+    failure of the lanes this connection has, but a batch sent on a set it already let go of."""
 
-    def __init__(self, why: str):
+    def __init__(self, why: str, stale: bool = False):
         super().__init__(P.ErrorCode.INTERNAL, f"bulk lanes lost: {why}")
-        self.why = why
+        self.why, self.stale = why, stale
 
 
 class _Entry:
@@ -143,6 +145,7 @@ class Lanes:
     def __init__(self, host: str, port: int, identity: bytes, count: int, max_bytes: int, max_batches: int,
                  keep: int, connect_s: float = P.LANE_HELLO_S):
         self.count = count
+        self.number = secrets.randbits(32)  # this set's (Batch.lane_set); another set of this connection has another
         self.assembly = Assembly(count, max_bytes, max_batches, keep)
         self._socks: List[socket.socket] = []
         self._threads: List[threading.Thread] = []
@@ -151,7 +154,7 @@ class Lanes:
             for lane in range(count):
                 sock = socket.create_connection((host, port), timeout=connect_s)
                 self._socks.append(sock)
-                sock.sendall(P.lane_hello(identity, lane, count))
+                sock.sendall(P.lane_hello(identity, lane, count, self.number))
                 sock.settimeout(None)
         except BaseException:
             self.close()

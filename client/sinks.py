@@ -190,8 +190,8 @@ def _recv_size(sock: zmq.Socket, into: Optional[np.ndarray]) -> int:
 
 def _from_lanes(lanes: Optional[Lanes], msg: P.Batch, timeout: float) -> np.ndarray:
     """The bytes of a batch sent on bulk lanes, once they are all here (LanesLost: they will not be)."""
-    if lanes is None:
-        raise LanesLost(f"batch {msg.index} came on bulk lanes this connection has not open")
+    if lanes is None or lanes.number != msg.lane_set:  # sent on a set this connection let go of
+        raise LanesLost(f"batch {msg.index} was sent on bulk lanes this connection no longer has", stale=True)
     return lanes.take(msg.stream, msg.index, msg.image_bytes, timeout)
 
 

@@ -247,11 +247,14 @@ class Batch(Message):
     # > 0: the outputs' bytes come on this many bulk lanes (lane_stripe), not in data frames; the
     # data frames are the labels alone
     lanes: int = 0
+    lane_set: int = 0  # the number of the lane set they come on (its lanes' hello): a client that has
+    # another set now (the one it had failed) knows at once that these bytes will not come
 
     def check(self) -> None:
         if self.local:
             _check_local(self)
         _range(self, "lanes", 0, MAX_LANES)
+        _range(self, "lane_set", 0, (1 << 32) - 1)
         if self.lanes and self.local:
             raise ProtocolError("Batch.lanes and Batch.local exclude each other")
         if self.chunk and not ZERO_COPY_MIN_BYTES <= self.chunk <= MAX_CHUNK_BYTES:
@@ -533,8 +536,9 @@ def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
 # --------------------------------------------------------------------------- bulk lanes
 # A client that asks for them (RemoteLoader(lanes=N)) opens N plain TCP connections to the port its
 # service names in Accept.lanes, and says on each, within LANE_HELLO_S, which ZeroMQ connection it
-# belongs to (that connection's routing id: 16 random bytes the service already knows) and which
-# lane of how many it is. From then on the service may send a batch's outputs on the lanes instead
+# belongs to (that connection's routing id: 16 random bytes the service already knows), which
+# lane of how many it is, and the number of this set of lanes (random; a Batch names the set it
+# was sent on, Batch.lane_set). From then on the service may send a batch's outputs on the lanes instead
 # of in data frames (Batch.lanes): the outputs' bytes, one after another, split in LANE_COUNT
 # stripes (lane_stripe), lane i carrying stripe i after a LANE_PIECE header. The client receives
 # each stripe straight into the batch's buffer (recv_into): one copy fewer than a ZeroMQ frame,
@@ -542,7 +546,7 @@ def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
 # not encrypted: a service with CURVE keys has none.
 MAX_LANES = 8
 LANE_MAGIC = b"RLL1"
-LANE_HELLO = struct.Struct("<4s16sBB")  # magic, the ZeroMQ routing id, this lane's number, the lanes in all
+LANE_HELLO = struct.Struct("<4s16sBBI")  # magic, the ZeroMQ routing id, this lane, the lanes in all, the set's number
 LANE_PIECE = struct.Struct("<4sQQQ")  # magic, stream, batch index, the batch's output bytes in all
 LANE_HELLO_S = 5.0  # a lane that has not said who it is by then is closed
 
@@ -552,18 +556,18 @@ def lane_stripe(total: int, lane: int, lanes: int) -> tuple:
     return total * lane // lanes, total * (lane + 1) // lanes
 
 
-def lane_hello(identity: bytes, lane: int, lanes: int) -> bytes:
-    return LANE_HELLO.pack(LANE_MAGIC, identity, lane, lanes)
+def lane_hello(identity: bytes, lane: int, lanes: int, lane_set: int) -> bytes:
+    return LANE_HELLO.pack(LANE_MAGIC, identity, lane, lanes, lane_set)
 
 
 def parse_lane_hello(data: bytes) -> tuple:
-    """(routing id, lane, lanes) from a lane's first bytes; raise ProtocolError."""
+    """(routing id, lane, lanes, lane set) from a lane's first bytes; raise ProtocolError."""
     if len(data) != LANE_HELLO.size:
         raise ProtocolError(f"a lane hello is {LANE_HELLO.size} bytes, got {len(data)}")
-    magic, identity, lane, lanes = LANE_HELLO.unpack(data)
+    magic, identity, lane, lanes, lane_set = LANE_HELLO.unpack(data)
     if magic != LANE_MAGIC or not 1 <= lanes <= MAX_LANES or lane >= lanes:
         raise ProtocolError(f"not a lane hello (magic {brief(magic)}, lane {lane} of {lanes})")
-    return identity, lane, lanes
+    return identity, lane, lanes, lane_set
 
 
 def lane_piece(stream: int, index: int, total: int) -> bytes:

@@ -2,7 +2,7 @@
 service sends its batches' outputs (wire.protocol, "Bulk lanes").
 
 :class:`LaneListener` accepts lanes on a thread of its own: a connection must say who it is
-(``LANE_HELLO``: the routing id of its ZeroMQ connection, its lane number, the lanes in all)
+(``LANE_HELLO``: the routing id of its ZeroMQ connection, its lane, the lanes in all, its set)
 within ``LANE_HELLO_S``, or it is closed; at most ``max_pending`` connections may be saying it at
 once, the rest are closed as they come, so a flood costs bounded descriptors and no thread. A
 lane that said who it is is handed to the dispatcher's loop (``adopt``), which keeps it only if
@@ -33,10 +33,11 @@ JOIN_S = 5.0  # how long close() waits for a thread
 
 
 class LaneSet:
-    """The ``count`` lanes of one client; ``ready`` once all of them are here and none failed."""
+    """The ``count`` lanes of one client that said they are set ``number``; ``ready`` once all
+    of them are here and none failed."""
 
-    def __init__(self, ident: bytes, count: int):
-        self.ident, self.count = ident, count
+    def __init__(self, ident: bytes, count: int, number: int):
+        self.ident, self.count, self.number = ident, count, number
         self._socks: List[Optional[socket.socket]] = [None] * count
         self._queues: List["queue.SimpleQueue"] = [queue.SimpleQueue() for _ in range(count)]
         self._threads: List[threading.Thread] = []
@@ -159,9 +160,9 @@ def _shut(sock: socket.socket) -> None:
 
 class LaneListener:
     """The lane port: accepts lanes and hands each that said who it is to ``adopt(ident, lane,
-    lanes, sock)`` (called on the listener's thread: it must only hand the lane on)."""
+    lanes, lane_set, sock)`` (called on the listener's thread: it must only hand the lane on)."""
 
-    def __init__(self, host: str, port: int, adopt: Callable[[bytes, int, int, socket.socket], None],
+    def __init__(self, host: str, port: int, adopt: Callable[[bytes, int, int, int, socket.socket], None],
                  max_pending: int = 64, hello_s: Optional[float] = None):
         self._adopt, self.max_pending = adopt, max_pending
         self.hello_s = P.LANE_HELLO_S if hello_s is None else hello_s
@@ -230,14 +231,14 @@ class LaneListener:
         sel.unregister(conn)
         del pending[conn]
         try:
-            ident, lane, lanes = P.parse_lane_hello(got)
+            ident, lane, lanes, lane_set = P.parse_lane_hello(got)
         except P.ProtocolError as exc:
             log.info("refused a bulk lane: %s", exc)
             conn.close()
             return
         conn.setblocking(True)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._adopt(ident, lane, lanes, conn)
+        self._adopt(ident, lane, lanes, lane_set, conn)
 
     @staticmethod
     def _drop(sel, pending: Dict[socket.socket, list], conn: socket.socket) -> None:

@@ -219,28 +219,32 @@ class Dispatcher:
         lanes.send(c.message.stream, c.message.index, views,
                    lambda: self.post(lambda: self.handle(E.LetGo(c.stream, c.slot))))
         del views  # the senders hold what they still write
-        self._send_frames(c.ident, [P.encode_header(replace(c.message, lanes=lanes.count)), c.labels])
+        message = replace(c.message, lanes=lanes.count, lane_set=lanes.number)
+        self._send_frames(c.ident, [P.encode_header(message), c.labels])
 
     # ------------------------------------------------------------------ bulk lanes
-    def _lane_arrived(self, ident: bytes, lane: int, lanes: int, sock: socket.socket) -> None:
+    def _lane_arrived(self, ident: bytes, lane: int, lanes: int, lane_set: int, sock: socket.socket) -> None:
         """A lane said who it is (the listener's thread): the loop decides whether to keep it."""
         if self._closed:
             sock.close()
         else:
-            self.post(lambda: self._adopt_lane(ident, lane, lanes, sock))
+            self.post(lambda: self._adopt_lane(ident, lane, lanes, lane_set, sock))
 
-    def _adopt_lane(self, ident: bytes, lane: int, lanes: int, sock: socket.socket) -> None:
-        """Keep lane ``lane`` of ``lanes`` for client ``ident`` if it has a session here and room
-        is left; a set that failed, or of another count, makes way for a new one."""
-        if self._closed or self.state.sessions.get(ident) is None \
-                or sum(s.count for s in self.lane_sets.values()) + 1 > MAX_LANES_TOTAL:
+    def _adopt_lane(self, ident: bytes, lane: int, lanes: int, lane_set: int, sock: socket.socket) -> None:
+        """Keep lane ``lane`` of ``lanes`` of set ``lane_set`` for client ``ident`` if it has a
+        session here and room is left: a new set makes way for it (the client let go of that one);
+        a lane its set already has is refused."""
+        current = self.lane_sets.get(ident)
+        replaced = current is not None and current.number != lane_set
+        if self._closed or self.state.sessions.get(ident) is None or (current is not None and not replaced and (
+                current.count != lanes or current.has(lane))) \
+                or sum(s.count for s in self.lane_sets.values() if not (replaced and s is current)) >= MAX_LANES_TOTAL:
             sock.close()
             return
-        current = self.lane_sets.get(ident)
-        if current is None or current.broken or current.count != lanes or current.has(lane):
+        if current is None or replaced:
             if current is not None:
                 current.close()
-            current = self.lane_sets[ident] = LaneSet(ident, lanes)
+            current = self.lane_sets[ident] = LaneSet(ident, lanes, lane_set)
         current.add(lane, sock)
 
     def _sweep_lanes(self) -> None:

@@ -63,20 +63,27 @@ def _cutter(service, side):
     def cut(ld):
         if side == "client":
             ld._conns.replicas[0].lanes._socks[1].shutdown(socket.SHUT_RDWR)
+        elif side == "client drops the set":  # the service learns of it only when a send fails
+            ld._conns.replicas[0].drop_lanes("dropped by the test")
         else:  # on the dispatcher's thread, which owns the lanes
             d.call(lambda: [s._socks[1].shutdown(socket.SHUT_RDWR) for s in d.lane_sets.values()]).result(5)
     return cut
 
 
-@pytest.mark.parametrize("side", ["service", "client"])
+@pytest.mark.parametrize("side", ["service", "client", "client drops the set"])
 def test_a_lane_cut_mid_epoch_loses_and_doubles_nothing_and_new_lanes_open(make_service, caplog, side):
+    caplog.set_level("INFO", logger="client")
     service = make_service(lane_port=0)
     plain, _ = _epoch(service.endpoint, epochs=2)
     after_cut, used = _epoch(service.endpoint, epochs=2, cut_after={3}, cut=_cutter(service, side), lanes=2)
     assert used == [True]  # the stream that asked again opened new lanes
     _same(plain, after_cut)
-    assert "lane 1" in caplog.text and "asking again for its" in caplog.text
-    assert "new lanes open once it is accepted" in caplog.text
+    assert "asking again for its" in caplog.text
+    if side == "client drops the set":  # batches sent on the dropped set are known lost at once
+        assert "no longer has" in caplog.text
+    else:
+        assert "lane 1" in caplog.text and "new lanes open once it is accepted" in caplog.text
+    assert "did not arrive on the lanes" not in caplog.text  # no batch waited out a deadline
 
 
 def test_a_connection_whose_lanes_keep_failing_goes_on_in_data_frames(make_service, caplog):
@@ -115,9 +122,9 @@ def test_strangers_on_the_lane_port_are_closed_and_the_service_serves_on(make_se
     garbage = _connect(port)
     garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     unknown = _connect(port)
-    unknown.sendall(P.lane_hello(b"\x01" * 16, 0, 1))  # a routing id with no session
+    unknown.sendall(P.lane_hello(b"\x01" * 16, 0, 1, 1))  # a routing id with no session
     bad_count = _connect(port)
-    bad_count.sendall(struct.pack("<4s16sBB", P.LANE_MAGIC, b"\x02" * 16, 3, 2))  # lane 3 of 2
+    bad_count.sendall(struct.pack("<4s16sBBI", P.LANE_MAGIC, b"\x02" * 16, 3, 2, 1))  # lane 3 of 2
     try:
         for s in (garbage, unknown, bad_count):
             assert _closed_by_peer(s)

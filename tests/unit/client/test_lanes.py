@@ -135,11 +135,11 @@ def test_the_stripes_cover_a_batch_once(total, lanes):
 @given(data=st.binary(max_size=40))
 def test_a_lane_hello_is_its_exact_bytes_or_refused(data):
     try:
-        ident, lane, lanes = P.parse_lane_hello(data)
+        ident, lane, lanes, lane_set = P.parse_lane_hello(data)
     except P.ProtocolError:
         return
     assert len(data) == P.LANE_HELLO.size and data[:4] == P.LANE_MAGIC and 0 <= lane < lanes <= P.MAX_LANES
-    assert P.lane_hello(ident, lane, lanes) == data
+    assert P.lane_hello(ident, lane, lanes, lane_set) == data
 
 
 def test_a_batch_on_lanes_takes_the_labels_frame_alone():
@@ -168,7 +168,7 @@ class _FakeService:
         for _ in range(self.lanes):
             conn, _ = self.server.accept()
             conn.settimeout(10)
-            got_ident, lane, lanes = P.parse_lane_hello(conn.recv(P.LANE_HELLO.size, socket.MSG_WAITALL))
+            got_ident, lane, lanes, _ = P.parse_lane_hello(conn.recv(P.LANE_HELLO.size, socket.MSG_WAITALL))
             assert (got_ident, lanes) == (ident, self.lanes)
             self.conns[lane] = conn
 

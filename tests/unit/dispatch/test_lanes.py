@@ -36,7 +36,7 @@ class LaneSetModel(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.count = 2
-        self.set = LaneSet(b"\x07" * 16, self.count)
+        self.set = LaneSet(b"\x07" * 16, self.count, 7)
         self.peers, self.got, self.readers = [], [], []
         for lane in range(self.count):
             ours, theirs = socket.socketpair()
@@ -132,20 +132,20 @@ def _closed_by_peer(s: socket.socket) -> bool:
 def test_a_lane_that_says_who_it_is_is_handed_on_whole(listener):
     ident = bytes(range(16))
     with socket.create_connection(("127.0.0.1", listener.port)) as s:
-        hello = P.lane_hello(ident, 1, 2)
+        hello = P.lane_hello(ident, 1, 2, 99)
         s.sendall(hello[:5])  # in pieces, as TCP may deliver it
         s.sendall(hello[5:])
         deadline = time.monotonic() + 10
         while not listener.adopted and time.monotonic() < deadline:
             time.sleep(0.01)
-        (got_ident, lane, lanes, sock), = listener.adopted
-        assert (got_ident, lane, lanes) == (ident, 1, 2)
+        (got_ident, lane, lanes, lane_set, sock), = listener.adopted
+        assert (got_ident, lane, lanes, lane_set) == (ident, 1, 2, 99)
         sock.sendall(b"data")  # the lane is a plain blocking socket now
         assert s.recv(4) == b"data"
 
 
 @pytest.mark.parametrize("first", [b"", P.LANE_MAGIC, b"GET / HTTP/1.1\r\n\r\n" + b"x" * 10,
-                                   P.lane_hello(b"\0" * 16, 2, 2), P.lane_hello(b"\0" * 16, 0, P.MAX_LANES + 1)])
+                                   P.lane_hello(b"\0" * 16, 2, 2, 1), P.lane_hello(b"\0" * 16, 0, P.MAX_LANES + 1, 1)])
 def test_a_lane_that_says_nothing_or_something_else_is_closed(listener, first):
     with socket.create_connection(("127.0.0.1", listener.port)) as s:
         if first:
@@ -167,11 +167,11 @@ def test_past_max_pending_a_lane_is_closed_as_it_comes_and_the_listener_goes_on(
                 s.recv(1)
         quiet[0].close()  # one leaves: room for a lane again
         with socket.create_connection(("127.0.0.1", ln.port)) as s:
-            s.sendall(P.lane_hello(b"\x01" * 16, 0, 1))
+            s.sendall(P.lane_hello(b"\x01" * 16, 0, 1, 5))
             deadline = time.monotonic() + 10
             while not adopted and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert [a[:3] for a in adopted] == [(b"\x01" * 16, 0, 1)]
+            assert [a[:4] for a in adopted] == [(b"\x01" * 16, 0, 1, 5)]
     finally:
         for s in quiet:
             s.close()
