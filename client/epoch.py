@@ -200,7 +200,7 @@ class EpochRun:
                         "do all replicas serve the same dataset?"))
                 r.accepted = True
             elif isinstance(msg, P.Batch):
-                r.progress = None
+                r.progress, r.stale_batches = None, 0
                 if not self.flow.on_batch(r.index, msg.index, self._clock()):
                     # (its memory goes back with the rest when the run closes)
                     raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
@@ -244,6 +244,12 @@ class EpochRun:
         stream is accepted, or in data frames after too many failures. A batch sent on a set it
         already let go of (the service had not seen that yet) is asked for again alone."""
         if exc.stale:
+            # a set let go of had at most what the service may send unasked; more is a peer's game
+            r.stale_batches += 1
+            if r.stale_batches > 2 * self.conns.window + 16:
+                raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
+                    f"{r.endpoint} sent {r.stale_batches} batches in a row on bulk lanes this loader does not "
+                    "have: a peer that is not a loader service, or a bug"))
             log.info("service replica %s: %s; asking again for its %d batches owed, on a new stream", r.endpoint,
                      exc.why, len(self.flow.outstanding.get(r.index, ())))
             self._restart(r)

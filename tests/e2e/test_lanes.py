@@ -6,11 +6,12 @@ service with CURVE keys refuses to open a lane port."""
 import signal
 import socket
 import struct
+import threading
 
 import pytest
 import torch
 
-from client import RemoteLoader
+from client import LoaderError, RemoteLoader
 from loader_service.config import ServiceConfig
 from testkit.service import ServiceProcess, free_port
 from wire import protocol as P
@@ -177,3 +178,50 @@ def test_a_replica_stopped_or_killed_mid_epoch_with_lanes_costs_no_batch(demo_so
         from loader_service import shm
 
         shm.sweep_stale()
+
+
+def test_a_peer_that_keeps_sending_batches_on_lanes_never_opened_is_refused_not_looped(caplog):
+    """A loader without lanes, its 'service' a ZeroMQ peer that answers every ask with a batch
+    on lanes: each is asked for again on a new stream (a set let go of may still deliver a few),
+    but past what a service may send unasked the loader fails naming the peer, never looping."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            ident, *frames = router.recv_multipart()
+            msg = P.decode_header(frames[0])
+            if isinstance(msg, P.Describe):
+                reply = [P.encode_header(P.DatasetInfo(dataset="demo", length=64, num_classes=2))]
+            elif isinstance(msg, P.Hello):
+                router.send_multipart([ident, P.encode_header(P.Accept(
+                    stream=msg.stream, epoch=msg.epoch, num_batches=8, num_samples=64, dataset_length=64,
+                    dataset="demo"))])
+                reply = None
+                for b in msg.batches:
+                    router.send_multipart([ident, P.encode_header(P.Batch(
+                        stream=msg.stream, epoch=msg.epoch, index=b, indices=list(range(8 * b, 8 * b + 8)),
+                        shape=[8, 32, 32, 3], lanes=2, lane_set=12345)), b"\0" * 64])
+            else:
+                reply = None
+            if reply:
+                router.send_multipart([ident, *reply])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with RemoteLoader(f"tcp://127.0.0.1:{port}", batch_size=8, image_size=32, timeout=30,
+                          epoch_lookahead=False) as ld:
+            with pytest.raises(LoaderError, match="batches in a row on bulk lanes this loader does not have"):
+                next(iter(ld))
+    finally:
+        stop.set()
+        t.join(10)
+        router.close()
