@@ -215,7 +215,7 @@ class Connections:
             return None, None  # the stream we ended with a final Request is done
         if isinstance(msg, (P.Accept, P.DatasetInfo)) and not self._check_identity(r, msg):
             return None, None  # quarantined: its stream's batches are stale from now on
-        if isinstance(msg, P.Accept) and msg.lanes and self.config.lanes and not r.lanes_off:
+        if isinstance(msg, P.Accept) and msg.lanes and self.config.lanes:
             if r.lanes is not None and r.lanes.failed:  # while no batch was on them (its service restarted)
                 r.drop_lanes(r.lanes.failed)
             if r.lanes is None and not r.lanes_off:

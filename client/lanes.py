@@ -10,23 +10,23 @@ delivers each batch once. The Batch message still comes on the ZeroMQ connection
 
 A lane that fails (the service stopped, a cut, a peer that broke these rules) fails the whole
 set: :meth:`take` raises :class:`LanesLost` at once, and the loader asks for what it misses on a
-new stream without lanes (client.epoch), so no batch is lost or doubled.
+new stream, which opens a new set (client.epoch), so no batch is lost or doubled.
 """
 
 from __future__ import annotations
 
 import secrets
 import socket
-import sys
 import threading
 import time
 import traceback
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
 from wire import protocol as P
 
+from client.buffers import HostBuffers
 from client.errors import LoaderError
 
 JOIN_S = 5.0  # how long close() waits for a reader
@@ -53,13 +53,13 @@ class _Entry:
 class Assembly:
     """The batches arriving on ``lanes`` lanes (thread-safe; no sockets: what the readers and
     the loader's thread share). ``max_bytes``: the largest batch; ``max_batches``: batches begun
-    and not yet taken at once; ``keep``: buffers kept for reuse per size."""
+    and not yet taken at once; ``keep``: buffers kept for reuse per size (:class:`HostBuffers`)."""
 
     def __init__(self, lanes: int, max_bytes: int, max_batches: int, keep: int):
-        self.lanes, self.max_bytes, self.max_batches, self.keep = lanes, max_bytes, max_batches, keep
+        self.lanes, self.max_bytes, self.max_batches = lanes, max_bytes, max_batches
         self._cond = threading.Condition()
         self._entries: Dict[Tuple[int, int], _Entry] = {}
-        self._kept: Dict[int, List[np.ndarray]] = {}
+        self._buffers = HostBuffers(keep)  # used under the condition's lock only
         self.failed = ""  # why the lanes failed ("" while they are fine)
 
     def begin(self, lane: int, stream: int, index: int, total: int) -> np.ndarray:
@@ -74,7 +74,7 @@ class Assembly:
             if e is None:
                 if len(self._entries) >= self.max_batches:
                     self._fail(f"more than {self.max_batches} batches in flight on the lanes")
-                e = self._entries[(stream, index)] = _Entry(self._buffer(total), total, self.lanes)
+                e = self._entries[(stream, index)] = _Entry(self._buffers.take(total), total, self.lanes)
             if e.total != total or lane not in e.owed:
                 self._fail(f"lane {lane} sent batch {index} of stream {stream} twice, or with another size")
             start, end = P.lane_stripe(total, lane, self.lanes)
@@ -122,18 +122,6 @@ class Assembly:
         self.failed = self.failed or why
         self._cond.notify_all()
         raise LanesLost(self.failed)
-
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        """A buffer of ``nbytes`` that nothing else refers to (the trainer dropped every tensor
-        made from it): reused, so a large batch does not cost the page faults of a fresh mapping."""
-        kept = self._kept.setdefault(nbytes, [])
-        for buf in kept:
-            if sys.getrefcount(buf) == 3:  # the list's reference, the loop's and the argument's
-                return buf
-        buf = np.empty(nbytes, np.uint8)
-        if len(kept) < self.keep:
-            kept.append(buf)
-        return buf
 
 
 class Lanes:

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from collections import deque
 from typing import Deque, Dict, List, Optional, Set, Tuple
@@ -68,6 +67,7 @@ import zmq
 from wire import protocol as P
 
 from client.batch import Batch
+from client.buffers import HostBuffers
 from client.config import LoaderConfig
 from client.errors import LoaderError
 from client.lanes import Lanes, LanesLost
@@ -308,36 +308,6 @@ class HostSink:
 
     def close(self) -> None:
         self.mappings.close()
-
-
-class HostBuffers:
-    """Host buffers for outputs that arrive in several frames, each reused once nothing else
-    refers to it (the trainer dropped every tensor made from it: ``torch.from_numpy`` holds its
-    array), so a large batch does not cost the page faults of a fresh mapping each time. At most
-    ``keep`` buffers of a size are kept; past that a new one is made and not kept."""
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self._kept: Dict[int, List[np.ndarray]] = {}
-
-    def take(self, nbytes: int) -> np.ndarray:
-        kept = self._kept.setdefault(nbytes, [])
-        for i in range(len(kept)):
-            if sys.getrefcount(kept[i]) == 2:  # the list's reference and the argument's: unused
-                return kept[i]
-        buf = np.empty(nbytes, np.uint8)
-        if len(kept) < self.keep:
-            kept.append(buf)
-        return buf
-
-    def gather(self, frames: List[zmq.Frame], nbytes: int) -> np.ndarray:
-        """The frames' bytes, one after another, in a buffer of ``nbytes`` (their total)."""
-        buf, at = self.take(nbytes), 0
-        for f in frames:
-            part = np.frombuffer(f.buffer, dtype=np.uint8)
-            buf[at:at + part.size] = part
-            at += part.size
-        return buf
 
 
 class _Pinned:

@@ -538,9 +538,9 @@ def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
 # service names in Accept.lanes, and says on each, within LANE_HELLO_S, which ZeroMQ connection it
 # belongs to (that connection's routing id: 16 random bytes the service already knows), which
 # lane of how many it is, and the number of this set of lanes (random; a Batch names the set it
-# was sent on, Batch.lane_set). From then on the service may send a batch's outputs on the lanes instead
-# of in data frames (Batch.lanes): the outputs' bytes, one after another, split in LANE_COUNT
-# stripes (lane_stripe), lane i carrying stripe i after a LANE_PIECE header. The client receives
+# was sent on, Batch.lane_set). From then on the service may send a batch's outputs on the lanes
+# instead of in data frames (Batch.lanes): the outputs' bytes, one after another, split in one
+# stripe per lane (lane_stripe), lane i carrying stripe i after a LANE_PIECE header. The client receives
 # each stripe straight into the batch's buffer (recv_into): one copy fewer than a ZeroMQ frame,
 # and several connections at once (docs/benchmarks.md section 17). Lanes carry no secret and are
 # not encrypted: a service with CURVE keys has none.

@@ -10,9 +10,9 @@ that routing id has a session.
 
 :class:`LaneSet` is one client's lanes: a sender thread per lane, each with a queue of pieces
 (a header and views of a batch slot) that it writes with ``sendall`` (the GIL is released while
-the kernel copies). Every batch's ``done`` runs once, when each lane's stripe is sent or dropped; a lane that fails (the client
-closed it, or died) breaks the whole set: later pieces are dropped (their ``done`` runs), and
-the loop sends that client's batches in data frames again.
+the kernel copies). Every batch's ``done`` runs once, when each lane's stripe is sent or
+dropped; a lane that fails (the client closed it, or died) breaks the whole set: later pieces
+are dropped (their ``done`` runs), and the loop sends that client's batches in data frames again.
 """
 
 from __future__ import annotations

@@ -28,12 +28,12 @@ import struct
 import sys
 import threading
 import time
-import traceback
 import socket
+import traceback
 import uuid
 from collections import deque
-from dataclasses import replace
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Callable, Deque, Dict, Optional
 
 import numpy as np
@@ -235,13 +235,13 @@ class Dispatcher:
         session here and room is left: a new set makes way for it (the client let go of that one);
         a lane its set already has is refused."""
         current = self.lane_sets.get(ident)
-        replaced = current is not None and current.number != lane_set
-        if self._closed or self.state.sessions.get(ident) is None or (current is not None and not replaced and (
-                current.count != lanes or current.has(lane))) \
-                or sum(s.count for s in self.lane_sets.values() if not (replaced and s is current)) >= MAX_LANES_TOTAL:
+        new_set = current is None or current.number != lane_set
+        kept = sum(s.count for s in self.lane_sets.values() if not (new_set and s is current))
+        if self._closed or self.state.sessions.get(ident) is None or kept >= MAX_LANES_TOTAL \
+                or not new_set and (current.count != lanes or current.has(lane)):
             sock.close()
             return
-        if current is None or replaced:
+        if new_set:
             if current is not None:
                 current.close()
             current = self.lane_sets[ident] = LaneSet(ident, lanes, lane_set)
