@@ -208,8 +208,10 @@ def receive(batch: int, size: int, iters: int, warmup: int, cuda: bool) -> dict:
 
 
 def sink_counters(ld: RemoteLoader) -> dict:
-    """What the loader's CUDA sink counted of the co-located path (zeros for another sink)."""
-    return {k: getattr(ld._sink, k, 0) for k in ("lent", "pinned", "pinning_s", "settled", "settle_s")}
+    """What the loader's CUDA sink counted of the co-located path and the lanes' page-locked
+    buffers (zeros for another sink)."""
+    return {k: getattr(ld._sink, k, 0) for k in ("lent", "lanes_in_place", "pinned", "pinning_s", "settled",
+                                                 "settle_s")}
 
 
 def service_receive(args, cuda: bool, local: bool, register: bool = True, lanes: int = 0) -> float:
@@ -435,6 +437,8 @@ def main(argv: Optional[list] = None) -> int:
             ("data stall: 1 - resident / fed step time", lambda r: f"{100 * r['stall_step_ratio']:.2f}%"),
             ("(CPU blocked in next() / wall, for comparison)", lambda r: f"{100 * r['cpu_blocked_in_next']:.2f}%"),
             ("batches the GPU copied straight from the service's slot", lambda r: str(r["lent_from_the_slot"])),
+            ("batches the GPU copied straight from the lanes' page-locked buffer",
+             lambda r: str(r["sink"]["lanes_in_place"])),
             ("loader's time: waiting for data / copies (h2d_s), whole run",
              lambda r: f"{r['wait_s']:.2f} s / {r['h2d_s']:.2f} s"),
             ("mappings page-locked (cudaHostRegister), seconds in it; waits for lent copies, seconds",

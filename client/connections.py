@@ -238,8 +238,11 @@ class Connections:
             return  # its batches are handed over in place: nothing to carry
         host = r.endpoint.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         try:
-            # the window's batches and the two the trainer and the sink hold: the buffers worth keeping
-            r.lanes = Lanes(host, port, r.identity, self.config.lanes, self.frame_cap, self._queued, self.window + 2)
+            # the buffers worth keeping: the window's batches and the two the trainer and the sink hold;
+            # on a GPU, page-locked, and also those whose copy to the device may not have run yet
+            gpu = self.config.device.startswith("cuda")
+            keep = self.window + 2 + (self.config.device_prefetch if gpu else 0)
+            r.lanes = Lanes(host, port, r.identity, self.config.lanes, self.frame_cap, self._queued, keep, pinned=gpu)
         except OSError as exc:
             r.lanes_off = f"cannot open bulk lanes to {host}:{port}: {exc}"
             log.warning("service replica %s: %s; its batches come in data frames", r.endpoint, r.lanes_off)

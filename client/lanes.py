@@ -53,14 +53,20 @@ class _Entry:
 class Assembly:
     """The batches arriving on ``lanes`` lanes (thread-safe; no sockets: what the readers and
     the loader's thread share). ``max_bytes``: the largest batch; ``max_batches``: batches begun
-    and not yet taken at once; ``keep``: buffers kept for reuse per size (:class:`HostBuffers`)."""
+    and not yet taken at once; ``keep``: buffers kept for reuse per size, ``pinned``: page-locked
+    ones (:class:`HostBuffers`)."""
 
-    def __init__(self, lanes: int, max_bytes: int, max_batches: int, keep: int):
+    def __init__(self, lanes: int, max_bytes: int, max_batches: int, keep: int, pinned: bool = False):
         self.lanes, self.max_bytes, self.max_batches = lanes, max_bytes, max_batches
         self._cond = threading.Condition()
         self._entries: Dict[Tuple[int, int], _Entry] = {}
-        self._buffers = HostBuffers(keep)  # used under the condition's lock only
+        self._buffers = HostBuffers(keep, pinned)  # used under the condition's lock only
         self.failed = ""  # why the lanes failed ("" while they are fine)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the batches' buffers are page-locked (asked for, and this torch can)."""
+        return self._buffers.pinned
 
     def begin(self, lane: int, stream: int, index: int, total: int) -> np.ndarray:
         """Lane ``lane`` starts its stripe of batch (``stream``, ``index``) of ``total`` bytes:
@@ -127,14 +133,15 @@ class Assembly:
 class Lanes:
     """``count`` lanes to ``host``:``port`` for the ZeroMQ connection with routing id
     ``identity``, each read by a thread into an :class:`Assembly` (``keep``: buffers kept for
-    reuse, per batch size). Connecting blocks up to ``connect_s``; raises OSError if a lane
-    cannot be opened (the loader goes on without)."""
+    reuse, per batch size; ``pinned``: page-locked ones, for a GPU's copy engine). Connecting
+    blocks up to ``connect_s``; raises OSError if a lane cannot be opened (the loader goes on
+    without)."""
 
     def __init__(self, host: str, port: int, identity: bytes, count: int, max_bytes: int, max_batches: int,
-                 keep: int, connect_s: float = P.LANE_HELLO_S):
+                 keep: int, pinned: bool = False, connect_s: float = P.LANE_HELLO_S):
         self.count = count
         self.number = secrets.randbits(32)  # this set's (Batch.lane_set); another set of this connection has another
-        self.assembly = Assembly(count, max_bytes, max_batches, keep)
+        self.assembly = Assembly(count, max_bytes, max_batches, keep, pinned)
         self._socks: List[socket.socket] = []
         self._threads: List[threading.Thread] = []
         self._closed = False
@@ -155,6 +162,10 @@ class Lanes:
     @property
     def failed(self) -> str:
         return self.assembly.failed
+
+    @property
+    def pinned(self) -> bool:
+        return self.assembly.pinned
 
     def take(self, stream: int, index: int, total: int, timeout: float) -> np.ndarray:
         return self.assembly.take(stream, index, total, timeout)

@@ -50,6 +50,12 @@ copied on the CPU, and the ring's entry only carries the labels. One more guaran
 own mutant run: copy read (``_copy_has_read``): the service's slot is let go of (its ``Release``
 queued) only once the copy that reads it has finished. Where registration fails, each batch is
 copied from the slot into the ring's entry and handed back at once.
+
+Bulk lanes (``lanes=N``): on a GPU the lanes receive each batch into page-locked buffers of their
+own (client/lanes.py), and the H2D copy reads it there: the only CPU copy of its bytes is the
+kernel's, from the socket. The same copy-read guarantee holds such a buffer (no lane may receive
+into it again) until the copy that reads it has finished. Where this torch cannot page-lock,
+each batch is copied from the lanes' buffer into the ring's entry instead.
 """
 
 from __future__ import annotations
@@ -195,6 +201,17 @@ def _from_lanes(lanes: Optional[Lanes], msg: P.Batch, timeout: float) -> np.ndar
     return lanes.take(msg.stream, msg.index, msg.image_bytes, timeout)
 
 
+def _split(data: np.ndarray, shapes: Outputs) -> List[torch.Tensor]:
+    """One tensor per output over ``data``, the outputs' bytes one after another (no copy)."""
+    raw, at = [], 0
+    for _, shape in shapes:
+        nbytes = math.prod(shape)
+        raw.append(torch.from_numpy(data[at:at + nbytes]).view(shape) if nbytes  # from_numpy refuses no bytes
+                   else torch.empty(shape, dtype=torch.uint8))
+        at += nbytes
+    return raw
+
+
 def _copy_in_place(mappings: Mappings, msg: P.Batch, outputs: List[np.ndarray]) -> None:
     """A batch handed over in place (co-located, ``msg.local``): each output's block of the service's slot copied
     once into ``outputs`` (the Release that follows gives the slot back). The decode checked that
@@ -263,13 +280,7 @@ class HostSink:
         buffer the lanes received it into."""
         if msg.lanes:
             shapes = _check_outputs(msg, self.outputs)
-            data, raw, at = _from_lanes(lanes, msg, self.config.timeout), [], 0
-            for _, shape in shapes:
-                nbytes = math.prod(shape)
-                raw.append(torch.from_numpy(data[at:at + nbytes]).view(shape) if nbytes
-                           else torch.empty(shape, dtype=torch.uint8))
-                at += nbytes
-            return raw, _recv_labels(sock, msg)
+            return _split(_from_lanes(lanes, msg, self.config.timeout), shapes), _recv_labels(sock, msg)
         if msg.local:
             shapes = _check_outputs(msg, self.outputs)
             name, blocks = msg.local  # one block per output, each its size (the protocol checked them)
@@ -345,19 +356,23 @@ class CudaSink:
         self.mappings = Mappings(writable=True, unmapping=self._unmapping)
         self.register = self.register and can_register()  # read lent slots straight from the service's memory
         self._pinned: Set[Mapping] = set()  # the mappings page-locked for the GPU
-        # lent batches whose copy may still read the service's slot: (that copy's event, their tensors)
+        # host memory not the ring's that a copy may still read (lent batches in the service's slot,
+        # batches in the lanes' page-locked buffers): (that copy's event, their tensors)
         self._reading: Deque[Tuple[torch.cuda.Event, List[torch.Tensor]]] = deque()
         self.lent = 0  # co-located batches copied to the GPU straight from the service's slot
+        self.lanes_in_place = 0  # batches copied to the GPU straight from the lanes' buffer
         self.pinned, self.pinning_s = 0, 0.0  # mappings page-locked; seconds in cudaHostRegister / Unregister
         self.settled, self.settle_s = 0, 0.0  # waits for copies from lent slots (a detach, an unmapping)
         self.h2d_s = 0.0
 
     def receive(self, sock: zmq.Socket, msg: P.Batch, borrowed: Optional[Borrowed] = None,
                 lanes: Optional[Lanes] = None):
-        """Into a free entry of the pinned ring (a batch sent on bulk lanes: copied there from
-        the buffer the lanes received it into). A co-located batch: its outputs stay in the service's slot,
-        lent (``borrowed``) until the copy that reads them is done, where the mapping can be
-        registered; else copied from there into the ring's entry and handed back at once."""
+        """Into a free entry of the pinned ring. A batch sent on bulk lanes stays in the page-locked
+        buffer the lanes received it into, kept until the copy that reads it is done (copied into
+        the ring's entry where the lanes' buffers are not page-locked). A co-located batch: its
+        outputs stay in the service's slot, lent (``borrowed``) until the copy that reads them is
+        done, where the mapping can be registered; else copied from there into the ring's entry
+        and handed back at once."""
         self._let_go_copied()
         shapes = _check_outputs(msg, self.outputs)
         if len(msg.indices) > self.config.spec.batch_size:
@@ -368,23 +383,21 @@ class CudaSink:
         labels = pinned.labels[:n]
         try:
             lent = self._lend(msg, shapes, borrowed) if msg.local else None
-            host = lent or [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(pinned.outputs, shapes)]
-            if msg.local:
-                if lent is None:  # one copy from the service's slot into the ring's entry
-                    _copy_in_place(self.mappings, msg, [h.numpy() for h in host])
-                _recv_frames(sock, msg, [], labels)  # the labels, its only data frame
-            elif msg.lanes:
-                data, at = _from_lanes(lanes, msg, self.config.timeout), 0
-                for h in host:
-                    np.copyto(h.numpy().reshape(-1), data[at:at + h.numel()])
-                    at += h.numel()
-                _recv_frames(sock, msg, [], labels)
-            else:
-                _recv_frames(sock, msg, host, labels)
+            on_lanes = _from_lanes(lanes, msg, self.config.timeout) if msg.lanes else None
+            kept = lent or (_split(on_lanes, shapes) if on_lanes is not None and lanes.pinned else None)
+            host = kept or [buf[: math.prod(shape)].view(shape) for buf, (_, shape) in zip(pinned.outputs, shapes)]
+            if msg.local and lent is None:  # one copy from the service's slot into the ring's entry
+                _copy_in_place(self.mappings, msg, [h.numpy() for h in host])
+            elif on_lanes is not None and kept is None:  # one copy from the lanes' buffer into the ring's entry
+                for h, part in zip(host, _split(on_lanes, shapes)):
+                    np.copyto(h.numpy(), part.numpy())
+            _recv_frames(sock, msg, [] if msg.local or msg.lanes else host, labels)
         except BaseException:
             self._free.append(pinned)
             raise
-        return pinned, host, labels, lent is not None
+        self.lent += lent is not None
+        self.lanes_in_place += kept is not None and lent is None
+        return pinned, host, labels, kept is not None
 
     def _lend(self, msg: P.Batch, shapes, borrowed: Optional[Borrowed]) -> Optional[List[torch.Tensor]]:
         """The batch's outputs as tensors over the service's slot, page-locked for the copy engine;
@@ -399,7 +412,6 @@ class CudaSink:
         if views is None:
             return None
         borrowed.settle = self.settle
-        self.lent += 1
         return [torch.from_numpy(v).view(shape) for v, (_, shape) in zip(views, shapes)]
 
     def _registered(self, m: Mapping) -> bool:
@@ -432,13 +444,14 @@ class CudaSink:
             self.pinning_s += time.perf_counter() - t0
 
     def _let_go_copied(self) -> None:
-        """Let go of the lent batches whose copy has finished (their Releases are queued)."""
+        """Let go of the batches held for a copy that has finished (a lent batch's Release is
+        queued; a lanes' buffer may be received into again)."""
         while self._reading and self._copy_has_read(self._reading[0][0]):
             self._reading.popleft()
 
     def settle(self) -> None:
-        """Wait for every copy from a lent slot, and let go of them all (before the connection
-        moves on, or a mapping is unmapped)."""
+        """Wait for every copy from memory held for it, and let go of it all (before the
+        connection moves on, or a mapping is unmapped)."""
         if self._reading:
             t0 = time.perf_counter()
             self.stream.synchronize()
@@ -457,7 +470,7 @@ class CudaSink:
         return pinned
 
     def push(self, msg: P.Batch, payload) -> Batch:
-        pinned, host_outputs, host_labels, lent = payload
+        pinned, host_outputs, host_labels, kept = payload
         t0 = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             raw = [h.to(self.device, non_blocking=True) for h in host_outputs]
@@ -468,7 +481,7 @@ class CudaSink:
             done = torch.cuda.Event()
             done.record(self.stream)
         self._free.append(pinned)  # reusable once ``copied`` has fired (the ring wait checks)
-        if lent:  # the service's slot is the trainer's until this copy has read it
+        if kept:  # the service's slot, or the lanes' buffer, is held until this copy has read it
             self._reading.append((pinned.copied, host_outputs))
         del payload, host_outputs
         self._let_go_copied()

@@ -273,12 +273,45 @@ def test_every_output_of_a_pipeline_is_copied_and_normalized_as_on_the_cpu(make_
         assert all(torch.equal(g[k], w[k]) for k in ("small", "stamp", "labels"))
 
 
-def test_gpu_epochs_over_bulk_lanes_equal_the_cpu_s_byte_for_byte(make_service, delayed_side_stream):
-    """Issue 41: each batch's bytes on two bulk lanes, copied from the lanes' host buffer into the
-    pinned ring while the side stream lags: the same bytes as a CPU loader's over data frames, each
-    sample once per epoch, and the lanes really carried them."""
+@pytest.mark.parametrize("pinned", [True, False], ids=["read-in-place", "copied-into-the-ring"])
+def test_gpu_epochs_over_bulk_lanes_equal_the_cpu_s_byte_for_byte(make_service, delayed_side_stream, monkeypatch,
+                                                                   pinned):
+    """Issue 41: each batch's bytes on two bulk lanes, read by the copy engine from the lanes'
+    page-locked buffer, or (where page-locking fails) copied from it into the pinned ring, while
+    the side stream lags: the same bytes as a CPU loader's over data frames, each sample once per
+    epoch, and the lanes really carried them."""
+    import client.buffers
+
+    if not pinned:
+        monkeypatch.setattr(client.buffers, "torch", _NoPageLocking)
     service = make_service(lane_port=0)
     with RemoteLoader(service.endpoint, **KW) as cpu, \
          RemoteLoader(service.endpoint, **KW, device="cuda", lanes=2) as gpu:
         _epochs_equal(cpu, gpu, 2)
-        assert all(r.lanes is not None and not r.lanes.failed for r in gpu._conns.replicas)
+        assert all(r.lanes is not None and not r.lanes.failed and r.lanes.pinned is pinned
+                   for r in gpu._conns.replicas)
+        assert gpu._sink.lanes_in_place == (2 * BATCHES if pinned else 0)
+
+
+class _NoPageLocking:
+    """Stands in for torch in client.buffers: page-locking fails, as on a build without CUDA."""
+
+    uint8 = torch.uint8
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        raise RuntimeError("cannot page-lock here (the test's stand-in)")
+
+
+def test_race_lanes_buffer_is_received_into_again_only_after_its_copy_ran(make_service, delayed_side_stream):
+    """Issue 41: the copy engine reads each batch from the lanes' page-locked buffer, and the side
+    stream lags far behind while the lanes receive on. A buffer the lanes may receive into as soon
+    as its copy is issued (the copy_read mutant) is overwritten by a later batch before the copy
+    reads it: wrong bytes."""
+    service = make_service(lane_port=0)
+    expected = cpu_reference(service.endpoint)
+    with RemoteLoader(service.endpoint, **KW, device="cuda", lanes=2, prefetch=2, device_prefetch=2) as gpu:
+        sums = [checksum(b) for b in gpu]  # read at once: nothing waits for the copies but the GPU
+        in_place = gpu._sink.lanes_in_place
+    assert as_ints(sums) == expected
+    assert in_place == BATCHES
