@@ -225,3 +225,64 @@ def test_a_peer_that_keeps_sending_batches_on_lanes_never_opened_is_refused_not_
         stop.set()
         t.join(10)
         router.close()
+
+
+TRAINER = r"""
+import sys
+from client import RemoteLoader
+with RemoteLoader(sys.argv[1], batch_size=16, image_size=96, lanes=2, epoch_lookahead=False) as ld:
+    for epoch in range(1000):  # killed long before
+        ld.set_epoch(epoch)
+        for k, batch in enumerate(ld):
+            if epoch == 0 and k == 1:
+                assert all(r.lanes is not None for r in ld._conns.replicas), "the lanes were not open"
+                print("reading", flush=True)
+"""
+
+
+def _lanes_state(service):
+    """(sessions, retiring streams: slots not yet given back, clients with lanes kept)."""
+    d = service.dispatcher
+    return d.call(lambda: (len(d.state.sessions), len(d.state.memory.retiring), len(d.lane_sets))).result(10)
+
+
+def _until_the_client_left(service, deadline_s: float = 30.0):
+    import time
+
+    end = time.monotonic() + deadline_s
+    while _lanes_state(service) != (0, 0, 0) and time.monotonic() < end:
+        time.sleep(0.05)  # the monitor's disconnect event and the lanes' sweep; the deadline bounds it
+    return _lanes_state(service)
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["killed-reading", "stopped-then-killed"])
+def test_a_client_killed_mid_epoch_with_lanes_open_gives_everything_back(make_service, tmp_path, stopped):
+    """A RemoteLoader(lanes=2) SIGKILLed while its lanes carry batches, reading them, or first
+    stopped (SIGSTOP: its lanes fill and the service's senders block) while another loader is
+    served in full: the service takes back every slot, closes the dead client's lanes and
+    serves the next loader the same bytes as data frames."""
+    import os
+    import subprocess
+    import sys
+
+    service = make_service(lane_port=0)
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, str(script), service.endpoint], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert proc.stdout.readline().startswith("reading")
+        assert _lanes_state(service)[2] == 1
+        if stopped:
+            proc.send_signal(signal.SIGSTOP)
+            other, used = _epoch(service.endpoint, lanes=2)
+            assert used == [True] and sorted(i for x in other for i in x[1]) == list(range(DEMO_SIZE))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        proc.stdout.close()
+    assert _until_the_client_left(service) == (0, 0, 0)
+    on_lanes, used = _epoch(service.endpoint, lanes=2)
+    assert used == [True]
+    _same(on_lanes, _epoch(service.endpoint)[0])
