@@ -20,6 +20,8 @@ Per photo group, in one run, contenders interleaved (median of ``--runs``):
   ``RemoteLoader(local=True)``, each batch copied out of the service's shared memory instead of
   received over loopback TCP); its targets: >= 0.9x the decode loop on a core of its own, >= 1.35x
   the naive N-process limit on shared cores, trainer CPU per image <= 10 us.
+* and once more over TCP with **bulk lanes** (issue 41: ``--lane-port 0``, ``RemoteLoader(lanes=2)``:
+  the batches' bytes on two plain TCP connections, received straight into the batch's buffer).
 
 Each contender is given as images per second of wall time (per core) and as images per
 CPU-second of its own processes (the decode processes; for the service also its dispatcher's
@@ -62,7 +64,9 @@ from loader_service.decode.jpeg import decode_path
 
 ROWS = [("naive", "naive loop (simplejpeg, slice, cv2 resize, flip)"), ("loop", "service decode loop (process_sample)"),
         ("service", "service + RemoteLoader (TCP)"),
-        ("local", "service + RemoteLoader(local=True) (co-located, shared memory)")]
+        ("local", "service + RemoteLoader(local=True) (co-located, shared memory)"),
+        ("lanes", "service + RemoteLoader(lanes=2) (TCP, bulk lanes)")]
+LANES = 2  # the lanes row's bulk lanes
 
 
 def pinned(cpus: Optional[set], fn, *args):
@@ -76,24 +80,28 @@ def pinned(cpus: Optional[set], fn, *args):
 
 
 def service_row(settings: B.Settings, dataset_args: List[str], service_cpus: Optional[set],
-                client_cpus: Optional[set], profile: Optional[str] = None, local: bool = False) -> dict:
+                client_cpus: Optional[set], profile: Optional[str] = None, local: bool = False,
+                lanes: int = 0) -> dict:
     """The service with ``settings.workers`` decode processes on ``service_cpus``, a RemoteLoader on
-    ``client_cpus`` (``local``: co-located, reading the service's shared memory): img/s, CPU per
-    image per part, busy shares."""
+    ``client_cpus`` (``local``: co-located, reading the service's shared memory; ``lanes``: over
+    TCP with that many bulk lanes): img/s, CPU per image per part, busy shares."""
     before = os.sched_getaffinity(0)
     try:
         set_affinity(service_cpus)  # the service and its decode processes inherit it
-        svc = start_service([*dataset_args, "--workers", str(settings.workers)])
+        svc = start_service([*dataset_args, "--workers", str(settings.workers),
+                             *(["--lane-port", "0"] if lanes else [])])
     finally:
         set_affinity(client_cpus or before)
     spies: List[subprocess.Popen] = []
     try:
         with RemoteLoader(svc.endpoint, batch_size=settings.batch_size, image_size=settings.image_size,
                           seed=settings.seed, prefetch=max(4, 2 * settings.workers),
-                          **({"local": True} if local else {})) as loader:
+                          **({"local": True} if local else {}), **({"lanes": lanes} if lanes else {})) as loader:
             loader.set_epoch(0)
             for _ in loader:  # warm-up: workers started, first stream set up
                 pass
+            if lanes and not all(r.lanes is not None for r in loader._conns.replicas):
+                raise RuntimeError("the lanes row's loader has no bulk lanes open")
             main = psutil.Process(svc.proc.pid)
             workers = [p for p in main.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
             me = psutil.Process()
@@ -211,17 +219,20 @@ def run_group(settings: B.Settings, dataset_args: List[str], split, profile: Opt
         "dedicated": {"naive": raw_row(service_cpus, replace(dedicated, fn="naive")),
                       "loop": raw_row(service_cpus, dedicated),
                       "service": service_row(dedicated, dataset_args, service_cpus, client_cpus, profile),
-                      "local": service_row(dedicated, dataset_args, service_cpus, client_cpus, local=True)},
+                      "local": service_row(dedicated, dataset_args, service_cpus, client_cpus, local=True),
+                      "lanes": service_row(dedicated, dataset_args, service_cpus, client_cpus, lanes=LANES)},
         "shared": {"naive": raw_row(everything, replace(shared, fn="naive")), "loop": raw_row(everything, shared),
                    "service": service_row(shared, dataset_args, everything, everything),
-                   "local": service_row(shared, dataset_args, everything, everything, local=True)},
+                   "local": service_row(shared, dataset_args, everything, everything, local=True),
+                   "lanes": service_row(shared, dataset_args, everything, everything, lanes=LANES)},
     }
 
 
 def report(group: str, count: int, kib: float, layout: str, cpus: str, runs: List[dict]) -> dict:
     rs = [r[layout] for r in runs]
     med = {k: {m: statistics.median(r[k][m] for r in rs) for m in ("img_s", "img_cpu_s")} for k, _ in ROWS}
-    parts = {row: {k: statistics.median(r[row][k] for r in rs) for k in rs[0][row]} for row in ("service", "local")}
+    parts = {row: {k: statistics.median(r[row][k] for r in rs) for k in rs[0][row]}
+             for row in ("service", "local", "lanes")}
     ncpu = len(cpus.split(","))
     print(f"\n### {group} ({count} photos, {kib:.0f} KiB mean), {layout}: service on CPU {cpus}"
           + (", client on the others" if layout == "dedicated" else ", client beside it") + f"; median of {len(rs)}\n")
@@ -233,7 +244,8 @@ def report(group: str, count: int, kib: float, layout: str, cpus: str, runs: Lis
             cells += [f"{med[k][m] / per:.0f}", " / ".join(f"{r[k][m] / per:.0f}" for r in rs),
                       f"{med[k][m] / med['naive'][m]:.2f}x", f"{med[k][m] / med['loop'][m]:.2f}x"]
         print(table_row(cells))
-    for row, what in (("service", "service (TCP)"), ("local", "service co-located")):
+    for row, what in (("service", "service (TCP)"), ("local", "service co-located"),
+                      ("lanes", "service (TCP, bulk lanes)")):
         svc = parts[row]
         print(f"\n{what}, CPU per image: decode processes {svc['worker_us']:.0f} us, dispatcher's process "
               f"{svc['dispatcher_us']:.0f} us (of which ZeroMQ's I/O threads {svc['io_us']:.0f} us), client (trainer) "
@@ -241,7 +253,7 @@ def report(group: str, count: int, kib: float, layout: str, cpus: str, runs: Lis
               f"clock), {100 * svc['busy_dispatcher']:.1f}% holding a task (the dispatcher's)")
     base = {k: med[k][m] for k in ("naive", "loop") for m in ("img_s",)} | \
         {f"{k}_cpu": med[k]["img_cpu_s"] for k in ("naive", "loop")}
-    return base | parts["service"] | {"local": base | parts["local"]}
+    return base | parts["service"] | {"local": base | parts["local"], "lanes": base | parts["lanes"]}
 
 
 def main(argv=None) -> int:
@@ -294,7 +306,8 @@ def main(argv=None) -> int:
             check(f"{group} shared, co-located: service + client >= 1.35x the naive {len(s_cpus | c_cpus)}-process "
                   "limit", sh["local"], "naive", 1.35),
             (f"{group} shared, co-located: trainer CPU per image <= 10 us", sh["local"]["client_us"] <= 10,
-             f"{sh['local']['client_us']:.1f} us (over TCP {sh['client_us']:.1f} us)"),
+             f"{sh['local']['client_us']:.1f} us (over TCP {sh['client_us']:.1f} us, on bulk lanes "
+             f"{sh['lanes']['client_us']:.1f} us)"),
         ]
     print_verdicts(verdicts)
     return 0

@@ -27,6 +27,22 @@ def indices_of(batches: List[dict]) -> List[int]:
     return [i for b in batches for i in b["indices"]]
 
 
+def train_beside_validation(train: RemoteLoader, val: RemoteLoader, epochs: int = 2, every: int = 10) -> List:
+    """``epochs`` training epochs with a whole validation pass before every ``every``-th training
+    batch: per epoch, (the training batches' indices, each validation pass's batches as
+    :func:`collect` keeps them)."""
+    out = []
+    for epoch in range(epochs):
+        train.set_epoch(epoch)
+        seen, passes = [], []
+        for k, b in enumerate(train):
+            seen += b.indices
+            if k % every == 0:  # a validation pass in the middle of the training epoch
+                passes.append(collect(val))
+        out.append((seen, passes))
+    return out
+
+
 def run_ranks(endpoint: str, world: int, steps: int = -1, state: Optional[dict] = None, states: bool = False,
               **kw) -> List:
     """One loader per rank, all at once (threads), one epoch each (or ``steps`` batches), from

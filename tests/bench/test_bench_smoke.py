@@ -180,6 +180,8 @@ def test_percore_benchmark_reports_both_layouts_and_the_targets(tmp_path):
     assert stdout.count("| service + RemoteLoader(local=True) (co-located, shared memory) |") == 2  # issue 41
     assert stdout.count("service (TCP), CPU per image: decode processes") == 2
     assert stdout.count("service co-located, CPU per image: decode processes") == 2
+    assert stdout.count("| service + RemoteLoader(lanes=2) (TCP, bulk lanes) |") == 2
+    assert stdout.count("service (TCP, bulk lanes), CPU per image: decode processes") == 2
     assert stdout.count("PASS ") + stdout.count("MISS ") == 6
     assert "co-located: trainer CPU per image <= 10 us" in stdout
 

@@ -371,7 +371,7 @@ def test_lent_batches_resume_at_another_world_size_beside_a_validation_loader_an
     3 ranks exactly once; a training and a validation loader of one rank run side by side, each
     epoch whole; a new iter() part-way starts the epoch again while the trainer still holds batches
     of the pass it left (detached, their bytes kept)."""
-    from testkit.helpers import collect, run_ranks
+    from testkit.helpers import collect, indices_of, run_ranks, train_beside_validation
 
     svc = make_service()
     kw = dict(image_size=32, seed=4, epoch_lookahead=False, local=True, batch_size=8)
@@ -383,15 +383,9 @@ def test_lent_batches_resume_at_another_world_size_beside_a_validation_loader_an
 
     with RemoteLoader(svc.endpoint, job="train", shuffle=True, **kw) as train, \
             RemoteLoader(svc.endpoint, job="val", shuffle=False, train=False, **kw) as val:
-        for epoch in range(2):
-            train.set_epoch(epoch)
-            seen, checked = [], []
-            for k, b in enumerate(train):
-                seen += b.indices
-                if k % 10 == 0:  # a validation pass in the middle of the training epoch
-                    checked.append(sorted(i for v in val for i in v.indices))
+        for seen, passes in train_beside_validation(train, val):
             assert sorted(seen) == list(range(DEMO_SIZE))
-            assert checked and all(c == list(range(DEMO_SIZE)) for c in checked)
+            assert passes and all(sorted(indices_of(p)) == list(range(DEMO_SIZE)) for p in passes)
 
         it = iter(train)
         held = [next(it) for _ in range(2)]  # kept, lent in place
