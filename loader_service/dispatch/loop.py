@@ -232,13 +232,16 @@ class Dispatcher:
 
     def _adopt_lane(self, ident: bytes, lane: int, lanes: int, lane_set: int, sock: socket.socket) -> None:
         """Keep lane ``lane`` of ``lanes`` of set ``lane_set`` for client ``ident`` if it has a
-        session here and room is left: a new set makes way for it (the client let go of that one);
-        a lane its set already has is refused."""
+        session here and room is left. A set's first lane takes room for the whole set, past the
+        client's old set (it let go of that one, which makes way); a lane its set already has, or
+        one of another count, is refused."""
         current = self.lane_sets.get(ident)
         new_set = current is None or current.number != lane_set
-        kept = sum(s.count for s in self.lane_sets.values() if not (new_set and s is current))
-        if self._closed or self.state.sessions.get(ident) is None or kept >= MAX_LANES_TOTAL \
-                or not new_set and (current.count != lanes or current.has(lane)):
+        if new_set:
+            room = sum(s.count for i, s in self.lane_sets.items() if i != ident) + lanes <= MAX_LANES_TOTAL
+        else:
+            room = current.count == lanes and not current.has(lane)
+        if self._closed or self.state.sessions.get(ident) is None or not room:
             sock.close()
             return
         if new_set:

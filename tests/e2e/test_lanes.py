@@ -320,3 +320,26 @@ def test_lanes_resume_at_another_world_size_beside_a_validation_loader_and_resta
         assert [b["indices"] for b in again[:2]] == [idx for idx, _ in kept]
         assert sorted(i for b in again for i in b["indices"]) == list(range(DEMO_SIZE))
         assert all(list(b.indices) == idx and torch.equal(b.raw, raw) for b, (idx, raw) in zip(held, kept))
+
+
+def test_the_service_keeps_whole_lane_sets_up_to_its_cap_and_refuses_the_next_set_whole(make_service, monkeypatch):
+    """With room for 4 lanes: two loaders' sets of 2 fill it exactly, both kept and sending; a
+    third loader's set finds no room, none of its lanes is kept (no half set holding a sender
+    thread), and it is served in data frames, every epoch whole and the same bytes."""
+    import loader_service.dispatch.loop as loop
+
+    monkeypatch.setattr(loop, "MAX_LANES_TOTAL", 4)
+    service = make_service(lane_port=0)
+    d = service.dispatcher
+    reference, _ = _epoch(service.endpoint)
+    with RemoteLoader(service.endpoint, **KW, lanes=2) as a, RemoteLoader(service.endpoint, **KW, lanes=2) as b, \
+            RemoteLoader(service.endpoint, **KW, lanes=2) as c:
+        got = {}
+        for name, ld in (("a", a), ("b", b), ("c", c)):
+            got[name] = [(0, bt.indices, bt.raw.clone(), bt.labels.clone(), bt) for bt in ld]
+        sets = d.call(lambda: sorted((s.count, s.ready) for s in d.lane_sets.values())).result(10)
+        assert sets == [(2, True), (2, True)]
+        assert [r.lanes is not None and not r.lanes.failed for ld in (a, b) for r in ld._conns.replicas] == [True, True]
+        assert all(r.lanes is None or r.lanes.failed for r in c._conns.replicas)
+    for name in "abc":
+        _same(got[name], reference)
