@@ -34,10 +34,12 @@ JOIN_S = 5.0  # how long close() waits for a thread
 
 class LaneSet:
     """The ``count`` lanes of one client that said they are set ``number``; ``ready`` once all
-    of them are here and none failed."""
+    of them are here and none failed, which must be by ``complete_by`` (the first lane's arrival
+    plus ``LANE_HELLO_S``)."""
 
     def __init__(self, ident: bytes, count: int, number: int):
         self.ident, self.count, self.number = ident, count, number
+        self.complete_by = time.monotonic() + P.LANE_HELLO_S
         self._socks: List[Optional[socket.socket]] = [None] * count
         self._queues: List["queue.SimpleQueue"] = [queue.SimpleQueue() for _ in range(count)]
         self._threads: List[threading.Thread] = []

@@ -250,12 +250,18 @@ class Dispatcher:
             current = self.lane_sets[ident] = LaneSet(ident, lanes, lane_set)
         current.add(lane, sock)
 
-    def _sweep_lanes(self) -> None:
-        """Close the lanes of clients whose session is gone, and sets that failed."""
+    def _sweep_lanes(self, now: float) -> None:
+        """Close the lanes of clients whose session is gone, sets that failed, and sets still
+        missing a lane at their deadline (a client opens all its lanes at once: a half set would
+        only hold its room and threads)."""
         for ident, lanes in list(self.lane_sets.items()):
-            if lanes.broken or self.state.sessions.get(ident) is None:
+            if lanes.broken or self.state.sessions.get(ident) is None or not lanes.ready and now >= lanes.complete_by:
                 del self.lane_sets[ident]
                 lanes.close()
+
+    def _lanes_due(self) -> Optional[float]:
+        """When the first set still missing a lane is due (None: none is)."""
+        return min((s.complete_by for s in self.lane_sets.values() if not s.ready), default=None)
 
     def _close_lanes(self) -> None:
         """At the end: batches already announced may still finish on their lanes, for as long as
@@ -324,7 +330,7 @@ class Dispatcher:
         self.pool.expire_starts(now)
         self.handle(E.Tick())
         if self.lane_sets:
-            self._sweep_lanes()
+            self._sweep_lanes(now)
 
     def _poll_timeout_ms(self) -> Optional[int]:
         """Until the state's next deadline, a starting worker's deadline, or the end of a
@@ -333,7 +339,8 @@ class Dispatcher:
         if self.state.drained(now):
             self._running_loop = False
             return 0
-        ends = [t for t in (self.state.next_deadline(now), self.pool.next_start_deadline()) if t is not None]
+        ends = [t for t in (self.state.next_deadline(now), self.pool.next_start_deadline(), self._lanes_due())
+                if t is not None]
         if not ends:
             return None
         return max(1, int((min(ends) - now) * 1000) + 1)

@@ -343,3 +343,24 @@ def test_the_service_keeps_whole_lane_sets_up_to_its_cap_and_refuses_the_next_se
         assert all(r.lanes is None or r.lanes.failed for r in c._conns.replicas)
     for name in "abc":
         _same(got[name], reference)
+
+
+def test_a_set_still_missing_a_lane_at_its_deadline_is_closed_and_its_room_given_back(make_service, monkeypatch):
+    """A client with a session opens one lane of a set of two and never the other: at the
+    deadline the service closes that lane and forgets the half set (no room or thread held for
+    the session's life); the loader, in data frames, finishes its epoch whole."""
+    monkeypatch.setattr(P, "LANE_HELLO_S", 0.5)
+    service = make_service(lane_port=0)
+    d = service.dispatcher
+    with RemoteLoader(service.endpoint, **KW) as ld:
+        it = iter(ld)
+        first = [next(it)]  # the session is open now
+        half = _connect(d.lanes.port)
+        try:
+            half.sendall(P.lane_hello(ld._conns.replicas[0].identity, 0, 2, 7))
+            assert _closed_by_peer(half)  # within the socket's 5 s timeout: the deadline is 0.5 s
+        finally:
+            half.close()
+        assert d.call(lambda: len(d.lane_sets)).result(10) == 0
+        rest = list(it)
+    assert sorted(i for b in first + rest for i in b.indices) == list(range(DEMO_SIZE))
