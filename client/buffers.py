@@ -41,7 +41,7 @@ class HostBuffers:
     def _new(self, nbytes: int) -> np.ndarray:
         if self.pinned:
             try:  # the array holds the tensor, which holds the page-locked memory
-                return torch.empty(nbytes, dtype=torch.uint8).pin_memory().numpy()
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
             except RuntimeError as exc:
                 self.pinned = False
                 log.warning("cannot page-lock host buffers (%s): batches are copied into the pinned ring instead",
