@@ -326,8 +326,8 @@ class _Pinned:
 
     def __init__(self, nbytes: List[int], nlabels: int):
         # pinned while the loader's device is current (portable to every device under UVA)
-        self.outputs = [torch.empty(n, dtype=torch.uint8).pin_memory() for n in nbytes]
-        self.labels = torch.empty(nlabels, dtype=torch.int64).pin_memory()
+        self.outputs = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in nbytes]
+        self.labels = torch.empty(nlabels, dtype=torch.int64, pin_memory=True)
         self.copied: Optional[torch.cuda.Event] = None  # recorded after the H2D copy that read it
 
 
