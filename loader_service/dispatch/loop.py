@@ -72,6 +72,7 @@ class Dispatcher:
         self.instance = uuid.uuid4().hex[:12]
         self.ctx, self.front, self.guard, self.monitor, self.data_port = _data_port(config)
         self.lane_sets: Dict[bytes, LaneSet] = {}  # a client's routing id -> its bulk lanes (loop thread only)
+        self._lanes_due: Optional[float] = None  # when the first set still missing a lane is due (the sweep's)
         self.lanes: Optional[LaneListener] = None
         if config.lane_port >= 0:
             try:
@@ -254,14 +255,14 @@ class Dispatcher:
         """Close the lanes of clients whose session is gone, sets that failed, and sets still
         missing a lane at their deadline (a client opens all its lanes at once: a half set would
         only hold its room and threads)."""
+        due = None
         for ident, lanes in list(self.lane_sets.items()):
             if lanes.broken or self.state.sessions.get(ident) is None or not lanes.ready and now >= lanes.complete_by:
                 del self.lane_sets[ident]
                 lanes.close()
-
-    def _lanes_due(self) -> Optional[float]:
-        """When the first set still missing a lane is due (None: none is)."""
-        return min((s.complete_by for s in self.lane_sets.values() if not s.ready), default=None)
+            elif not lanes.ready:
+                due = lanes.complete_by if due is None else min(due, lanes.complete_by)
+        self._lanes_due = due
 
     def _close_lanes(self) -> None:
         """At the end: batches already announced may still finish on their lanes, for as long as
@@ -339,8 +340,9 @@ class Dispatcher:
         if self.state.drained(now):
             self._running_loop = False
             return 0
-        ends = [t for t in (self.state.next_deadline(now), self.pool.next_start_deadline(), self._lanes_due())
-                if t is not None]
+        # the sweep ran in the tick just before (after any lane was adopted): its due time is current
+        lanes_due = self._lanes_due if self.lane_sets else None
+        ends = [t for t in (self.state.next_deadline(now), self.pool.next_start_deadline(), lanes_due) if t is not None]
         if not ends:
             return None
         return max(1, int((min(ends) - now) * 1000) + 1)
