@@ -70,6 +70,23 @@ def run_ranks(endpoint: str, world: int, steps: int = -1, state: Optional[dict] 
     return results
 
 
+def taken_across_a_resize(endpoint: str, job: str, **kw) -> List[int]:
+    """Rank 1 of 2 takes 4 batches and saves its state; the job resumes from that state at 3
+    ranks, each an epoch: the samples all five loaders took (padding left out), to be each once."""
+    first = run_ranks(endpoint, 2, 4, states=True, job=job, **kw)
+    second = run_ranks(endpoint, 3, -1, state=first[1][1], states=True, job=f"{job}-resumed", **kw)
+    return [i for got, _ in first + second for b in got for i in b["indices"][: len(b["indices"]) - b["padding"]]]
+
+
+def restart_while_holding(loader: RemoteLoader, hold: int = 2) -> tuple:
+    """Take ``hold`` batches and keep them, then start a new ``iter()``: (the held batches, their
+    indices and bytes as taken, the new pass's batches as :func:`collect` keeps them)."""
+    it = iter(loader)
+    held = [next(it) for _ in range(hold)]
+    kept = [(b.indices, b.raw.clone()) for b in held]
+    return held, kept, collect(loader)
+
+
 def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
     """Wait until ``cond()`` holds, checking on each short interval; fail clearly at ``timeout``."""
     deadline = time.monotonic() + timeout

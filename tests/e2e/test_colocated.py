@@ -371,14 +371,11 @@ def test_lent_batches_resume_at_another_world_size_beside_a_validation_loader_an
     3 ranks exactly once; a training and a validation loader of one rank run side by side, each
     epoch whole; a new iter() part-way starts the epoch again while the trainer still holds batches
     of the pass it left (detached, their bytes kept)."""
-    from testkit.helpers import collect, indices_of, run_ranks, train_beside_validation
+    from testkit.helpers import indices_of, restart_while_holding, taken_across_a_resize, train_beside_validation
 
     svc = make_service()
     kw = dict(image_size=32, seed=4, epoch_lookahead=False, local=True, batch_size=8)
-    first = run_ranks(svc.endpoint, 2, 4, states=True, job="lent", **kw)
-    second = run_ranks(svc.endpoint, 3, -1, state=first[1][1], states=True, job="lent-resumed", **kw)
-    real = lambda got: [i for b in got for i in b["indices"][: len(b["indices"]) - b["padding"]]]  # noqa: E731
-    taken = [i for got, _ in first for i in real(got)] + [i for got, _ in second for i in real(got)]
+    taken = taken_across_a_resize(svc.endpoint, "lent", **kw)
     assert sorted(taken) == list(range(DEMO_SIZE))
 
     with RemoteLoader(svc.endpoint, job="train", shuffle=True, **kw) as train, \
@@ -387,10 +384,7 @@ def test_lent_batches_resume_at_another_world_size_beside_a_validation_loader_an
             assert sorted(seen) == list(range(DEMO_SIZE))
             assert passes and all(sorted(indices_of(p)) == list(range(DEMO_SIZE)) for p in passes)
 
-        it = iter(train)
-        held = [next(it) for _ in range(2)]  # kept, lent in place
-        kept = [(b.indices, b.raw.clone()) for b in held]
-        again = collect(train)  # a new iter(): the epoch from its first batch
+        held, kept, again = restart_while_holding(train)  # the held batches are lent in place
         assert [b["indices"] for b in again[:2]] == [idx for idx, _ in kept]
         assert sorted(i for b in again for i in b["indices"]) == list(range(DEMO_SIZE))
         assert all(list(b.indices) == idx and torch.equal(b.raw, raw) for b, (idx, raw) in zip(held, kept))

@@ -294,14 +294,11 @@ def test_lanes_resume_at_another_world_size_beside_a_validation_loader_and_resta
     of one rank run side by side, each epoch whole and each batch the bytes of data frames; a new
     iter() part-way starts the epoch again while the trainer holds batches of the pass it left
     (their bytes kept)."""
-    from testkit.helpers import collect, run_ranks, train_beside_validation
+    from testkit.helpers import collect, restart_while_holding, taken_across_a_resize, train_beside_validation
 
     svc = make_service(lane_port=0)
     kw = dict(image_size=32, seed=4, epoch_lookahead=False, batch_size=8)
-    first = run_ranks(svc.endpoint, 2, 4, states=True, job="lanes", lanes=2, **kw)
-    second = run_ranks(svc.endpoint, 3, -1, state=first[1][1], states=True, job="lanes-resumed", lanes=2, **kw)
-    real = lambda got: [i for b in got for i in b["indices"][: len(b["indices"]) - b["padding"]]]  # noqa: E731
-    taken = [i for got, _ in first for i in real(got)] + [i for got, _ in second for i in real(got)]
+    taken = taken_across_a_resize(svc.endpoint, "lanes", lanes=2, **kw)
     assert sorted(taken) == list(range(DEMO_SIZE))
 
     with RemoteLoader(svc.endpoint, job="val-frames", shuffle=False, train=False, **kw) as frames:
@@ -313,10 +310,7 @@ def test_lanes_resume_at_another_world_size_beside_a_validation_loader_and_resta
             assert passes and all({tuple(v["indices"]): v["images"] for v in p} == reference for p in passes)
         assert all(r.lanes is not None for ld in (train, val) for r in ld._conns.replicas)
 
-        it = iter(train)
-        held = [next(it) for _ in range(2)]  # kept: their lanes' buffers are not received into again
-        kept = [(b.indices, b.raw.clone()) for b in held]
-        again = collect(train)  # a new iter(): the epoch from its first batch
+        held, kept, again = restart_while_holding(train)  # the held batches are in the lanes' buffers
         assert [b["indices"] for b in again[:2]] == [idx for idx, _ in kept]
         assert sorted(i for b in again for i in b["indices"]) == list(range(DEMO_SIZE))
         assert all(list(b.indices) == idx and torch.equal(b.raw, raw) for b, (idx, raw) in zip(held, kept))
