@@ -190,7 +190,8 @@ class Connections:
 
         Raises LoaderError for the service's errors except the recoverable ones.
         """
-        header = r.sock.recv(copy=False)
+        # bytes: a zmq.Frame costs more than this copy of a small header; zmq.Again if nothing waits
+        header = r.sock.recv(zmq.NOBLOCK)
         try:
             msg = P.decode_header(header)
         except P.ProtocolError as exc:

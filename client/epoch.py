@@ -17,6 +17,8 @@ import time
 from collections import deque
 from typing import Callable, Deque, Optional
 
+import zmq
+
 from wire import protocol as P
 
 from client.batch import Batch
@@ -175,14 +177,16 @@ class EpochRun:
         return bool(self._pushed)  # pushed in plan order from next_yield: its head is next_yield
 
     def _pump(self, r: Replica) -> bool:
-        """Read what ``r`` has (bounded per round, so one replica cannot starve the rest);
-        True if anything came from the service."""
+        """Read what ``r`` has (the poll found a message on it; bounded per round, so one replica
+        cannot starve the rest); True if anything came from the service."""
         heard = False
-        for _ in range(64):
-            if not r.has_message():
+        for i in range(64):
+            if i and not r.has_message():  # (the first is the poll's)
                 break
             try:
                 msg, payload = self.conns.recv(r, self.sink)
+            except zmq.Again:  # what the poll saw is gone (nothing else reads this socket): nothing to read
+                break
             except LanesLost as exc:
                 self._lanes_lost(r, exc)
                 heard = True

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Union
 
+_NEVER = float("inf")
 MAX_PER_NAME = 64  # addresses taken from one name's answer (sorted): a hostile answer costs bounded sockets
 
 
@@ -92,10 +93,15 @@ class Membership:
 
     def due(self) -> float:
         """When :meth:`tick` (or a lookup) has something to do."""
-        times = [self.next_lookup] if self.names else []
-        times += [since + self.drain_s for since in self.members.values() if since is not None]
-        times += [at for e, at in self.cooling.items() if e in self.wanted()]
-        return min(times, default=float("inf"))
+        # (several times per batch, mostly with no name, nothing draining, nothing cooling)
+        due = self.next_lookup if self.names else _NEVER
+        for since in self.members.values():
+            if since is not None:
+                due = min(due, since + self.drain_s)
+        if self.cooling:
+            wanted = self.wanted()
+            due = min([due, *(at for e, at in self.cooling.items() if e in wanted)])
+        return due
 
     def lookup_due(self, now: float) -> bool:
         return bool(self.names) and now >= self.next_lookup

@@ -436,11 +436,13 @@ def encode_header(msg: Message) -> bytes:
 
 def _changed(obj: Any) -> dict:
     """The fields of a message (or of a :class:`JobSpec` inside one) that differ from their defaults."""
-    out = {}
-    for name, default in _layout(type(obj)).defaults:
-        value = getattr(obj, name)
-        if default is _NO_DEFAULT or value != default:
-            out[name] = _changed(value) if isinstance(value, JobSpec) else value
+    layout = _layout(type(obj))
+    values = obj.__dict__  # a frozen dataclass keeps its fields there (getattr on each: a fifth of a Request's encode)
+    out = {name: values[name] for name, default in layout.defaults
+           if default is _NO_DEFAULT or values[name] != default}
+    for name in layout.nested:
+        if isinstance(out.get(name), JobSpec):
+            out[name] = _changed(out[name])
     return out
 
 
@@ -452,7 +454,7 @@ class _Layout:
     header is encoded or decoded once or twice per batch, and ``dataclasses.fields`` and
     ``get_origin`` on each took half of a Batch's decode."""
 
-    __slots__ = ("names", "defaults", "types")
+    __slots__ = ("names", "defaults", "types", "required", "required_set", "nested", "passed")
 
     def __init__(self, cls: type):
         hints = get_type_hints(cls)
@@ -461,9 +463,24 @@ class _Layout:
         self.defaults = tuple((f.name, f.default if f.default is not MISSING
                                else f.default_factory() if f.default_factory is not MISSING else _NO_DEFAULT)
                               for f in fields(cls))
-        # (name, type, whether None is allowed, whether required): what decode checks
-        self.types = tuple((f.name, *_unwrap(hints[f.name]),
-                            f.default is MISSING and f.default_factory is MISSING) for f in fields(cls))
+        # name -> (type, whether None is allowed, the type a value of exactly which needs no
+        # further check, or None): what decode checks, walking the header's own fields
+        self.types = {}
+        for f in fields(cls):
+            hint, optional = _unwrap(hints[f.name])
+            self.types[f.name] = (hint, optional, hint if hint in _PLAIN_TYPES else None)
+        # the fields without a default, in their order (a missing one is named)
+        self.required = tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+        self.required_set = frozenset(self.required)
+        self.nested = tuple(f.name for f in fields(cls) if self.types[f.name][0] is JobSpec)  # encoded as maps
+        # the field names (in a header's order) -> their types, of headers whose every value had
+        # its field's plain type: see _build
+        self.passed: dict = {}
+
+
+# what msgpack decodes to exactly these types is checked by its type alone (a float also needs to be
+# finite, and a JobSpec its fields: those take the full check)
+_PLAIN_TYPES = (int, bool, str, list, dict)
 
 
 def _unwrap(hint: Any) -> tuple:
@@ -599,19 +616,42 @@ def frame_count(nbytes: int, chunk: int) -> int:
 def _build(cls: type, header: dict) -> Any:
     """``cls`` (a message, or a :class:`JobSpec` inside one) from a decoded map, every field checked."""
     layout = _layout(cls)
-    unknown = header.keys() - layout.names
-    if unknown:
-        raise ProtocolError(f"{cls.__name__} has no field(s) {brief(sorted(unknown))}")
-    kwargs = {}
-    for name, hint, optional, required in layout.types:
-        if name in header:
-            value = header[name]
-            kwargs[name] = None if optional and value is None else _coerce(cls, name, hint, value)
-        elif required:
-            raise ProtocolError(f"{cls.__name__} is missing field {name!r}")
+    # A header whose fields, in this order, have exactly the types of one that passed the field
+    # by field check below passes it too (that check looks at nothing but each value's type): the
+    # common case, a Batch header per batch in the trainer's process, costs one lookup.
+    if layout.passed.get(tuple(header)) == tuple(map(type, header.values())):
+        kwargs = header
+    else:
+        kwargs = _checked_fields(cls, layout, header)
     msg = cls(**kwargs)
     msg.check()
     return msg
+
+
+MAX_PASSED = 64  # field lists remembered per class (a peer that varies its own costs a full check each time)
+
+
+def _checked_fields(cls: type, layout: "_Layout", header: dict) -> dict:
+    """``header``'s fields, each checked against its type; every required one present."""
+    types = layout.types
+    kwargs = {}
+    plain_only = True
+    for name, value in header.items():
+        spec = types.get(name)
+        if spec is None:
+            raise ProtocolError(f"{cls.__name__} has no field(s) {brief(sorted(header.keys() - layout.names))}")
+        hint, optional, plain = spec
+        if type(value) is plain:  # msgpack's own int, list, ...: nothing more to check (a bool is no int here)
+            kwargs[name] = value
+        else:
+            plain_only = False
+            kwargs[name] = None if optional and value is None else _coerce(cls, name, hint, value)
+    if not kwargs.keys() >= layout.required_set:
+        missing = next(name for name in layout.required if name not in kwargs)
+        raise ProtocolError(f"{cls.__name__} is missing field {missing!r}")
+    if plain_only and len(layout.passed) < MAX_PASSED:
+        layout.passed[tuple(header)] = tuple(map(type, header.values()))
+    return kwargs
 
 
 def _coerce(cls: type, name: str, hint: Any, value: Any) -> Any:
@@ -702,7 +742,13 @@ def _is_int(x: Any) -> bool:
 def _non_negative_ints(xs: list) -> bool:
     """Every item an int (not a bool) >= 0; checked over the items' types, not item by item (a
     Batch lists one index per sample)."""
-    return all(issubclass(t, int) and not issubclass(t, bool) for t in set(map(type, xs))) and (not xs or min(xs) >= 0)
+    types = set(map(type, xs))
+    if types != _INT_ONLY and not all(issubclass(t, int) and not issubclass(t, bool) for t in types):
+        return False
+    return not xs or min(xs) >= 0
+
+
+_INT_ONLY = {int}  # what msgpack decodes a list of ints to: no other type to look at
 
 
 def _as_bytes(frame: Any) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -184,6 +185,33 @@ def test_percore_benchmark_reports_both_layouts_and_the_targets(tmp_path):
     assert stdout.count("service (TCP, bulk lanes), CPU per image: decode processes") == 2
     assert stdout.count("PASS ") + stdout.count("MISS ") == 6
     assert "co-located: trainer CPU per image <= 10 us" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
+                    reason="counts instructions under valgrind, not installed here")
+def test_trainer_instructions_benchmark_counts_the_timed_epochs_of_each_layout(tmp_path):
+    from loader_service.sources.demo import demo_image, encode_jpeg
+
+    folder = tmp_path / "photos" / "imagenet" / "class_0"
+    folder.mkdir(parents=True)
+    for i in range(16):
+        (folder / f"{i:02d}.jpg").write_bytes(encode_jpeg(demo_image(0, i, 1), 90))
+    stdout = run_bench("bench.trainer_instructions", ["--photos", str(tmp_path / "photos"), "--layouts", "local,tcp",
+                                                      "--epochs", "1", "--batch-size", "8"])
+    rows = {line.split(" | ")[0]: line.split(" | ")[1:] for line in stdout.splitlines() if line.startswith("| ")}
+    for layout in ("| co-located (local=True)", "| TCP, data frames"):
+        images, instructions, per_image = rows[layout]
+        assert images == "16" and int(instructions.replace(",", "")) > 16 * 1000  # one epoch counted, and work in it
+        assert float(per_image.rstrip(" |").replace(",", "")) == pytest.approx(int(instructions.replace(",", "")) / 16,
+                                                                               abs=1)
+
+
+def test_trainer_instructions_benchmark_says_what_it_needs_without_valgrind(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.trainer_instructions", "--photos", str(tmp_path)], cwd=ROOT,
+                          env=dict(os.environ, PATH=str(tmp_path)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "valgrind and callgrind_control not found: this benchmark counts instructions under valgrind" in proc.stderr
 
 
 @pytest.mark.slow

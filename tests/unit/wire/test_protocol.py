@@ -1,6 +1,7 @@
 """The wire format: round trips, strict validation, and fuzzing of every decoder."""
 
 import dataclasses
+import itertools
 
 import msgpack
 import pytest
@@ -251,3 +252,49 @@ def test_a_batch_whose_indices_are_not_non_negative_ints_is_refused(bad):
     with pytest.raises(P.ProtocolError, match="indices must be non-negative ints"):
         P.decode([header(t=int(P.MsgType.BATCH), stream=1, epoch=0, index=0, indices=bad,
                          shape=[len(bad), 1, 1, 3]), b"", b"\0" * 8 * len(bad)])
+
+
+# ------------------------------------------------------------------ decoding by the fields' types alone
+_VALID_BATCH = {"stream": 1, "epoch": 0, "index": 2, "indices": [3, 4], "shape": [2, 1, 1, 3], "padding": 1}
+
+
+def _decoded(frame):
+    """The message ``frame`` decodes to, or the error it is refused with."""
+    try:
+        return P.decode_header(frame)
+    except P.ProtocolError as exc:
+        return (exc.code, str(exc))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_header_decodes_alike_whether_or_not_a_header_of_its_fields_passed_before(data):
+    """A header whose fields (in that order) once passed with the same types is built without the
+    field-by-field check: whatever a header holds, it decodes to the same message, or is refused
+    with the same error, as when nothing passed before."""
+    fields = {k: data.draw(json_like | st.just(v), label=k) for k, v in _VALID_BATCH.items()}
+    hostile = header(t=int(P.MsgType.BATCH), **fields)
+    P._layout(P.Batch).passed.clear()
+    cold = _decoded(hostile)
+    assert _decoded(header(t=int(P.MsgType.BATCH), **_VALID_BATCH)) == P.Batch(**_VALID_BATCH)
+    assert P._layout(P.Batch).passed  # the valid header's fields are remembered
+    assert _decoded(hostile) == cold
+
+
+def test_a_header_of_remembered_fields_is_still_checked_for_types_and_ranges():
+    P._layout(P.Batch).passed.clear()
+    P.decode_header(header(t=int(P.MsgType.BATCH), **_VALID_BATCH))
+    with pytest.raises(P.ProtocolError, match="Batch.index must be int, got bool"):
+        P.decode_header(header(t=int(P.MsgType.BATCH), **{**_VALID_BATCH, "index": True}))
+    with pytest.raises(P.ProtocolError, match=r"Batch.padding must be \[0, 2\], got 3"):
+        P.decode_header(header(t=int(P.MsgType.BATCH), **{**_VALID_BATCH, "padding": 3}))
+
+
+def test_the_fields_remembered_per_message_type_are_bounded():
+    """A peer that sends its fields in ever other orders costs a full check each time, and the
+    memory of at most MAX_PASSED field lists."""
+    P._layout(P.Batch).passed.clear()
+    for order in itertools.islice(itertools.permutations(_VALID_BATCH), 3 * P.MAX_PASSED):
+        assert P.decode_header(header(t=int(P.MsgType.BATCH), **{k: _VALID_BATCH[k] for k in order})) \
+            == P.Batch(**_VALID_BATCH)
+    assert len(P._layout(P.Batch).passed) == P.MAX_PASSED
