@@ -81,6 +81,10 @@ class ServiceConfig:
     max_skipped: Annotated[int, opt("with --on-error skip: samples one stream may skip before it fails with the "
                                     "list (0: no cap)")] = 1000
     start_method: Annotated[str, opt("how worker processes start", choices=START_METHODS)] = "spawn"
+    worker_nice: Annotated[int, opt(
+        "decode processes run this much nicer (lower priority, 0-19) than the service's own process: when every "
+        "core decodes, the dispatcher and a trainer on the same host still run the moment they have work, which "
+        "keeps the decode processes fed (0: the same priority)")] = 10
     # 4: libzmq walks an I/O thread's whole timer list to cancel a heartbeat timeout, once per
     # pong, so the data port's heartbeat work grows as connections^2 / io_threads (issue 32)
     io_threads: Annotated[int, opt("ZeroMQ I/O threads of the data port")] = 4
@@ -194,6 +198,8 @@ class ServiceConfig:
         if self.max_sessions < 1 or self.max_waiting < 0:
             raise ValueError(f"max_sessions must be >= 1 and max_waiting >= 0, got {self.max_sessions} and "
                              f"{self.max_waiting}")
+        if not 0 <= self.worker_nice <= 19:
+            raise ValueError(f"worker_nice must be in [0, 19], got {self.worker_nice}")
         if self.max_skipped < 0:
             raise ValueError(f"max_skipped must be >= 0 (0: no cap), got {self.max_skipped}")
         DecodeOptions(self.max_image_pixels)  # raises if the limit is out of range

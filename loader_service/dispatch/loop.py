@@ -89,7 +89,7 @@ class Dispatcher:
         # docs/benchmarks.md section 12), and one-image tasks ran at ~90/s with the workers idle.
         self.pool_ctx = zmq.Context(1)
         self.pool = WorkerPool(self.pool_ctx, [s.spec() for s in sources.values()], config.start_method,
-                               config.decode_options, config.worker_start_s)
+                               config.decode_options, config.worker_start_s, config.worker_nice)
         self.mailbox = Mailbox()  # functions other threads hand to this one
         self.colocation = local.Colocation()  # the probe a co-located client reads (issue 41)
         self.state = DispatchState(config, sources, pipelines, self.pool, self.instance,

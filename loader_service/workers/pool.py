@@ -91,9 +91,10 @@ class WorkerRecord:
 
 class WorkerPool:
     def __init__(self, ctx: zmq.Context, specs: List[SourceSpec], start_method: str = "spawn",
-                 decode: DecodeOptions = DEFAULT_OPTIONS, start_s: float = 120.0):
+                 decode: DecodeOptions = DEFAULT_OPTIONS, start_s: float = 120.0, nice: int = 0):
         self._mp = mp.get_context(start_method)
         self.start_s = start_s  # a worker not Ready this long after its start is killed
+        self.nice = nice  # each worker runs this much nicer than this process
         self._specs = specs
         self._kind_modules = kind_modules(specs)  # a kind registered outside loader_service works in workers too
         self._decode = decode
@@ -152,7 +153,7 @@ class WorkerPool:
         progress = self._mp.RawArray("d", [-1.0, 0.0, -1.0])
         proc = self._mp.Process(
             target=worker_main,
-            args=(wid, self.endpoint, self._specs, self._death_r, self._decode, progress, self._kind_modules),
+            args=(wid, self.endpoint, self._specs, self._death_r, self._decode, progress, self._kind_modules, self.nice),
             name=f"loader-worker-{wid}", daemon=True,
         )
         proc.start()

@@ -47,13 +47,17 @@ def keep_freed_memory() -> None:
 
 
 def worker_main(worker_id: int, endpoint: str, specs: List[SourceSpec], death_conn,
-                decode: DecodeOptions = DEFAULT_OPTIONS, progress=None, kind_modules: Sequence[str] = ()) -> None:
+                decode: DecodeOptions = DEFAULT_OPTIONS, progress=None, kind_modules: Sequence[str] = (),
+                nice: int = 0) -> None:
     """Entry point of a worker process. Returns when told to stop or when the service dies.
     ``progress``: shared ``[position, since]`` of the sample being worked on (see pool.py);
     ``kind_modules``: the modules that registered the specs' source kinds in the service
-    (``sources.base.kind_modules``), imported before the specs are opened."""
+    (``sources.base.kind_modules``), imported before the specs are opened; ``nice``: how much
+    nicer than the service this process runs (``--worker-nice``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the service, which stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if nice:
+        os.nice(nice)  # lowering one's own priority needs no privilege
     keep_freed_memory()
     segments: "OrderedDict[str, Segment]" = OrderedDict()
     sources: Dict[str, Source] = {}

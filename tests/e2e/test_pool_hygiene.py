@@ -11,6 +11,7 @@ import textwrap
 import threading
 
 import httpx
+import pytest
 import psutil
 
 from client import RemoteLoader
@@ -142,3 +143,26 @@ def test_workers_unmap_a_segment_as_soon_as_it_is_unlinked_not_at_their_next_tas
     # the job ended: its connection's reserve is unlinked, and no worker has a task to come
     wait_for(lambda: not [n for n in shm.list_segments(os.getpid()) if "-slots-" in n], what="the slots unlinked")
     wait_for(lambda: _deleted_segments(pids) == [], what="workers to unmap the job's deleted segments")
+
+
+@pytest.mark.parametrize("nice", [None, 0, 7])
+def test_decode_processes_run_as_much_nicer_as_configured_also_those_started_later(make_service, nice):
+    """``--worker-nice`` (10 unless given): the dispatcher and a trainer beside the service run
+    before the decode processes when both want the CPU."""
+    svc = make_service(api_token="t", **({} if nice is None else {"worker_nice": nice}))
+    want = min(19, os.nice(0) + (10 if nice is None else nice))
+
+    def ready(n):  # a worker says Ready once it runs at its niceness and has opened the datasets
+        listed = status(svc)["workers"]["list"]
+        return len(listed) == n and all(w["state"] in ("idle", "busy") for w in listed)
+
+    wait_for(lambda: ready(2), what="the workers to start")
+    # one started by a live scale, as the autoscaler's are
+    r = httpx.put(f"{svc.http_url}/v1/workers", json={"count": 3}, headers={"Authorization": "Bearer t"}, timeout=30)
+    assert r.status_code == 200, r.text
+    wait_for(lambda: ready(3), what="the third worker to start")
+    pids = [w["pid"] for w in status(svc)["workers"]["list"]]
+    assert [psutil.Process(pid).nice() for pid in pids] == [want] * 3
+    assert os.nice(0) == want - (10 if nice is None else nice)  # the service's own process (this one) as it was
+    with RemoteLoader(svc.endpoint, batch_size=16, image_size=32, seed=1, epoch_lookahead=False) as ld:
+        assert sorted(indices_of(collect(ld))) == list(range(DEMO_SIZE))

@@ -63,6 +63,9 @@ def test_env_data_is_a_path_list():
     ({"LOADER_DEMO": "1"}, {"on_error": "ignore"}, "on_error must be one of ('raise', 'skip'), got 'ignore' "
                                                   "(on_error from argument)"),
     ({}, {}, "no dataset: give --data PATH"),
+    ({"LOADER_DEMO": "1", "LOADER_WORKER_NICE": "20"}, {},
+     "worker_nice must be in [0, 19], got 20 (worker_nice from environment LOADER_WORKER_NICE)"),
+    ({"LOADER_DEMO": "1"}, {"worker_nice": -1}, "worker_nice must be in [0, 19], got -1 (worker_nice from argument)"),
 ])
 def test_errors_name_option_and_source(env, overrides, expected):
     with pytest.raises(ValueError) as err:
