@@ -454,11 +454,10 @@ class _Layout:
     header is encoded or decoded once or twice per batch, and ``dataclasses.fields`` and
     ``get_origin`` on each took half of a Batch's decode."""
 
-    __slots__ = ("names", "defaults", "types", "required", "required_set", "nested", "passed")
+    __slots__ = ("defaults", "types", "required", "required_set", "nested", "passed")
 
     def __init__(self, cls: type):
         hints = get_type_hints(cls)
-        self.names = frozenset(f.name for f in fields(cls))
         # (name, its default or _NO_DEFAULT): what encode leaves out when unchanged
         self.defaults = tuple((f.name, f.default if f.default is not MISSING
                                else f.default_factory() if f.default_factory is not MISSING else _NO_DEFAULT)
@@ -639,7 +638,7 @@ def _checked_fields(cls: type, layout: "_Layout", header: dict) -> dict:
     for name, value in header.items():
         spec = types.get(name)
         if spec is None:
-            raise ProtocolError(f"{cls.__name__} has no field(s) {brief(sorted(header.keys() - layout.names))}")
+            raise ProtocolError(f"{cls.__name__} has no field(s) {brief(sorted(header.keys() - types.keys()))}")
         hint, optional, plain = spec
         if type(value) is plain:  # msgpack's own int, list, ...: nothing more to check (a bool is no int here)
             kwargs[name] = value
