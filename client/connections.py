@@ -207,8 +207,10 @@ class Connections:
             except LanesLost:
                 r.drain()
                 raise
-            if msg.local and not r.borrowed.holds(msg.stream, msg.index):  # copied out: hand it back now
-                r.send(P.Release(stream=msg.stream, batches=[msg.index]))
+            if msg.local:
+                self._stats.local_batches += 1
+                if not r.borrowed.holds(msg.stream, msg.index):  # copied out: hand it back now
+                    r.send(P.Release(stream=msg.stream, batches=[msg.index]))
             self._stats.bytes += msg.image_bytes
         else:
             r.drain()

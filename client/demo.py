@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from wire.progress import EpochProgress
@@ -28,9 +29,25 @@ def consume(endpoint: str, epochs: int = 2, batch_size: int = 64, image_size: in
             totals["epochs"] += 1
             totals["seconds"] += progress.close()
             totals["samples"] += progress.samples
+        if options.get("local"):
+            print(_colocated_line(loader.stats()), file=out, flush=True)
     print(f"done: {totals['samples']} images in {totals['seconds']:.2f}s = "
           f"{totals['samples'] / max(totals['seconds'], 1e-9):.1f} img/s", file=out, flush=True)
     return totals
+
+
+def _colocated_line(stats: dict) -> str:
+    """What ``--local`` did: every batch from the service's shared memory, or why not."""
+    local, batches = stats["local_batches"], stats["batches"]
+    if batches and local >= batches:
+        return f"co-located: all {batches} batches read from the service's shared memory"
+    return (f"co-located: {local} of {batches} batches read from the service's shared memory, the rest over the "
+            "socket: this container or host does not share the service's /dev/shm (docs/deployment.md, "
+            "\"Service and trainer on one host\")")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--timeout", type=float, default=120.0)
-    p.add_argument("--local", action="store_true", help="co-located: read batches from the service's shared memory "
-                   "when it is reachable (same host or a shared /dev/shm), else over the socket")
+    p.add_argument("--local", action="store_true", default=_env_flag("TRAINER_LOCAL"),
+                   help="co-located: read batches from the service's shared memory when it is reachable (same "
+                   "host or a shared /dev/shm), else over the socket; says which at the end (default: "
+                   "TRAINER_LOCAL=1 in the environment, as docker-compose.colocated.yml sets)")
     p.add_argument("--lanes", type=int, default=0, metavar="N", help="receive batch bytes on N bulk lanes per "
                    "replica where the service offers them (loader-service serve --lane-port P); 0: data frames only")
     return p

@@ -270,7 +270,8 @@ class RemoteLoader:
 
     def stats(self) -> dict:
         """Counters since creation: batches, samples, bytes, wait_s (stall), h2d_s, restarts,
-        quarantined (replicas refused for serving other data)."""
+        quarantined (replicas refused for serving other data), local_batches (received from a
+        co-located service's shared memory rather than the socket)."""
         return asdict(self._stats)
 
     def close(self) -> None:

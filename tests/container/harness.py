@@ -528,3 +528,16 @@ class Compose:
             raise HarnessError(f"trainer: exit code {code}, expected 0 and 'done: {images} images'\n{logs[-3000:]}")
         return logs
 
+
+# ------------------------------------------------------------------------------ verify_epoch.py
+VERIFY_SCRIPT = Path(__file__).parent / "verify_epoch.py"
+VERIFY_IN_IMAGE = "/home/loader/verify_epoch.py"  # where the tests mount it (read-only)
+
+
+def verified_epoch(p: subprocess.CompletedProcess, expect: int) -> dict:
+    """The JSON result of a verify_epoch.py run, asserted ok over ``expect`` samples."""
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert p.returncode == 0 and lines, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    result = json.loads(lines[-1])
+    assert result["ok"] and result["n"] == expect, result
+    return result

@@ -28,7 +28,6 @@ pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 DEMO_SIZE = 512
 WORKERS = 2
 SCALED = 3
-VERIFY = "/home/loader/verify_epoch.py"
 
 
 def http(method: str, url: str, body=None, token: str = None, timeout: float = 10):
@@ -122,17 +121,12 @@ def test_demo_trainer_finishes_an_epoch(stack):
 
 def verify(stack, world_size: int, epoch: int):
     """Run verify_epoch.py in the trainer image (compose run: same image, host network)."""
-    compose = stack["compose"]
-    script = os.path.join(os.path.dirname(__file__), "verify_epoch.py")
-    p = compose("run", "--rm", "--no-deps", "-T", "-v", f"{script}:{VERIFY}:ro", "trainer",
-                "python3", VERIFY, "--endpoint", stack["endpoint"], "--world-size", str(world_size),
+    compose, script, inside = stack["compose"], harness.VERIFY_SCRIPT, harness.VERIFY_IN_IMAGE
+    p = compose("run", "--rm", "--no-deps", "-T", "-v", f"{script}:{inside}:ro", "trainer",
+                "python3", inside, "--endpoint", stack["endpoint"], "--world-size", str(world_size),
                 "--epoch", str(epoch), "--expect", str(DEMO_SIZE), timeout=300, check=False,
                 what=f"verify_epoch.py world_size={world_size}")
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    assert p.returncode == 0 and lines, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
-    result = json.loads(lines[-1])
-    assert result["ok"] and result["n"] == DEMO_SIZE, result
-    return result
+    return harness.verified_epoch(p, DEMO_SIZE)
 
 
 def test_exactly_once_per_epoch_from_the_trainer_image(stack):

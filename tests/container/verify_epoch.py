@@ -21,12 +21,12 @@ import time
 
 
 def collect(endpoint: str, rank: int, world_size: int, epoch: int, batch_size: int, seed: int,
-            image_size: int, timeout: float):
+            image_size: int, timeout: float, local: bool = False):
     from client import RemoteLoader
 
     indices, padded, batches = [], 0, 0
     with RemoteLoader(endpoint, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed,
-                      image_size=image_size, timeout=timeout) as loader:
+                      image_size=image_size, timeout=timeout, local=local) as loader:
         expected_batches = len(loader)
         loader.set_epoch(epoch)
         for batch in loader:
@@ -39,9 +39,10 @@ def collect(endpoint: str, rank: int, world_size: int, epoch: int, batch_size: i
             padded += batch.padding
             batches += 1
         length = loader._dataset_length
+        local_batches = loader.stats()["local_batches"]
     if batches != expected_batches:
         raise AssertionError(f"rank {rank}: got {batches} batches, len(loader) said {expected_batches}")
-    return indices, padded, batches, length
+    return indices, padded, batches, length, local_batches
 
 
 def main() -> int:
@@ -54,14 +55,17 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--expect", type=int, default=None, help="dataset length the service must report")
+    p.add_argument("--local", action="store_true", help="co-located: batches from the service's shared memory "
+                   "where it is shared (the result counts them: local_batches)")
     a = p.parse_args()
 
     t0 = time.perf_counter()
-    per_rank, lengths, counts = [], set(), set()
+    per_rank, lengths, counts, local_batches = [], set(), set(), 0
     try:
         for rank in range(a.world_size):
-            idx, padded, batches, length = collect(a.endpoint, rank, a.world_size, a.epoch, a.batch_size, a.seed,
-                                                   a.image_size, a.timeout)
+            idx, padded, batches, length, local = collect(a.endpoint, rank, a.world_size, a.epoch, a.batch_size,
+                                                          a.seed, a.image_size, a.timeout, a.local)
+            local_batches += local
             per_rank.append(set(idx))
             if len(per_rank[-1]) != len(idx):
                 dup = sorted(i for i in per_rank[-1] if idx.count(i) > 1)[:10]
@@ -89,7 +93,8 @@ def main() -> int:
         print(json.dumps({"ok": False, "error": str(exc)}), flush=True)
         return 1
     print(json.dumps({"ok": True, "n": n, "world_size": a.world_size, "epoch": a.epoch,
-                      "per_rank": [len(s) for s in per_rank], "seconds": round(time.perf_counter() - t0, 2)}),
+                      "per_rank": [len(s) for s in per_rank], "batches": next(iter(counts))[0] * a.world_size,
+                      "local_batches": local_batches, "seconds": round(time.perf_counter() - t0, 2)}),
           flush=True)
     return 0
 

@@ -324,6 +324,21 @@ def test_hostnet_override_covers_every_service():
     assert prom["__tag__"] == "!override" and (ROOT / prom["value"][0].split(":")[0]).exists()
 
 
+def test_colocated_override_shares_the_loaders_shared_memory_with_the_trainer():
+    """docker-compose.colocated.yml: the trainer joins the loader's IPC namespace (host networking
+    alone does not share /dev/shm) and asks for batches in place; nothing else changes, so it
+    combines with the host-network and air-gapped files (tests/container/test_compose_colocated.py
+    runs it)."""
+    base = _compose("docker-compose.yml")["services"]
+    over = _compose("docker-compose.colocated.yml")["services"]
+    assert over == {"loader": {"ipc": "shareable"},
+                    "trainer": {"ipc": "service:loader", "environment": {"TRAINER_LOCAL": "1"}}}
+    assert interpolate(base["trainer"]["environment"]["TRAINER_LOCAL"]) == "0"
+    assert interpolate(base["trainer"]["environment"]["TRAINER_LOCAL"], {"TRAINER_LOCAL": "1"}) == "1"
+    users = re.findall(r"^USER (\S+)", (ROOT / "Dockerfile").read_text(), re.M)
+    assert users and set(users) == {"10001:10001"}, "the segments are 0600: loader and trainer need one user"
+
+
 PUBLIC_BASE = "python:3.11-slim-bookworm"
 
 

@@ -90,9 +90,10 @@ def _until_nothing_borrowed(service, deadline_s=30.0):
 
 def test_epochs_through_shared_memory_are_exactly_the_socket_epochs(make_service, monkeypatch):
     service = make_service()
-    over_tcp, _ = _epochs(service.endpoint)
+    over_tcp, tcp_stats = _epochs(service.endpoint)
     seen = _in_place(monkeypatch)
-    local, _ = _epochs(service.endpoint, local=True)
+    local, local_stats = _epochs(service.endpoint, local=True)
+    assert (tcp_stats["local_batches"], local_stats["local_batches"]) == (0, local_stats["batches"])
     for tcp_epoch, shm_epoch in zip(over_tcp, local):
         assert sorted(i for idx, *_ in shm_epoch for i in idx) == list(range(DEMO_SIZE))  # each sample once
         assert [idx for idx, *_ in shm_epoch] == [idx for idx, *_ in tcp_epoch]
@@ -194,10 +195,11 @@ def test_a_replica_whose_shared_memory_is_not_reachable_is_served_over_the_socke
     monkeypatch.setattr(client_local, "SHM_DIR", "/nonexistent-shm")  # as from another host or container
     seen = _in_place(monkeypatch)
     with caplog.at_level(logging.INFO, logger="client"):
-        epochs, _ = _epochs(service.endpoint, epochs=1, local=True)
+        epochs, stats = _epochs(service.endpoint, epochs=1, local=True)
     assert sorted(i for idx, *_ in epochs[0] for i in idx) == list(range(DEMO_SIZE))
     assert seen == []
     assert "its shared memory is not reachable from here" in caplog.text
+    assert stats["local_batches"] == 0 and stats["batches"] == DEMO_SIZE // 8
 
 
 def _hello(stream, **kw):

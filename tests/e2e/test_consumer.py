@@ -69,3 +69,31 @@ def test_client_demo_draws_a_progress_bar_on_a_terminal(make_service):
     assert totals["samples"] == DEMO_SIZE
     text = out.getvalue()
     assert "epoch 0: 100%" in text and "6/6" in text and "img/s" in text
+
+
+def test_client_demo_says_whether_its_batches_came_from_shared_memory(make_service, monkeypatch):
+    """``--local`` (or TRAINER_LOCAL=1, as docker-compose.colocated.yml sets): the demo ends by
+    saying how many batches came from the service's shared memory; where that memory is not
+    shared (another container without the loader's IPC namespace) it says so and where to look."""
+    from client import local as client_local
+    from client.demo import build_parser, consume as client_consume
+
+    assert build_parser().parse_args([]).local is False
+    monkeypatch.setenv("TRAINER_LOCAL", "1")
+    assert build_parser().parse_args([]).local is True
+    monkeypatch.setenv("TRAINER_LOCAL", "0")
+    assert build_parser().parse_args([]).local is False
+
+    svc = make_service(workers=1)
+    out = io.StringIO()
+    totals = client_consume(svc.endpoint, epochs=2, batch_size=40, image_size=16, out=out, timeout=60, local=True)
+    assert totals["samples"] == 2 * DEMO_SIZE
+    assert "co-located: all 12 batches read from the service's shared memory" in out.getvalue().splitlines()
+
+    monkeypatch.setattr(client_local, "SHM_DIR", "/nonexistent-shm")  # as from a container of its own
+    out = io.StringIO()
+    totals = client_consume(svc.endpoint, epochs=1, batch_size=40, image_size=16, out=out, timeout=60, local=True)
+    assert totals["samples"] == DEMO_SIZE
+    line = next(ln for ln in out.getvalue().splitlines() if ln.startswith("co-located:"))
+    assert line.startswith("co-located: 0 of 6 batches read from the service's shared memory, the rest over the "
+                           "socket: this container or host does not share the service's /dev/shm"), line
