@@ -340,6 +340,7 @@ class Connections:
         while True:
             now = time.monotonic()
             if answers and (len(answers) == len(self.replicas) or now >= grace_end):
+                self._say_if_not_colocated([r for r, _ in answers.values()])
                 return self._most_served(list(answers.values()))
             left = min([deadline, grace_end, *self.due_times()]) - now
             events = self.poll(max(0, left) * 1000) if left > 0 else []
@@ -368,6 +369,16 @@ class Connections:
         elif self.colocated.pop(r.endpoint, None) is not None or probe:
             log.info("service replica %s: its shared memory is not reachable from here (probe %r); its batches "
                      "come over the socket", r.endpoint, probe)
+
+    def _say_if_not_colocated(self, answered: List[Replica]) -> None:
+        """``local=True`` that reaches no replica's shared memory is a set-up to mend, not a mode:
+        said once, as a WARNING (a replica on another host among co-located ones is INFO above)."""
+        if self.config.local and not any(r.endpoint in self.colocated for r in answered):
+            log.warning("local=True, but the shared memory of no service replica that answered (%s) is reachable "
+                        "from here: every batch comes over the socket. A container needs the service's IPC namespace "
+                        "(Compose: docker-compose.colocated.yml; host networking does not share /dev/shm) and its "
+                        "user (docs/deployment.md, \"Service and trainer on one host\")",
+                        ", ".join(r.endpoint for r in answered))
 
     def _most_served(self, answers: List[Tuple[Replica, P.DatasetInfo]]) -> Tuple[str, P.DatasetInfo]:
         groups: Dict[Tuple[int, str], List[Tuple[Replica, P.DatasetInfo]]] = {}

@@ -88,7 +88,7 @@ def _until_nothing_borrowed(service, deadline_s=30.0):
     return _borrowed_on_service(service)
 
 
-def test_epochs_through_shared_memory_are_exactly_the_socket_epochs(make_service, monkeypatch):
+def test_epochs_through_shared_memory_are_exactly_the_socket_epochs(make_service, monkeypatch, caplog):
     service = make_service()
     over_tcp, tcp_stats = _epochs(service.endpoint)
     seen = _in_place(monkeypatch)
@@ -100,6 +100,7 @@ def test_epochs_through_shared_memory_are_exactly_the_socket_epochs(make_service
         for (_, raw_a, lab_a), (_, raw_b, lab_b) in zip(tcp_epoch, shm_epoch):
             assert torch.equal(raw_a, raw_b) and torch.equal(lab_a, lab_b)
     assert len(seen) >= 2 * (DEMO_SIZE // 8)  # every batch was handed over in place (the lookahead's too)
+    assert "local=True, but" not in caplog.text
     assert all(name.startswith("loader_service-") for name in seen)
     # every borrowed slot came back: the service's streams ended idle, nothing left borrowed
     streams = service.dispatcher.state.sessions.streams
@@ -200,6 +201,9 @@ def test_a_replica_whose_shared_memory_is_not_reachable_is_served_over_the_socke
     assert seen == []
     assert "its shared memory is not reachable from here" in caplog.text
     assert stats["local_batches"] == 0 and stats["batches"] == DEMO_SIZE // 8
+    said = [r for r in caplog.records if r.levelno == logging.WARNING and r.getMessage().startswith("local=True, but")]
+    assert len(said) == 1 and service.endpoint in said[0].getMessage(), caplog.text
+    assert "docker-compose.colocated.yml" in said[0].getMessage()
 
 
 def _hello(stream, **kw):
@@ -514,3 +518,22 @@ def test_a_trainer_that_keeps_batches_gets_its_releases_sent_at_the_wait_so_the_
     del b, kept
     assert sorted(seen) == list(range(DEMO_SIZE))
     assert any(sent_at_wait), "no wait found the slots full: the test proved nothing"
+
+
+def test_a_replica_on_another_host_beside_a_colocated_one_is_no_warning(make_service, monkeypatch, caplog):
+    """``local=True`` over two replicas, one of them out of reach (as on another host): its batches
+    come over the socket with an INFO line, and no WARNING, as the other is co-located; each sample once."""
+    a, b = make_service(), make_service()
+    real, calls = client_local.reachable, []
+
+    def first_only(probe):  # whichever answers second is "elsewhere"
+        calls.append(probe)
+        return real(probe) and len(calls) == 1
+
+    monkeypatch.setattr(client_local, "reachable", first_only)
+    with caplog.at_level(logging.INFO, logger="client"):
+        epochs, stats = _epochs([a.endpoint, b.endpoint], epochs=1, local=True)
+    assert sorted(i for idx, *_ in epochs[0] for i in idx) == list(range(DEMO_SIZE))
+    assert len(calls) == 2 and "its shared memory is not reachable from here" in caplog.text
+    assert 0 < stats["local_batches"] < stats["batches"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("client")], caplog.text
