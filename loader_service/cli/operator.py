@@ -119,7 +119,7 @@ def format_status(st: dict) -> str:
     for c in st["clients"]:
         s = c["stream"]
         where = (f"rank {s['rank']}/{s['world_size']} epoch {s['epoch']} batch {s['next_batch']}/{s['num_batches']}"
-                 f" stall {s['wait_s']:.1f}s" if s else "idle")
+                 f" stall {s['wait_s']:.1f}s, {c['delivery']}" if s else "idle")
         lines.append(f"  {c['client']} job {c['job'] or '-'}: {where}  ({c['samples']} samples)")
     return "\n".join(lines)
 

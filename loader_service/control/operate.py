@@ -35,7 +35,8 @@ def snapshot(d: "Dispatcher", autoscaler: Optional[Autoscaler] = None) -> Servic
     t = st.totals
     problem = d.failure or pool.broken
     sizes = [s.hello.spec.batch_size for s in st.sessions.streams()] or [1]
-    listed = status.clients(st.sessions.values(), st.memory, now)
+    listed = status.clients(st.sessions.values(), st.memory, now,
+                            lanes={ident: s.count for ident, s in d.lane_sets.items() if s.ready})
     return ServiceStatus(
         instance=d.instance, uptime_s=round(time.time() - d.started, 1), healthy=not problem,
         problem=problem, data_port=d.data_port, data_port_curve=d.guard.curve,

@@ -82,6 +82,10 @@ class ClientStatus(_Frozen):
     # (its quiet stream's slots went to another job), "waiting" (it needs slots that are in use), ""
     slots: str = ""
     slot_bytes: int = 0
+    # how its stream's batches reach it: "in place" (co-located: read from the service's shared
+    # memory), "bulk lanes (N)" (the bytes on N plain TCP connections), "data frames" (on the
+    # ZeroMQ socket); "" without a stream
+    delivery: str = ""
 
 
 # The service's running totals, one type end to end: the dispatcher counts into its one
@@ -231,12 +235,13 @@ class ClientList(NamedTuple):
 
 
 def clients(sessions: Iterable["Session"], memory: "BatchMemory", now: float,
-            limit: int = CLIENTS_SHOWN) -> ClientList:
+            limit: int = CLIENTS_SHOWN, lanes: Optional[Dict[bytes, int]] = None) -> ClientList:
     """One entry per client: a loader's connections (its epoch lookahead is a second one) are
     one client, shown by the one serving its current epoch, with the batch memory of all. At
     most ``limit`` are listed, the busiest first (serving a current epoch, then by samples
     delivered, then the longest connected): one cheap pass over the sessions, and the costly
-    part, an entry, for the listed ones only, so a flood of sessions keeps the status fast."""
+    part, an entry, for the listed ones only, so a flood of sessions keeps the status fast.
+    ``lanes``: connection -> its bulk lanes, for the sets complete and sending."""
     held: Dict[str, int] = {}
     shown: Dict[str, "Session"] = {}
     for c in sessions:
@@ -246,8 +251,16 @@ def clients(sessions: Iterable["Session"], memory: "BatchMemory", now: float,
             shown[key] = c
     streaming = sum(1 for c in shown.values() if c.stream is not None)
     busiest = heapq.nsmallest(limit, shown.values(), key=lambda c: (_rank(c), -c.samples, c.connected))
-    return ClientList([_client(c, now, memory.slots_word(c.ident, c.stream), held[c.client or c.name])
-                       for c in busiest], len(shown), streaming)
+    return ClientList([_client(c, now, memory.slots_word(c.ident, c.stream), held[c.client or c.name],
+                               _delivery(c, lanes or {})) for c in busiest], len(shown), streaming)
+
+
+def _delivery(c: "Session", lanes: Dict[bytes, int]) -> str:
+    if c.stream is None:
+        return ""
+    if c.stream.hello.local:  # its client shares this host's /dev/shm (dispatch/local.py)
+        return "in place"
+    return f"bulk lanes ({lanes[c.ident]})" if c.ident in lanes else "data frames"
 
 
 def _rank(c: "Session") -> int:
@@ -255,7 +268,7 @@ def _rank(c: "Session") -> int:
     return 0 if c.stream is not None and not c.stream.lookahead else 1 if c.stream is not None else 2
 
 
-def _client(c: "Session", now: float, slots: str, slot_bytes: int) -> ClientStatus:
+def _client(c: "Session", now: float, slots: str, slot_bytes: int, delivery: str) -> ClientStatus:
     s = c.stream
     stream = None
     if s is not None:
@@ -268,7 +281,8 @@ def _client(c: "Session", now: float, slots: str, slot_bytes: int) -> ClientStat
             unsent=len(st.order) - st.next_send, in_flight=len(st.tasks), lookahead=s.lookahead,
             skipped=st.skipped, wait_s=round(s.wait_s, 3), h2d_s=round(s.h2d_s, 3))
     return ClientStatus(client=c.name, job=c.job, batches=c.batches, samples=c.samples,
-                        connected_s=round(now - c.connected, 1), stream=stream, slots=slots, slot_bytes=slot_bytes)
+                        connected_s=round(now - c.connected, 1), stream=stream, slots=slots, slot_bytes=slot_bytes,
+                        delivery=delivery)
 
 
 def progress(pool: "WorkerPool", tasks: "Tasks", stream_id: int, s: Optional["Stream"], not_started: int,

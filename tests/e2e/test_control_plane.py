@@ -333,3 +333,27 @@ def test_token_sources(tmp_path, caplog):
         os.unlink(path)
     assert check_bearer(f"Bearer {token}", token) is None
     assert check_bearer(f"bearer {token}", token) is None
+
+
+def test_status_says_how_each_client_gets_its_batches(make_service):
+    """``clients[].delivery`` in /v1/status (and the status page and ``loader-service status``):
+    in place for a co-located loader, bulk lanes for one on lanes, data frames for the rest."""
+    from loader_service.cli.operator import format_status
+
+    svc = make_service(lane_port=0)
+    kw = dict(batch_size=8, image_size=32, prefetch=1, epoch_lookahead=False, timeout=60)
+    loaders = [RemoteLoader(svc.endpoint, job="frames", **kw), RemoteLoader(svc.endpoint, job="lanes", lanes=2, **kw),
+               RemoteLoader(svc.endpoint, job="local", local=True, **kw)]
+    try:
+        its = [iter(ld) for ld in loaders]
+        for it in its:
+            next(it)  # each streams, and holds its iterator mid-epoch
+        want = {"frames": "data frames", "lanes": "bulk lanes (2)", "local": "in place"}
+        wait_for(lambda: {c["job"]: c["delivery"] for c in status(svc)["clients"]} == want, timeout=30,
+                 what=f"the status to say {want}")  # (a lane set is listed once all its lanes are here)
+        text = format_status(status(svc))
+        for job, how in want.items():
+            assert any(f"job {job}:" in line and f", {how}  (" in line for line in text.splitlines()), text
+    finally:
+        for ld in loaders:
+            ld.close()

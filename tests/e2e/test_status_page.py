@@ -159,6 +159,7 @@ def test_status_page_follows_a_streaming_client(make_service, browser, tmp_path)
         assert row[0] == client["client"] and row[2] == "demo"
         assert _number(row[-1]) == client["samples"]
         assert row[5] == f"{client['stream']['sent']}/{client['stream']['num_batches']}"
+        assert row[6] == client["delivery"] == "data frames"
         assert client["slots"] == "stream" and row[-2] == f"stream {_fmt_bytes(client['slot_bytes'])}"
 
         for _ in range(6):

@@ -123,7 +123,7 @@ function render(st) {
     const imgs = rate(c.samples, p ? p.samples : undefined, dt);
     const stall = s && p && p.stream && p.stream.id === s.id ? rate(s.wait_s, p.stream.wait_s, dt) : null;
     return [c.client, c.job || "–", s ? s.dataset : "idle", s ? `${s.rank}/${s.world_size}` : "–",
-      s ? s.epoch : "–", s ? `${s.sent}/${s.num_batches}` : "–",
+      s ? s.epoch : "–", s ? `${s.sent}/${s.num_batches}` : "–", c.delivery || "–",
       imgs === null ? MEASURING : fmtNum(imgs, 1),
       !s ? "–" : stall === null ? MEASURING : `${fmtNum(Math.min(100, 100 * stall), 1)}%`,
       c.slots ? `${c.slots} ${fmtBytes(c.slot_bytes)}` : "–",
