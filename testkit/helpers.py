@@ -102,6 +102,14 @@ def status(svc) -> dict:
     return svc.dispatcher.call(status_json, svc.dispatcher, svc.autoscaler).result(timeout=10)
 
 
+def holdings(svc) -> tuple:
+    """What an in-process service holds for clients, read on its dispatcher's thread: (sessions,
+    retiring streams, what each live stream lends in place, bulk-lane sets)."""
+    d = svc.dispatcher
+    return d.call(lambda: (len(d.state.sessions), len(d.state.memory.retiring),
+                           [dict(s.borrowed) for s in d.state.sessions.streams()], len(d.lane_sets))).result(10)
+
+
 def image_array(batch: dict) -> np.ndarray:
     return np.frombuffer(batch["images"], np.uint8).reshape(batch["shape"])
 

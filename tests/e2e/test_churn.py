@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from client import RemoteLoader
-from testkit.helpers import status, wait_for
+from testkit.helpers import holdings, status, wait_for
 
 from tests.conftest import DEMO_SIZE
 
@@ -121,13 +121,6 @@ class _Trainers:
         p.stderr.close()
 
 
-def _holds_nothing(svc) -> bool:
-    d = svc.dispatcher
-    state = d.call(lambda: (len(d.state.sessions), len(d.state.memory.retiring),
-                            [dict(s.borrowed) for s in d.state.sessions.streams()], len(d.lane_sets))).result(10)
-    return state == (0, 0, [], 0)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_trainers_killed_frozen_or_leaving_in_every_transport_never_touch_a_witness_epoch(make_service, tmp_path,
@@ -152,6 +145,7 @@ def test_trainers_killed_frozen_or_leaving_in_every_transport_never_touch_a_witn
     # a trainer that ended by itself: its os._exit (3), or cleanly; never an error of the loader
     assert [(m, rc, err) for m, rc, err in trainers.ended if rc not in (0, 3)] == []
     # the killed trainers' connections end (the monitor, or the heartbeat for a frozen one)
-    wait_for(lambda: _holds_nothing(svc), timeout=30, what="the service to hold nothing for the trainers gone")
+    wait_for(lambda: holdings(svc) == (0, 0, [], 0), timeout=30,
+             what="the service to hold nothing for the trainers gone")
     st = status(svc)
     assert (st["healthy"], st["problem"], st["lanes_open"]) == (True, "", 0)

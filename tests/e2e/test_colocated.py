@@ -11,7 +11,7 @@ from client import local as client_local
 from wire import protocol as P
 
 from tests.conftest import DEMO_SIZE
-from testkit.helpers import dealer
+from testkit.helpers import dealer, holdings
 
 KW = dict(batch_size=8, image_size=32, shuffle=True, seed=5)
 
@@ -286,11 +286,9 @@ def _after_the_client_left(service, deadline_s=30.0):
     """(sessions, retiring streams, what live streams lend) once the service saw the killed client's
     connection drop and took everything back (bounded wait)."""
     import time
-    d = service.dispatcher
     deadline = time.monotonic() + deadline_s
     while True:
-        state = d.call(lambda: (len(d.state.sessions), len(d.state.memory.retiring),
-                                [dict(s.borrowed) for s in d.state.sessions.streams()])).result(10)
+        state = holdings(service)[:3]
         if state == (0, 0, []) or time.monotonic() > deadline:
             return state
         time.sleep(0.05)  # waits for the monitor's disconnect event, bounded by the deadline
