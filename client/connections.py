@@ -76,6 +76,7 @@ class Connections:
         # endpoint -> its service's probe, read from here: its streams are co-located (config.local);
         # shared with the twin set
         self.colocated: Dict[str, str] = {}
+        self._judged: Dict[str, str] = {}  # endpoint -> the probe last read for it, reachable or not; shared too
         self._named: Set[Tuple[str, Tuple[int, str]]] = set()
         self.replicas: List[Replica] = []
         for e in endpoints:
@@ -106,7 +107,7 @@ class Connections:
                            frame_cap=self.frame_cap, window=self.window, client_id=self._client_id,
                            stream_ids=self._stream_ids, stats=self._stats)
         twin.identity, twin.refused, twin._named = self.identity, self.refused, self._named
-        twin.colocated = self.colocated
+        twin.colocated, twin._judged = self.colocated, self._judged
         return twin
 
     def close(self) -> None:
@@ -218,6 +219,8 @@ class Connections:
             return None, None  # the stream we ended with a final Request is done
         if isinstance(msg, (P.Accept, P.DatasetInfo)) and not self._check_identity(r, msg):
             return None, None  # quarantined: its stream's batches are stale from now on
+        if isinstance(msg, P.Accept):  # (a replica that joined without a Describe, or came back elsewhere)
+            self._colocate(r, msg.probe)
         if isinstance(msg, P.Accept) and msg.lanes and self.config.lanes:
             if r.lanes is not None and r.lanes.failed:  # while no batch was on them (its service restarted)
                 r.drop_lanes(r.lanes.failed)
@@ -358,9 +361,12 @@ class Connections:
                         grace_end = min(grace_end, time.monotonic() + DESCRIBE_GRACE_S)
 
     def _colocate(self, r: Replica, probe: str) -> None:
-        """With ``config.local``: ``r``'s streams' batches are handed over in place if its probe is readable here."""
-        if not self.config.local:
+        """With ``config.local``: ``r``'s streams' batches are handed over in place if its probe is
+        readable here. Read from each Describe's answer and each Accept (a replica that joined the
+        fleet mid-run, a service restarted at the same endpoint on another host), once per probe."""
+        if not self.config.local or self._judged.get(r.endpoint) == probe:
             return
+        self._judged[r.endpoint] = probe
         if local.reachable(probe):
             if r.endpoint not in self.colocated:
                 log.info("service replica %s shares this host's shared memory: its batches are handed over in place",
@@ -369,6 +375,12 @@ class Connections:
         elif self.colocated.pop(r.endpoint, None) is not None or probe:
             log.info("service replica %s: its shared memory is not reachable from here (probe %r); its batches "
                      "come over the socket", r.endpoint, probe)
+
+    def misplaced(self, r: Replica) -> bool:
+        """Whether ``r``'s current stream asked for the wrong hand-over, as its Accept just showed: in
+        place from a service whose shared memory is out of reach, or over the socket from one that
+        shares it. The stream is then asked again (a new Hello), before any of its batches is used."""
+        return r.local != (r.endpoint in self.colocated)
 
     def _say_if_not_colocated(self, answered: List[Replica]) -> None:
         """``local=True`` that reaches no replica's shared memory is a set-up to mend, not a mode:

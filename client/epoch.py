@@ -202,6 +202,9 @@ class EpochRun:
                     raise LoaderError(P.ErrorCode.BAD_JOB, (
                         f"{r.endpoint} has {msg.num_batches} batches in this epoch, expected {self.flow.total}: "
                         "do all replicas serve the same dataset?"))
+                if self.conns.misplaced(r):  # its batches would come in place from out of reach, or needlessly copied
+                    self._restart(r)
+                    continue
                 r.accepted = True
             elif isinstance(msg, P.Batch):
                 r.progress, r.stale_batches = None, 0

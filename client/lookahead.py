@@ -80,6 +80,10 @@ class Lookahead:
                 if isinstance(msg, P.Accept):
                     if msg.num_batches != total:
                         return self._close_spare()
+                    if spare.misplaced(r):  # the stream asked in place, or not, wrongly for where its service is
+                        log.info("epoch lookahead on %s asked for the wrong hand-over; starting epoch %d plainly",
+                                 r.endpoint, epoch)
+                        return self._close_spare()
                     r.accepted = True
         self.spare = current
         for r in spare.replicas:

@@ -83,6 +83,7 @@ class Replica:
         self.slots = 0  # the current stream's batch slots on its service (its Hello's)
         self.epoch = 0  # of the current stream
         self.accepted = False  # the service accepted the current stream
+        self.local = False  # the current stream asked for its batches in place (Hello.local)
         # what the service last said it does for our stream (answer to a probe), and when;
         # cleared by each batch, so it always describes the current wait
         self.progress: Optional[P.Progress] = None
@@ -108,7 +109,7 @@ class Replica:
     def hello(self, stream: int, hello: P.Hello) -> None:
         """Start ``stream`` on this connection (``hello``'s stream field is set here)."""
         self.stream, self.epoch, self.accepted, self.progress = stream, hello.epoch, False, None
-        self.slots = hello.slots
+        self.slots, self.local = hello.slots, hello.local
         if self.lanes is not None:
             self.lanes.assembly.forget(stream)
         self.move_on()

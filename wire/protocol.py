@@ -30,7 +30,7 @@ from wire.jobspec import JobSpec, check_pipeline
 # 6: one kind of stream: every batch is asked for by a Request (Credit, Hello.on_demand and
 # Hello.start_batch removed; message type 2 stays unused); Hello.prefetch renamed slots (what it
 # is); Batch.chunk (an output larger than FRAME_MAX_BYTES crosses the wire in several frames); the
-# co-located mode: Hello.local, DatasetInfo.probe, Batch.local, Release and Request.released
+# co-located mode: Hello.local, DatasetInfo.probe and Accept.probe, Batch.local, Release and Request.released
 PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
@@ -214,6 +214,9 @@ class Accept(Message):
     # the service's bulk-lane port (see "Bulk lanes" below): a client may open lanes there and
     # receive its batches' outputs on them; 0: the service has none
     lanes: int = 0
+    # DatasetInfo.probe again, for a client that asked no Describe of this service (a replica that
+    # joined its fleet mid-run) or whose service restarted elsewhere at the same endpoint
+    probe: str = ""
 
     def check(self) -> None:
         _range(self, "lanes", 0, 65535)

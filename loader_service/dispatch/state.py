@@ -66,7 +66,8 @@ class DispatchState:
     ``workers``: the pool, read only (its places, counts and what each worker is on);
     ``instance``: this service's id, sent in every Accept; ``authorized``: whether a CURVE key
     may still be served (None without CURVE); ``probe``: the shared-memory segment a co-located
-    client reads to know it shares this host's /dev/shm (:mod:`.local`; "": none); ``lane_port``:
+    client reads to know it shares this host's /dev/shm, named in every DatasetInfo and Accept
+    (:mod:`.local`; "": none); ``lane_port``:
     the bulk-lane port every Accept names (:mod:`.lanes`; 0: none)."""
 
     def __init__(self, config: ServiceConfig, sources: Dict[str, Source], pipelines: Registry, workers: WorkerPool,
@@ -336,7 +337,8 @@ class DispatchState:
         self._send(session.ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=plan.num_batches,
                                            num_samples=plan.num_samples, dataset_length=len(s.source),
                                            dataset=s.source.name, service=self.instance,
-                                           fingerprint=s.source.fingerprint(), lanes=self.lane_port))
+                                           fingerprint=s.source.fingerprint(), lanes=self.lane_port,
+                                           probe=self.probe))
         log.info("client %s job %r rank %d/%d epoch %d: stream %d asked at once for %d of %d batches%s", session.name,
                  hello.job, hello.rank, hello.spec.world_size, hello.epoch, hello.stream, len(s.state.order),
                  plan.num_batches, " (lookahead)" if hello.lookahead else "")

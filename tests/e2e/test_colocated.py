@@ -535,3 +535,40 @@ def test_a_replica_on_another_host_beside_a_colocated_one_is_no_warning(make_ser
     assert len(calls) == 2 and "its shared memory is not reachable from here" in caplog.text
     assert 0 < stats["local_batches"] < stats["batches"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("client")], caplog.text
+
+
+def test_a_service_back_at_the_same_endpoint_out_of_reach_is_asked_again_over_the_socket(make_service, monkeypatch,
+                                                                                         caplog):
+    """A co-located service stops mid-epoch and another comes back at its endpoint where this
+    trainer cannot reach its shared memory (another host, a container of its own). The stream the
+    loader starts on it asks for batches in place; its Accept names an unreachable probe, so the
+    stream is asked again over the socket before any batch of it is used, instead of failing to map
+    the slots it would name. The epoch is served exactly once, byte for byte."""
+    from testkit.helpers import collect
+
+    first = make_service()
+    with RemoteLoader(first.endpoint, **KW) as one:
+        ref = collect(one)
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    with caplog.at_level(logging.INFO, logger="client"):
+        with RemoteLoader(first.endpoint, **KW, local=True, heartbeat_s=0.3, timeout=60) as ld:
+            it = iter(ld)
+            got = collect_some(it, 3)
+            first.stop()
+            monkeypatch.setattr(client_local, "SHM_DIR", "/nonexistent-shm")  # the next one is out of reach
+            make_service(data_port=port)
+            got += collect_some(it, -1)
+            stats = ld.stats()
+    assert sorted(i for x in got for i in x["indices"]) == list(range(DEMO_SIZE))
+    assert [x["images"] for x in got] == [x["images"] for x in ref]
+    assert 3 <= stats["local_batches"] < stats["batches"] == DEMO_SIZE // 8
+    assert "its shared memory is not reachable from here" in caplog.text
+
+
+def collect_some(it, n):
+    out = []
+    for batch in it:
+        out.append({"indices": list(batch.indices), "images": batch.raw.numpy().tobytes()})
+        if len(out) == n:
+            break
+    return out

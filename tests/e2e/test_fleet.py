@@ -89,6 +89,32 @@ def test_replicas_join_and_leave_mid_epoch_as_the_records_change(dns, make_servi
         assert [x["images"] for x in mine] == [x["images"] for x in theirs], f"epoch {epoch}"
     assert status(b)["totals"]["samples"] == b_total  # nothing asked of it once it left
 
+def test_replicas_that_join_a_colocated_fleet_mid_epoch_hand_their_batches_over_in_place(dns, make_service):
+    """``local=True`` over a fleet that grows 1 -> 3 mid-epoch on this host: the two that joined
+    were never asked to describe the dataset (where the probe first came), yet their Accepts name
+    it, so their streams are asked again in place. Every batch of the epoch is read from shared
+    memory, each sample once, byte for byte as from one service over the socket."""
+    port = port_free_on_every_host()
+    a, b, c = (make_service(host=h, data_port=port, workers=1) for h in HOSTS)
+    with RemoteLoader(a.endpoint, **KW) as one:
+        ref = collect(one)
+    services = dict(zip(HOSTS, (a, b, c)))
+    before = {h: status(s)["totals"]["samples"] for h, s in services.items()}
+    dns.set({NAME: HOSTS[:1]})
+    with follow(dns, port, expect_replicas=3, local=True) as ld:
+        it = iter(ld)
+        got = [record(next(it)) for _ in range(3)]
+        dns.set({NAME: HOSTS})
+        take_until(it, ld, lambda: all(status(services[h])["totals"]["samples"] > before[h] for h in HOSTS[1:]),
+                   got, "the two replicas that joined served")
+        delivery = {h: [x["delivery"] for x in status(s)["clients"]] for h, s in services.items()}
+        got += [record(x) for x in it]
+        stats = ld.stats()
+    assert delivery == {h: ["in place"] for h in HOSTS}
+    assert sorted(i for x in got for i in x["indices"]) == list(range(DEMO_SIZE))
+    assert [x["images"] for x in got] == [x["images"] for x in ref]
+    assert stats["local_batches"] == stats["batches"] == DEMO_SIZE // 2
+
 def test_a_replica_that_comes_back_on_a_new_address(dns, make_service):
     port = port_free_on_every_host()
     first = make_service(host=HOSTS[1], data_port=port, workers=1)

@@ -38,6 +38,7 @@ class FakeReplica:
         self.down_since: Optional[float] = None
         self.retry_at: Optional[float] = None
         self.stream, self.epoch = -1, 0
+        self.local = False  # the current stream asked for its batches in place
         self.progress, self.progress_at = None, 0.0
         self.inbox: deque = deque()  # (message, payload) from the service
         self.events: deque = deque()
@@ -115,6 +116,7 @@ class FakeConnections:
         self.closed = False
         self.joins: List[tuple] = []  # (endpoint, clock) of each replica that joined
         self.left: List[FakeReplica] = []
+        self.colocated: set = set()  # endpoints whose service shares this host's shared memory, as last heard
 
     def join(self, endpoint: str) -> FakeReplica:
         r = FakeReplica(next(self._ids), endpoint)
@@ -132,13 +134,17 @@ class FakeConnections:
 
     def hello(self, r: FakeReplica, epoch: int, batches: List[int], lookahead: bool = False) -> None:
         r.stream, r.epoch, r.accepted, r.asked = next(self.stream_ids), epoch, False, list(batches)
+        r.local = r.endpoint in self.colocated
         r.hellos.append((r.stream, epoch, list(batches), lookahead))
+
+    misplaced = Connections.misplaced  # the real one: the stream's Hello against where its service is
 
     def healthy(self) -> bool:
         return Connections.healthy(self)
 
     def twin(self) -> "FakeConnections":
         twin = FakeConnections(len(self.replicas), self.window, self.clock, self.serve)
+        twin.colocated = self.colocated  # shared, as the real sets share what they learnt
         self.twins.append(twin)
         return twin
 
@@ -159,6 +165,8 @@ class FakeConnections:
 
     def recv(self, r: FakeReplica, sink):
         msg, payload = r.inbox.popleft()
+        if getattr(msg, "stream", -1) not in (r.stream, -1):
+            return None, None  # from a stream already left (as the real one drops it)
         if isinstance(msg, P.Error) and msg.code != P.ErrorCode.UNKNOWN_CLIENT:
             raise LoaderError(msg.code, msg.message)
         return msg, payload

@@ -34,11 +34,16 @@ def start(conns: FakeConnections, c: LoaderConfig, total: int, first: int = 0, e
     return EpochRun(conns, flow, sink, c, LoaderStats(), epoch, lookahead, clock=conns.clock), sink
 
 
-def in_any_order(total: int, rng: random.Random):
+def in_any_order(total: int, rng: random.Random, moves: float = 0.0):
     """Services that accept every stream and send, at each poll, one batch asked of them:
-    whichever one, from whichever replica."""
+    whichever one, from whichever replica. ``moves``: the chance that a service's Accept shows it
+    on the other side of the shared memory than its stream's Hello assumed (it joined without a
+    Describe, or came back on another host): that stream's batches never come."""
     def serve(conns: FakeConnections) -> None:
         for r in conns.replicas:
+            if moves and r.stream >= 0 and r._answered != r.stream and rng.random() < moves:
+                conns.colocated ^= {r.endpoint}
+                r.asked = []  # a misplaced stream is asked again before any of its batches is used
             r.answer_hello(total)
         owing = [r for r in conns.replicas if r.asked and r.down_since is None]
         if owing:
@@ -49,13 +54,14 @@ def in_any_order(total: int, rng: random.Random):
 
 @settings(max_examples=60, deadline=None)
 @given(replicas=st.integers(1, 3), prefetch=st.integers(1, 4), device_prefetch=st.integers(1, 3),
-       echo=st.integers(1, 3), total=st.integers(0, 30), first=st.integers(0, 5), seed=st.integers(0, 2**32 - 1))
+       echo=st.integers(1, 3), total=st.integers(0, 30), first=st.integers(0, 5), seed=st.integers(0, 2**32 - 1),
+       moves=st.sampled_from([0.0, 0.3]))
 def test_batches_in_any_order_leave_in_plan_order_pushed_at_most_device_prefetch_ahead(
-        replicas, prefetch, device_prefetch, echo, total, first, seed):
+        replicas, prefetch, device_prefetch, echo, total, first, seed, moves):
     first = min(first, total)
     c = config(prefetch=prefetch, device_prefetch=device_prefetch, echo=echo)
     window = prefetch * replicas
-    serve = in_any_order(total, random.Random(seed))
+    serve = in_any_order(total, random.Random(seed), moves)
     flows = []
 
     def serve_within_the_window(conns):
@@ -77,6 +83,8 @@ def test_batches_in_any_order_leave_in_plan_order_pushed_at_most_device_prefetch
     assert sink.ended == 1 and run.stats.batches == total - first and run.stats.samples == 2 * (total - first)
     # each stream is ended once; a run with nothing to do ends streams that were never accepted
     assert all(r.finals() == (1 if r.accepted else 0) for r in conns.replicas)
+    # a stream accepted is one whose Hello asked for the hand-over its service's place allows
+    assert all(r.local == (r.endpoint in conns.colocated) for r in conns.replicas if r.accepted)
 
 
 def test_each_batch_is_pushed_once_and_handed_over_once_per_echo_repeat():
@@ -162,6 +170,36 @@ def test_a_replica_back_after_a_loss_and_a_service_that_forgot_the_stream_are_as
     hellos = conns.replicas[0].hellos
     assert [h[2] for h in hellos] == [[0, 1, 2, 3]] * 3  # each new stream asks for all that is owed
     assert len({h[0] for h in hellos}) == 3 and run.stats.restarts == 2
+
+
+def test_an_accept_that_shows_the_service_on_the_other_side_of_the_shared_memory_asks_again():
+    """A replica that joined without a Describe turns out co-located, then its service comes back on
+    another host: each time, its stream is asked again for all it owes, in the right hand-over,
+    before any batch of the misplaced stream is used."""
+    state = {"step": 0}
+
+    def serve(conns):
+        r = conns.replicas[0]
+        state["step"] += 1
+        if state["step"] in (1, 4):  # its Accept says where it is now
+            conns.colocated ^= {r.endpoint}
+            r.answer_hello(6)
+            r.send_batch(r.asked[0])  # sent on the misplaced stream: stale once the new one starts
+            return
+        if state["step"] == 3:
+            r.events.append(True)  # reconnected: a service restarted elsewhere
+        r.answer_hello(6)
+        if state["step"] > 4 and r.asked:
+            r.send_batch(r.asked.pop(0))
+
+    conns = FakeConnections(1, 4, Clock(), serve)
+    run, sink = start(conns, config(prefetch=4), 6)
+    assert [b.index for b in run] == list(range(6))
+    r = conns.replicas[0]
+    # over the socket (the Hello's guess), in place (its Accept), the reconnect's, over the socket again
+    assert [h[2] for h in r.hellos] == [[0, 1, 2, 3]] * 4 and run.stats.restarts == 3
+    assert not r.local and r.accepted
+    assert [k for what, k in sink.log if what == "push"] == list(range(6))
 
 
 def test_an_accept_for_another_epoch_length_is_an_error():

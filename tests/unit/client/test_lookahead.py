@@ -22,8 +22,8 @@ from tests.unit.client.fakes import Clock, FakeConnections, FakeReplica
 TOTAL = 6
 
 
-def answer(r: FakeReplica, outcome: str, clock: Clock) -> None:
-    """The service's answer to the lookahead stream on ``r``."""
+def answer(r: FakeReplica, outcome: str, clock: Clock, spare: FakeConnections = None) -> None:
+    """The service's answer to the lookahead stream on ``r`` (of the set ``spare``)."""
     if outcome == "accept":
         r.answer_hello(TOTAL)
     elif outcome == "accept_after_handshake":  # the spare still in its handshake: waited for
@@ -35,6 +35,9 @@ def answer(r: FakeReplica, outcome: str, clock: Clock) -> None:
         r.was_connected, r.down_since = True, clock.now
     elif outcome == "other_length":
         r.answer_hello(TOTAL + 1)
+    elif outcome == "accept_moved":  # its Accept shows it on the other side of the shared memory
+        spare.colocated ^= {r.endpoint}
+        r.answer_hello(TOTAL)
     # "silent": nothing within the timeout
 
 
@@ -72,16 +75,18 @@ def test_refused_another_epoch_or_a_resume_part_way_drop_it(caplog):
     clock = Clock()
     current = FakeConnections(1, 4, clock)
     ahead = Lookahead(timeout=5.0, stats=LoaderStats())
-    for epoch, first, outcome in [(1, 0, "refuse"), (2, 0, "accept"), (1, 3, "accept"), (1, 0, "lost")]:
+    for epoch, first, outcome in [(1, 0, "refuse"), (2, 0, "accept"), (1, 3, "accept"), (1, 0, "lost"),
+                                  (1, 0, "accept_moved")]:
         ahead.start(current, 1, TOTAL)
         spare = ahead.spare
-        answer(spare.replicas[0], outcome, clock)
+        answer(spare.replicas[0], outcome, clock, spare)
         assert ahead.adopt(current, epoch, first, TOTAL, sink=None) is None
         assert spare.closed and ahead.spare is None and ahead.flow is None
     said = [r.getMessage() for r in caplog.records]
     assert said == ["epoch lookahead refused by tcp://replica-0:5555 ([no_capacity] would leave less than 2 slots); "
                     "starting epoch 1 plainly",
-                    "epoch lookahead lost or not answered by tcp://replica-0:5555; starting epoch 1 plainly"]
+                    "epoch lookahead lost or not answered by tcp://replica-0:5555; starting epoch 1 plainly",
+                    "epoch lookahead on tcp://replica-0:5555 asked for the wrong hand-over; starting epoch 1 plainly"]
 
 
 def test_with_nothing_ahead_the_spare_set_stays_open():
@@ -95,7 +100,7 @@ def test_with_nothing_ahead_the_spare_set_stays_open():
     assert ahead.spare is spare and not spare.closed
 
 
-OUTCOMES = ["accept", "accept_after_handshake", "refuse", "lost", "other_length", "silent"]
+OUTCOMES = ["accept", "accept_after_handshake", "refuse", "lost", "other_length", "silent", "accept_moved"]
 
 
 class LookaheadLife(RuleBasedStateMachine):
@@ -121,10 +126,10 @@ class LookaheadLife(RuleBasedStateMachine):
         spare, ahead = self.lookahead.spare, self.lookahead.epoch
         if ahead is not None:
             for r, outcome in zip(spare.replicas, outcomes):
-                answer(r, outcome, self.clock)
+                answer(r, outcome, self.clock, spare)
         adopted = self.lookahead.adopt(self.current, epoch, first, TOTAL, sink=None)
         expected = (ahead == epoch and first == 0
-                    and all(o.startswith("accept") for o in outcomes[:len(spare.replicas)]))
+                    and all(o.startswith("accept") and o != "accept_moved" for o in outcomes[:len(spare.replicas)]))
         assert (adopted is not None) == expected
         assert self.lookahead.flow is None
         if adopted is not None:
