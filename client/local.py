@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import stat
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -60,16 +61,31 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+def _open(name: str, writable: bool) -> int:
+    """A descriptor of segment ``name``: a regular file, reached by no symbolic link. /dev/shm is
+    anyone's to write in: a FIFO under a segment's name would block a plain open for good, and a
+    link would let a peer's name point the trainer's writes into batches at a file of its own."""
+    fd = os.open(_path(name), (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{name} is not a regular file")
+    return fd
+
+
 def reachable(probe: str) -> bool:
     """Whether the service's probe segment is readable here and holds its own name: this process
     shares the service's shared memory."""
     if not probe:
         return False
     try:
-        with open(_path(probe), "rb") as f:
-            return f.read(len(probe.encode())) == probe.encode()
+        fd = _open(probe, writable=False)
     except (OSError, ValueError):
         return False
+    with open(fd, "rb") as f:
+        try:
+            return f.read(len(probe.encode())) == probe.encode()
+        except OSError:
+            return False
 
 
 class Mapping:
@@ -140,14 +156,13 @@ def check_block(name: str, m: Mapping, offset: int, nbytes: int) -> None:
 
 def _map(name: str, writable: bool) -> Mapping:
     try:
-        path = _path(name)
         if writable:
             try:
-                with open(path, "r+b") as f:
+                with open(_open(name, writable=True), "r+b") as f:
                     return Mapping(mmap.mmap(f.fileno(), 0), True)
             except PermissionError:  # another user's segment we may only read: batches are copied out
                 pass
-        with open(path, "rb") as f:
+        with open(_open(name, writable=False), "rb") as f:
             return Mapping(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), False)
     except (OSError, ValueError) as exc:
         raise LoaderError(P.ErrorCode.BAD_MESSAGE, (

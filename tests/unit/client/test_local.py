@@ -434,3 +434,35 @@ def test_borrowed_batches_under_any_interleaving():
     run.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                             suppress_health_check=[HealthCheck.too_slow])
     run().runTest()
+
+
+def test_a_fifo_or_a_link_under_a_segment_s_name_is_neither_a_probe_nor_mapped(tmp_path):
+    """/dev/shm is anyone's to write in. A FIFO named like a service's probe or slots would block a
+    plain open until someone writes to it (the trainer hangs before its first batch); a symbolic link
+    would point the trainer's writes into lent batches at a file of the link's maker. Neither is
+    read, nor mapped: the probe is not reachable, the mapping a clear error."""
+    import threading
+
+    base = f"{local.PREFIX}{os.getpid()}-test-{uuid.uuid4().hex[:12]}"
+    fifo, link = base + "-fifo", base + "-link"
+    target = tmp_path / "theirs"
+    target.write_bytes(link.encode() + bytes(mmap.PAGESIZE))  # holds the link's name, as a probe would
+    os.mkfifo(os.path.join(local.SHM_DIR, fifo))
+    os.symlink(target, os.path.join(local.SHM_DIR, link))
+    try:
+        answers = []
+        probing = threading.Thread(target=lambda: answers.extend(local.reachable(n) for n in (fifo, link)), daemon=True)
+        probing.start()
+        probing.join(30)
+        if probing.is_alive():  # blocked in open(): free it (a writer's open completes the reader's) and fail
+            os.close(os.open(os.path.join(local.SHM_DIR, fifo), os.O_WRONLY | os.O_NONBLOCK))
+            probing.join(30)
+        assert answers == [False, False]
+        for name, why in ((fifo, "is not a regular file"), (link, "Too many levels of symbolic links")):
+            for writable in (True, False):
+                with pytest.raises(LoaderError, match=f"cannot map the service's shared memory {name!r}.*{why}"):
+                    local.Mappings(writable=writable).mapping(name)
+        assert target.read_bytes() == link.encode() + bytes(mmap.PAGESIZE)
+    finally:
+        for name in (fifo, link):
+            os.unlink(os.path.join(local.SHM_DIR, name))
