@@ -354,7 +354,10 @@ class Connections:
                 if changed and r.on_monitor():
                     r.send(describe)
                 if readable:
-                    msg, _ = self.recv(r, sink)
+                    try:
+                        msg, _ = self.recv(r, sink)
+                    except zmq.Again:  # what the poll saw is gone: nothing to read (as in an epoch's wait)
+                        continue
                     if isinstance(msg, P.DatasetInfo) and r.index not in answers:
                         answers[r.index] = (r, msg)
                         self._colocate(r, msg.probe)

@@ -12,6 +12,8 @@ import logging
 import time
 from typing import Optional, Tuple
 
+import zmq
+
 from wire import protocol as P
 
 from client.connections import Connections
@@ -74,6 +76,8 @@ class Lookahead:
                     continue
                 try:
                     msg, _ = spare.recv(r, sink)
+                except zmq.Again:  # what the wait saw is gone: nothing to read (as in an epoch's wait)
+                    continue
                 except LoaderError as exc:  # refused (no capacity, say): start the epoch plainly
                     log.info("epoch lookahead refused by %s (%s); starting epoch %d plainly", r.endpoint, exc, epoch)
                     return self._close_spare()

@@ -233,3 +233,28 @@ def test_load_state_dict_in_the_consumers_thread_ends_its_pass_and_resumes(servi
         ld.load_state_dict(dict(ld.state_dict(), position=5 * 16))
         rest = [list(b.indices) for b in ld]
     assert rest == full[5:]
+
+
+def test_a_message_a_poll_saw_that_is_gone_by_the_read_is_read_as_nothing(service, monkeypatch):
+    """A poll (or a replica's wait) that saw a message which is gone when it is read (the read never
+    blocks): the describe, the lookahead's adoption and an epoch's wait each read nothing and go on,
+    instead of ending the loader with a raw ``zmq.Again``. Each set's first read is made to find
+    nothing; two epochs are still served exactly once."""
+    import zmq
+
+    from client.connections import Connections
+
+    real, missed = Connections.recv, []
+
+    def recv(self, r, sink):
+        if self not in missed:
+            missed.append(self)
+            raise zmq.Again()
+        return real(self, r, sink)
+
+    monkeypatch.setattr(Connections, "recv", recv)
+    with RemoteLoader(service.endpoint, batch_size=8, image_size=32, seed=3) as ld:
+        for epoch in range(2):
+            ld.set_epoch(epoch)
+            assert sorted(i for b in ld for i in b.indices) == list(range(DEMO_SIZE))
+    assert len(missed) == 2  # the loader's set (its describe) and the lookahead's spare (its adoption)
