@@ -4,11 +4,13 @@ benchmarks (one helper for all of them)."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import queue
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +30,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def own_shm(cmd: Sequence[str], size_mb: int) -> List[str]:
+    """``cmd`` in a private mount namespace whose /dev/shm is a fresh tmpfs of ``size_mb``, as in a
+    container of its own: what it makes there is seen by no other process and goes with it. The
+    command is exec'd (same pid: signals reach it)."""
+    return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={size_mb}m tmpfs /dev/shm && exec "$@"', "sh", *cmd]
+
+
+@functools.lru_cache(maxsize=None)
+def can_own_shm() -> bool:
+    """Whether :func:`own_shm` is permitted here (Linux, ``unshare``, the right to mount)."""
+    if not shutil.which("unshare") or sys.platform != "linux":
+        return False
+    return subprocess.run(own_shm(["true"], 1), capture_output=True, timeout=30).returncode == 0
 
 
 def _warn(msg: str) -> None:
@@ -51,12 +68,14 @@ class ServiceProcess:
     (``stderr_tail``). Without it the pipes are the caller's (``proc.stderr.read()``,
     ``proc.communicate()``). ``sweep`` (the benchmarks): :meth:`stop` also kills workers that
     outlive the service and unlinks shared memory it left, with a warning, so one run's leftovers
-    cannot skew the next; tests leave it off, so that such a leak is found rather than swept."""
+    cannot skew the next; tests leave it off, so that such a leak is found rather than swept.
+    ``own_shm_mb``: the service gets a /dev/shm of its own, that size (:func:`own_shm`), as on
+    another host or in a container without the shared IPC namespace."""
 
     def __init__(self, data_port: int = 0, args: Sequence[str] = (), env: Optional[Dict[str, Optional[str]]] = None,
                  token: str = "chaos", nofile: Optional[int] = None, *, http_port: Optional[int] = None,
                  drain: bool = False, sweep: bool = False, ready_timeout: Optional[float] = None,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", own_shm_mb: int = 0):
         if ready_timeout is not None and not drain:
             raise ValueError("ready_timeout needs drain=True (a blocking read of the ready line has no timeout)")
         self.token, self.sweep = token, sweep
@@ -64,6 +83,8 @@ class ServiceProcess:
         self.http_port = free_port() if http_port is None else http_port
         self.cmd = [sys.executable, "-m", "loader_service", "serve", "--host", "127.0.0.1",
                     "--data-port", str(data_port), "--http-port", str(self.http_port), "--log-level", log_level, *args]
+        if own_shm_mb:
+            self.cmd = own_shm(self.cmd, own_shm_mb)
         self.stderr_tail: "collections.deque[str]" = collections.deque(maxlen=40)
         self._lines: "queue.Queue[str]" = queue.Queue()
         self._threads: List[threading.Thread] = []

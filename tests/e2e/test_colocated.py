@@ -2,8 +2,10 @@
 shared memory (one copy out of the slot, then a Release) instead of the socket."""
 
 import logging
+import os
 import time
 
+import pytest
 import torch
 
 from client import RemoteLoader
@@ -12,6 +14,7 @@ from wire import protocol as P
 
 from tests.conftest import DEMO_SIZE
 from testkit.helpers import dealer, holdings
+from testkit.service import ServiceProcess, can_own_shm
 
 KW = dict(batch_size=8, image_size=32, shuffle=True, seed=5)
 
@@ -572,3 +575,39 @@ def collect_some(it, n):
         if len(out) == n:
             break
     return out
+
+
+@pytest.mark.skipif(not can_own_shm(), reason="needs a private mount namespace (unshare -m, mount)")
+def test_a_service_back_in_a_shm_of_its_own_is_served_over_the_socket_exactly_once(caplog):
+    """The case above for real: the service that comes back at the endpoint runs in a /dev/shm of its
+    own (a private mount namespace, as a container without the shared IPC namespace), so the slots
+    it would name cannot be mapped from here. Two epochs, exactly once and byte for byte, the first
+    batches in place, the rest over the socket; nothing of it left in this /dev/shm."""
+    from testkit.helpers import collect
+
+    args = ["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1"]
+    first = ServiceProcess(args=args, drain=True)
+    second = None
+    try:
+        with RemoteLoader(first.endpoint, **KW) as one:
+            ref = [collect(one) for _ in range(2)]
+        with caplog.at_level(logging.INFO, logger="client"):
+            with RemoteLoader(first.endpoint, **KW, local=True, heartbeat_s=0.3, timeout=60) as ld:
+                it = iter(ld)
+                got = collect_some(it, 3)
+                first.stop()
+                second = ServiceProcess(data_port=first.data_port, args=args, drain=True, own_shm_mb=256)
+                got += collect_some(it, -1)
+                ld.set_epoch(1)
+                again = collect_some(iter(ld), -1)
+                stats = ld.stats()
+    finally:
+        for svc in (first, second):
+            if svc is not None:
+                svc.stop()
+    for mine, theirs in ((got, ref[0]), (again, ref[1])):
+        assert sorted(i for x in mine for i in x["indices"]) == list(range(DEMO_SIZE))
+        assert [x["images"] for x in mine] == [x["images"] for x in theirs]
+    assert 3 <= stats["local_batches"] < DEMO_SIZE // 8 and stats["batches"] == 2 * DEMO_SIZE // 8
+    assert "its shared memory is not reachable from here" in caplog.text
+    assert not [n for n in os.listdir(client_local.SHM_DIR) if n.startswith(f"{client_local.PREFIX}{second.proc.pid}-")]

@@ -12,7 +12,6 @@ from testkit.paths import REPO_ROOT
 import errno
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import pytest
 
 from loader_service import shm
 from loader_service.dispatch.memory import BatchMemory, NoShmSpace, slot_cap
+from testkit.service import can_own_shm, own_shm
 
 ROOT = REPO_ROOT
 MiB = 1 << 20
@@ -87,15 +87,7 @@ def test_the_slot_cap_follows_a_small_shm_and_says_what_raises_it(monkeypatch, c
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def _unshare_ok() -> bool:
-    if not shutil.which("unshare") or sys.platform != "linux":
-        return False
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, timeout=30)
-    return probe.returncode == 0
-
-
-needs_mount_ns = pytest.mark.skipif(not _unshare_ok(), reason="needs a private mount namespace (unshare -m, mount)")
+needs_mount_ns = pytest.mark.skipif(not can_own_shm(), reason="needs a private mount namespace (unshare -m, mount)")
 
 # Run inside the namespace: a service on a free loopback port, then clients; prints what happened.
 SCRIPT = textwrap.dedent("""
@@ -124,8 +116,7 @@ SCRIPT = textwrap.dedent("""
 
 def _in_small_shm(size_mb: int, *args: str) -> tuple:
     """Run SCRIPT in a namespace whose /dev/shm has ``size_mb``: (its stdout, stdout + stderr)."""
-    cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={size_mb}m tmpfs /dev/shm && exec "$@"', "sh",
-           sys.executable, "-c", SCRIPT, *args]
+    cmd = own_shm([sys.executable, "-c", SCRIPT, *args], size_mb)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     log = proc.stdout + proc.stderr
