@@ -205,7 +205,7 @@ class Connections:
         if isinstance(msg, P.Batch):
             try:
                 payload = sink.receive(r.sock, msg, r.borrowed, r.lanes)
-            except LanesLost:
+            except (LanesLost, local.SlotsGone):
                 r.drain()
                 raise
             if msg.local:

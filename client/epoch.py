@@ -28,6 +28,7 @@ from client.errors import LoaderError
 from client.fleet import Fleet
 from client.flow import EpochFlow, InOrder
 from client.lanes import LanesLost
+from client.local import SlotsGone
 from client.lookahead import Lookahead
 from client.replica import Replica
 from client.stats import LoaderStats
@@ -191,6 +192,10 @@ class EpochRun:
                 self._lanes_lost(r, exc)
                 heard = True
                 continue
+            except SlotsGone as exc:
+                self._slots_gone(r, exc)
+                heard = True
+                continue
             if isinstance(msg, P.Progress):  # the service is alive, but the timeout counts until a batch
                 r.progress, r.progress_at = msg, time.monotonic()
                 continue
@@ -207,7 +212,7 @@ class EpochRun:
                     continue
                 r.accepted = True
             elif isinstance(msg, P.Batch):
-                r.progress, r.stale_batches = None, 0
+                r.progress, r.stale_batches, r.gone_batches = None, 0, 0
                 if not self.flow.on_batch(r.index, msg.index, self._clock()):
                     # (its memory goes back with the rest when the run closes)
                     raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
@@ -265,6 +270,20 @@ class EpochRun:
         log.warning("service replica %s: %s; asking again for its %d batches owed, on a new stream (%s)", r.endpoint,
                     exc.why, len(self.flow.outstanding.get(r.index, ())),
                     r.lanes_off or "new lanes open once it is accepted")
+        self._restart(r)
+
+    def _slots_gone(self, r: Replica, exc: SlotsGone) -> None:
+        """A batch of ``r`` handed over in shared memory that is gone: its service stopped or
+        restarted after sending it (a graceful stop unlinks its segments; a new service on the host
+        sweeps a killed one's). The batch is still owed: what ``r`` owes is asked for again on a new
+        stream (a restarted service's Accept then says whether it shares this host's shared memory)."""
+        r.gone_batches += 1
+        if r.gone_batches > 2 * self.conns.window + 16:  # more than a stream's worth: no restart explains it
+            raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
+                f"{r.endpoint} handed over {r.gone_batches} batches in a row in shared memory that does not exist "
+                f"(the last: {exc.name!r}): a peer that is not a loader service, or a bug"))
+        log.info("service replica %s: %s; asking again for its %d batches owed, on a new stream", r.endpoint, exc,
+                 len(self.flow.outstanding.get(r.index, ())))
         self._restart(r)
 
     def _on_monitor(self, r: Replica, now: float) -> None:

@@ -154,6 +154,18 @@ def check_block(name: str, m: Mapping, offset: int, nbytes: int) -> None:
                           f"{offset}..{offset + nbytes} of segment {name}, which holds {len(m.mm)}")
 
 
+class SlotsGone(LoaderError):
+    """A batch handed over in place names a segment that no longer exists: its service stopped or
+    restarted (and unlinked it, or a new service swept it) after sending the batch and before
+    this loader first mapped it. The batch is still owed: it is asked for again on a new stream."""
+
+    def __init__(self, name: str):
+        super().__init__(P.ErrorCode.BAD_MESSAGE, (
+            f"the service's shared memory {name!r} named by a batch handed over in place no longer exists "
+            "(its service stopped or restarted since it sent the batch)"))
+        self.name = name
+
+
 def _map(name: str, writable: bool) -> Mapping:
     try:
         if writable:
@@ -164,6 +176,8 @@ def _map(name: str, writable: bool) -> Mapping:
                 pass
         with open(_open(name, writable=False), "rb") as f:
             return Mapping(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), False)
+    except FileNotFoundError:
+        raise SlotsGone(name) from None
     except (OSError, ValueError) as exc:
         raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
             f"cannot map the service's shared memory {name!r} for a batch handed over in place: {exc}; is the service "
@@ -315,4 +329,4 @@ def _close(mm: mmap.mmap) -> None:
         pass
 
 
-__all__ = ["CAN_LEND", "Borrowed", "Mappings", "privatize", "reachable"]
+__all__ = ["CAN_LEND", "Borrowed", "Mappings", "SlotsGone", "privatize", "reachable"]

@@ -99,6 +99,7 @@ class Replica:
         self.lanes_off = ""  # "": lanes may be opened with the next accepted stream
         self.lanes_lost = 0  # lane sets of this connection that failed
         self.stale_batches = 0  # batches in a row sent on lanes it no longer had (client.epoch)
+        self.gone_batches = 0  # batches in a row handed over in shared memory that no longer exists (client.epoch)
         self.identity = sock.getsockopt(zmq.IDENTITY)
 
     def stall(self, wait_s: float, h2d_s: float) -> None:

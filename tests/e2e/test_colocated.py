@@ -611,3 +611,36 @@ def test_a_service_back_in_a_shm_of_its_own_is_served_over_the_socket_exactly_on
     assert 3 <= stats["local_batches"] < DEMO_SIZE // 8 and stats["batches"] == 2 * DEMO_SIZE // 8
     assert "its shared memory is not reachable from here" in caplog.text
     assert not [n for n in os.listdir(client_local.SHM_DIR) if n.startswith(f"{client_local.PREFIX}{second.proc.pid}-")]
+
+
+def test_a_batch_whose_segment_its_stopped_service_unlinked_before_it_was_read_is_asked_again(make_service,
+                                                                                               monkeypatch, caplog):
+    """A service stops (gracefully, so it unlinks its segments) after sending batches in place that
+    this loader has not read yet, and another comes back at its endpoint. The first of them names a
+    segment that no longer exists: that batch is still owed, and asked for again of the new service,
+    not a fatal ``cannot map`` (a soak of a co-located fleet found it: a new service on the host
+    also sweeps a killed one's segments). The epoch is served exactly once, byte for byte."""
+    from testkit.helpers import collect
+
+    first = make_service()
+    with RemoteLoader(first.endpoint, **KW) as one:
+        ref = collect(one)
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    real_map, back = client_local._map, []
+
+    def map_once_its_service_is_gone(name, writable):
+        if not back and "-slots-" in name:  # the first batch's segment, read after its service went
+            first.stop()
+            back.append(make_service(data_port=port))
+        return real_map(name, writable)
+
+    monkeypatch.setattr(client_local, "_map", map_once_its_service_is_gone)
+    with caplog.at_level(logging.INFO, logger="client"):
+        with RemoteLoader(first.endpoint, **KW, local=True, heartbeat_s=0.3, timeout=60) as ld:
+            got = collect_some(iter(ld), -1)
+            stats = ld.stats()
+    assert back, "no batch was handed over in place"
+    assert sorted(i for x in got for i in x["indices"]) == list(range(DEMO_SIZE))
+    assert [x["images"] for x in got] == [x["images"] for x in ref]
+    assert stats["local_batches"] == stats["batches"] == DEMO_SIZE // 8
+    assert "named by a batch handed over in place no longer exists" in caplog.text

@@ -39,6 +39,7 @@ class FakeReplica:
         self.retry_at: Optional[float] = None
         self.stream, self.epoch = -1, 0
         self.local = False  # the current stream asked for its batches in place
+        self.stale_batches = self.gone_batches = 0  # batches in a row it could not use (client.epoch)
         self.progress, self.progress_at = None, 0.0
         self.inbox: deque = deque()  # (message, payload) from the service
         self.events: deque = deque()
@@ -169,6 +170,8 @@ class FakeConnections:
             return None, None  # from a stream already left (as the real one drops it)
         if isinstance(msg, P.Error) and msg.code != P.ErrorCode.UNKNOWN_CLIENT:
             raise LoaderError(msg.code, msg.message)
+        if isinstance(payload, LoaderError):  # what the sink raises for this batch (its bytes cannot be had)
+            raise payload
         return msg, payload
 
     def check_connections(self, now: float) -> None:

@@ -202,6 +202,45 @@ def test_an_accept_that_shows_the_service_on_the_other_side_of_the_shared_memory
     assert [k for what, k in sink.log if what == "push"] == list(range(6))
 
 
+def test_a_batch_in_shared_memory_that_is_gone_is_asked_again_and_a_peer_that_never_stops_is_an_error():
+    """A batch handed over in a segment that no longer exists (its service stopped or restarted) is
+    still owed: the stream is asked again for all it owes. A peer that only ever names such
+    segments is refused once more than a stream's worth came in a row."""
+    from client.local import SlotsGone
+
+    def gone_once(conns):
+        r = conns.replicas[0]
+        r.answer_hello(4)
+        if r.asked:
+            b = r.asked.pop(0)
+            if len(r.hellos) == 1 and b == 1:
+                r.inbox.append((P.Batch(stream=r.stream, epoch=r.epoch, index=b, indices=[2 * b, 2 * b + 1],
+                                        shape=[2, 1, 1, 3], local=["loader_service-1-slots-x", [[0, 6]]]),
+                                SlotsGone("loader_service-1-slots-x")))
+            else:
+                r.send_batch(b)
+
+    conns = FakeConnections(1, 4, Clock(), gone_once)
+    run, sink = start(conns, config(prefetch=4), 4)
+    assert [b.index for b in run] == [0, 1, 2, 3]
+    r = conns.replicas[0]
+    assert [h[2] for h in r.hellos] == [[0, 1, 2, 3], [1, 2, 3]] and run.stats.restarts == 1
+
+    def always_gone(conns):
+        r = conns.replicas[0]
+        r.answer_hello(4)
+        if r.asked:
+            b = r.asked.pop(0)
+            r.inbox.append((P.Batch(stream=r.stream, epoch=r.epoch, index=b, indices=[2 * b, 2 * b + 1],
+                                    shape=[2, 1, 1, 3], local=["loader_service-1-slots-x", [[0, 6]]]),
+                            SlotsGone("loader_service-1-slots-x")))
+
+    run, _ = start(FakeConnections(1, 4, Clock(), always_gone), config(prefetch=4), 4)
+    with pytest.raises(LoaderError, match=r"handed over 25 batches in a row in shared memory that does not exist "
+                                          r"\(the last: 'loader_service-1-slots-x'\): a peer that is not a loader"):
+        next(run)
+
+
 def test_an_accept_for_another_epoch_length_is_an_error():
     def serve(conns):
         conns.replicas[0].answer_hello(99)
