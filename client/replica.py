@@ -203,8 +203,11 @@ class Replica:
         return self.down_since + CUT_GRACE_S if self.down_since is not None and not self.retried else None
 
     def is_cut(self, now: float) -> bool:
+        """Cut for good: past :meth:`cut_at`, with no connection event left unread. The trainer may
+        step for longer than the grace between reading a disconnect and reading libzmq's next event
+        (its reconnect, queued right behind): that event, not the clock, says what became of it."""
         at = self.cut_at()
-        return at is not None and now >= at
+        return at is not None and now >= at and not self.has_event()
 
     def has_message(self) -> bool:
         """A message waits on the socket (never blocks)."""

@@ -223,3 +223,27 @@ def test_an_epoch_started_ahead_is_given_up_not_waited_for_when_a_replica_serves
     s.send(1, s.accept(1, identity=(48, "fp-other")))
     assert s.receive(1) == (None, None)
     assert list(s.conns.quarantined()) == [s.conns.replicas[1].endpoint]
+
+
+def test_a_disconnect_read_before_a_long_step_is_no_cut_while_libzmq_s_next_event_waits_unread(services):
+    """The trainer reads a DISCONNECTED event, takes a batch that was already there, and steps for
+    longer than the cut grace (1 s) before it waits again; libzmq's CONNECT_RETRIED, queued right
+    behind the disconnect, is still unread. The connection is libzmq's to retry, not cut. Before, the
+    next wait judged it by the clock alone and ended the loader with ``cut for breaking the
+    protocol`` (a scratch soak found it: one service SIGTERMed and back while the trainer stepped)."""
+    s = services(1)
+    s.start_epoch()
+    r = s.conns.replicas[0]
+    while r.has_event():  # the handshake's events
+        r.on_monitor()
+    s.routers[0].close(0)  # the service goes (and libzmq will try again)
+    while r.down_since is None:
+        assert r.monitor.poll(DEADLINE_S * 1000), "no disconnect event"
+        r.on_monitor()
+    assert r.monitor.poll(DEADLINE_S * 1000), "libzmq scheduled no reconnect"  # its event waits, unread
+    later = time.monotonic() + 5.0  # a long training step
+    s.conns.check_connections(later)  # no LoaderError: an event is still to be read
+    assert not r.is_cut(later)
+    while r.has_event():
+        r.on_monitor()
+    assert r.retried and not r.is_cut(later)
