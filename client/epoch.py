@@ -214,6 +214,11 @@ class EpochRun:
             elif isinstance(msg, P.Batch):
                 r.progress, r.stale_batches, r.gone_batches = None, 0, 0
                 if not self.flow.on_batch(r.index, msg.index, self._clock()):
+                    if self.flow.late(r.index, msg.index):
+                        # given to the others when r was lost, and sent by r after all (its stream
+                        # asked again just before, say): one copy is used, this one dropped
+                        self.sink.drop(payload)
+                        continue
                     # (its memory goes back with the rest when the run closes)
                     raise LoaderError(P.ErrorCode.INTERNAL, f"unexpected batch {msg.index} from {r.endpoint}")
                 self.window.put(msg.index, (msg, payload))

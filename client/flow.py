@@ -47,6 +47,7 @@ class EpochFlow:
         self.received: Set[int] = set()  # received and not yet yielded
         self.per_batch: Dict[int, Optional[float]] = {}  # replica -> measured seconds per batch
         self._busy_since: Dict[int, float] = {}  # replica -> last delivery, or when work was first asked
+        self._given_away: Dict[int, Set[int]] = {}  # replica -> its batches asked of the others when it was lost
         for r in ids:
             self.join(r)
 
@@ -132,10 +133,17 @@ class EpochFlow:
         self.next_yield += 1
         return b
 
+    def late(self, replica: int, batch: int) -> bool:
+        """Whether ``batch`` was asked of ``replica`` and given to the others when it was lost
+        (:meth:`lose`): a copy it sends after all is late, not wrong (the first copy to come is the
+        one used; :meth:`on_batch` refuses the other)."""
+        return batch in self._given_away.get(replica, ())
+
     def lose(self, replica: int) -> List[int]:
         """Give up on ``replica``'s outstanding batches; they go to the others first."""
         orphans = sorted(self.outstanding[replica])
         self.outstanding[replica] = set()
+        self._given_away.setdefault(replica, set()).update(orphans)
         for b in orphans:
             heapq.heappush(self._redo, b)
         return orphans

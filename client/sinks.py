@@ -311,6 +311,9 @@ class HostSink:
         raw, labels = payload
         return _build(msg, [n for n, _ in self.outputs], raw, labels, self.normalize)
 
+    def drop(self, payload) -> None:
+        """A received batch that will not be pushed (a late copy): its tensors go with the payload."""
+
     def hand_over(self, batch: Batch) -> Batch:
         return batch  # host tensors need no ordering
 
@@ -488,6 +491,11 @@ class CudaSink:
         self.h2d_s += time.perf_counter() - t0
         self._done[msg.index] = done
         return batch
+
+    def drop(self, payload) -> None:
+        """A received batch that will not be pushed (a late copy): its ring entry is free again (no
+        copy read it), and what it kept (a lent slot, a lanes' buffer) goes with the payload."""
+        self._free.appendleft(payload[0])
 
     def hand_over(self, batch: Batch) -> Batch:
         """Order ``batch`` before the trainer's work on the stream current now; see the module doc."""

@@ -315,3 +315,20 @@ def test_race_lanes_buffer_is_received_into_again_only_after_its_copy_ran(make_s
         in_place = gpu._sink.lanes_in_place
     assert as_ints(sums) == expected
     assert in_place == BATCHES
+
+
+def test_a_dropped_late_batch_gives_its_ring_entry_back():
+    """A batch received and never pushed (a late copy from a replica whose batches went to the
+    others): its pinned-ring entry is free again at once, not only at the epoch's end, so the
+    window's batches always find one."""
+    from client.config import LoaderConfig
+    from client.sinks import CudaSink
+
+    sink = CudaSink(LoaderConfig.of("tcp://127.0.0.1:9", batch_size=4, image_size=8, device="cuda:0"), held=2)
+    try:
+        free = len(sink._free)
+        entry = sink._take_pinned()
+        sink.drop((entry, [], entry.labels[:0], False))
+        assert len(sink._free) == free and sink._free[0] is entry
+    finally:
+        sink.close()

@@ -16,12 +16,13 @@ import pytest
 
 from client import LoaderTimeout, RemoteLoader
 from client.replica import Replica
+from loader_service import shm
 
 from tests.conftest import DEMO_SIZE
 from testkit.dns import DnsServer, port_free_on
 from testkit.helpers import collect, status
 from testkit.proxy import Stranger
-from testkit.service import ServiceProcess
+from testkit.service import ServiceProcess, can_own_shm
 
 NAME = "loader-fleet"
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
@@ -331,3 +332,69 @@ def test_a_replica_serving_other_data_mid_epoch_is_quarantined_and_the_epoch_com
     assert said[0].getMessage().startswith(f"service replica {bad} is quarantined: it {why}; the epoch goes on with ")
     assert quarantined == {bad: why} and counted == 1
     assert status(other)["totals"]["samples"] == 0  # nothing of it was ever used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_colocated_fleet_whose_records_change_and_services_stop_and_come_back_serves_every_epoch_exactly(dns,
+                                                                                                           seed):
+    """Churn on a co-located fleet, on a seeded schedule: ``local=True`` follows a name over three
+    service processes on this host while the records change and services are SIGTERMed or
+    SIGKILLed mid-epoch and come back at their address, on this host's /dev/shm or in one of their
+    own (where a private mount namespace is permitted). Every case at once that a co-located
+    stream must survive: replicas that join (judged at their Accept), come back out of reach
+    (asked again over the socket), stop with batches in place unread (asked again), drain, leave.
+    Three epochs, each byte for byte the reference; the services end healthy."""
+    import random
+
+    rng = random.Random(seed)
+    port = port_free_on_every_host()
+    args = ["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1", "--heartbeat", "0.5"]
+
+    def start(host, own=False):
+        return ServiceProcess(port, ["--host", host, *args], drain=True, own_shm_mb=64 if own else 0)
+
+    services = {h: start(h) for h in HOSTS}
+    told, killed = [], []
+    try:
+        kw = dict(batch_size=8, image_size=32, seed=4, shuffle=True)
+        with RemoteLoader(services[HOSTS[0]].endpoint, **kw) as one:
+            ref = []
+            for e in range(3):
+                one.set_epoch(e)
+                ref.append(collect(one))
+        dns.set({NAME: HOSTS})
+        with RemoteLoader(f"tcp://{NAME}:{port}", **kw, local=True, dns_server=dns.server, dns_refresh_s=0.1,
+                          replica_timeout=3.0, heartbeat_s=0.5, timeout=90) as ld:
+            for e in range(3):
+                ld.set_epoch(e)
+                got = []
+                for batch in ld:
+                    got.append(record(batch))
+                    if rng.random() < 0.12:
+                        host, what = rng.choice(HOSTS), rng.random()
+                        if what < 0.3:
+                            listed = [h for h in HOSTS if rng.random() < 0.7] or [host]
+                            dns.set({NAME: listed})
+                            told.append(f"epoch {e} batch {len(got)}: records {listed}")
+                        else:
+                            sig = signal.SIGTERM if what < 0.65 else signal.SIGKILL
+                            own = can_own_shm() and rng.random() < 0.5
+                            services[host].kill(sig)
+                            services[host].stop()
+                            killed.append(services[host].proc.pid)
+                            services[host] = start(host, own)
+                            told.append(f"epoch {e} batch {len(got)}: {host} {sig.name}, back"
+                                        f"{' in a /dev/shm of its own' if own else ''}")
+                assert sorted(i for x in got for i in x["indices"]) == list(range(DEMO_SIZE)), told
+                assert [x["images"] for x in got] == [x["images"] for x in ref[e]], told
+            stats = ld.stats()
+        assert 0 < stats["local_batches"] and len(told) >= 3, (stats, told)
+        for svc in services.values():
+            assert svc.status()["healthy"], told
+    finally:
+        for svc in services.values():
+            svc.stop()
+        for pid in killed:  # a killed service's segments, which the next one on this /dev/shm would sweep
+            for name in shm.list_segments(pid):
+                os.unlink(os.path.join(shm.SHM_DIR, name))

@@ -210,5 +210,8 @@ class RecordingSink:
         self.log.append(("hand_over", batch.index))
         return batch
 
+    def drop(self, payload) -> None:
+        self.log.append(("drop", payload[1]))
+
     def end(self) -> None:
         self.ended += 1

@@ -241,6 +241,31 @@ def test_a_batch_in_shared_memory_that_is_gone_is_asked_again_and_a_peer_that_ne
         next(run)
 
 
+def test_a_batch_sent_after_all_by_a_replica_whose_batches_went_to_the_others_is_dropped():
+    """Replica 1 is given up on and its batches go to replica 0; then its stream sends one of them
+    after all (as when it was asked again just before its service's notice, and the service back at
+    its endpoint answered that ask). That copy is late, not wrong: dropped (the sink takes its memory
+    back), and the epoch is served exactly once. Before, ``unexpected batch``."""
+    clock, state = Clock(), {}
+    serve = in_any_order(12, random.Random(3))
+
+    def replica_1_lost_then_late(conns):
+        r1 = conns.replicas[1]
+        if "owed" not in state and r1.accepted:
+            r1.down_since, state["owed"] = clock.now, list(r1.asked)
+        if r1.dead and "late" not in state:
+            b = state["late"] = state["owed"][0]
+            r1.inbox.append((P.Batch(stream=r1.stream, epoch=r1.epoch, index=b, indices=[2 * b, 2 * b + 1],
+                                     shape=[2, 1, 1, 3]), ("payload", b)))
+        serve(conns)
+
+    conns = FakeConnections(2, 4, clock, replica_1_lost_then_late)
+    run, sink = start(conns, config(prefetch=2, replica_timeout=10.0, timeout=60.0), 12)
+    assert [b.index for b in run] == list(range(12))
+    assert "late" in state and ("drop", state["late"]) in sink.log
+    assert [k for what, k in sink.log if what == "push"] == list(range(12))
+
+
 def test_an_accept_for_another_epoch_length_is_an_error():
     def serve(conns):
         conns.replicas[0].answer_hello(99)

@@ -57,6 +57,9 @@ def run(sim: Sim, max_events: int = 200_000) -> List[int]:
     queues = [deque() for _ in range(sim.replicas)]  # asked of the service, not sent yet
     paused = [0] * sim.replicas  # events left in a pause
     dead = [False] * sim.replicas  # given up on for this epoch (failover)
+    # what a lost replica's stream still sends after all (it was asked again just before it was
+    # given up on): late copies of batches the others now owe, dropped (EpochFlow.late)
+    late = [deque() for _ in range(sim.replicas)]
     yielded: List[int] = []
 
     clock = [0]
@@ -84,6 +87,7 @@ def run(sim: Sim, max_events: int = 200_000) -> List[int]:
             elif kind == "lose" and not dead[r] and sum(not d for d in dead) > 1:
                 lost = flow.lose(r)
                 assert sorted(queues[r]) == lost
+                late[r].extend(b for b in queues[r] if rng.random() < 0.5)
                 queues[r].clear()
                 dead[r] = True
             elif kind == "revive" and dead[r]:
@@ -92,6 +96,7 @@ def run(sim: Sim, max_events: int = 200_000) -> List[int]:
         # --- one event: a replica delivers, or the trainer takes a batch
         can = [(sim.speeds[r] * rng.uniform(0.8, 1.2), r) for r in range(sim.replicas)
                if queues[r] and not paused[r] and not dead[r]]
+        can += [(sim.speeds[r] * 0.5, ("late", r)) for r in range(sim.replicas) if late[r]]
         consumer_can = push_due()
         choices = can + ([(sim.consumer, "take")] if consumer_can else [])
         if not choices:
@@ -111,6 +116,14 @@ def run(sim: Sim, max_events: int = 200_000) -> List[int]:
             b = flow.take()
             assert pushed.pop(b) == b
             yielded.append(b)
+        elif isinstance(what, tuple):  # a late copy: used only if it is owed by that replica again
+            r = what[1]
+            b = late[r].popleft()
+            if flow.on_batch(r, b, clock[0]):
+                order.put(b, ("payload", b))
+                queues[r].remove(b)  # asked of it again after a revive: this copy was that delivery
+            else:
+                assert flow.late(r, b), f"replica {r}'s late copy of batch {b} is taken for a wrong one"
         else:
             b = queues[what].popleft()
             assert flow.on_batch(what, b, clock[0]), f"replica {what} delivered batch {b} it was not asked for"
