@@ -5,7 +5,8 @@ memory as they arrive, in any order (the epoch's ordering window holds them) -> 
 *in plan order*, a few ahead of the trainer (on CUDA that issues the device copy, so
 out-of-order batches never sit on the GPU) -> ``hand_over`` each batch as ``next()`` returns it
 to the trainer -> ``end``, which also takes back the host memory of batches received and never
-pushed (an epoch left early).
+pushed (an epoch left early). A batch received that will never be pushed (a late copy from a
+replica whose batches went to the others) is given back at once with ``drop``.
 
 CPU path: the images tensor *is* libzmq's receive buffer (``recv(copy=False)`` wrapped by
 ``torch.frombuffer``): after the kernel's copy into that buffer nothing copies the pixels again,

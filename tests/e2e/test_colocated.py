@@ -13,7 +13,7 @@ from client import local as client_local
 from wire import protocol as P
 
 from tests.conftest import DEMO_SIZE
-from testkit.helpers import dealer, holdings
+from testkit.helpers import collect, dealer, holdings
 from testkit.service import ServiceProcess, can_own_shm
 
 KW = dict(batch_size=8, image_size=32, shuffle=True, seed=5)
@@ -26,6 +26,16 @@ def _epochs(endpoint, epochs=2, **kw):
             ld.set_epoch(e)
             out.append([(b.indices, b.raw.clone(), b.labels.clone()) for b in ld])
         return out, ld.stats()
+
+
+def collect_some(it, n: int) -> list:
+    """The next ``n`` batches of iterator ``it`` (-1: to its end), indices and image bytes each."""
+    out = []
+    for batch in it:
+        out.append({"indices": list(batch.indices), "images": batch.raw.numpy().tobytes()})
+        if len(out) == n:
+            break
+    return out
 
 
 def _in_place(monkeypatch):
@@ -547,8 +557,6 @@ def test_a_service_back_at_the_same_endpoint_out_of_reach_is_asked_again_over_th
     loader starts on it asks for batches in place; its Accept names an unreachable probe, so the
     stream is asked again over the socket before any batch of it is used, instead of failing to map
     the slots it would name. The epoch is served exactly once, byte for byte."""
-    from testkit.helpers import collect
-
     first = make_service()
     with RemoteLoader(first.endpoint, **KW) as one:
         ref = collect(one)
@@ -568,14 +576,6 @@ def test_a_service_back_at_the_same_endpoint_out_of_reach_is_asked_again_over_th
     assert "its shared memory is not reachable from here" in caplog.text
 
 
-def collect_some(it, n):
-    out = []
-    for batch in it:
-        out.append({"indices": list(batch.indices), "images": batch.raw.numpy().tobytes()})
-        if len(out) == n:
-            break
-    return out
-
 
 @pytest.mark.skipif(not can_own_shm(), reason="needs a private mount namespace (unshare -m, mount)")
 def test_a_service_back_in_a_shm_of_its_own_is_served_over_the_socket_exactly_once(caplog):
@@ -583,8 +583,6 @@ def test_a_service_back_in_a_shm_of_its_own_is_served_over_the_socket_exactly_on
     own (a private mount namespace, as a container without the shared IPC namespace), so the slots
     it would name cannot be mapped from here. Two epochs, exactly once and byte for byte, the first
     batches in place, the rest over the socket; nothing of it left in this /dev/shm."""
-    from testkit.helpers import collect
-
     args = ["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1"]
     first = ServiceProcess(args=args, drain=True)
     second = None
@@ -620,8 +618,6 @@ def test_a_batch_whose_segment_its_stopped_service_unlinked_before_it_was_read_i
     segment that no longer exists: that batch is still owed, and asked for again of the new service,
     not a fatal ``cannot map`` (a soak of a co-located fleet found it: a new service on the host
     also sweeps a killed one's segments). The epoch is served exactly once, byte for byte."""
-    from testkit.helpers import collect
-
     first = make_service()
     with RemoteLoader(first.endpoint, **KW) as one:
         ref = collect(one)
