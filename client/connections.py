@@ -60,10 +60,6 @@ class Connections:
         self.entry = 0  # where the loader's run of that epoch began: what the job's ranks must agree on
         self._ctx, self._curve = ctx, curve
         self._client_id, self._stream_ids, self._stats = client_id, stream_ids, stats
-        # A service sends a connection at most `window` batches of its stream, plus as many of a
-        # stream being replaced and a few control messages: more can only come from a rogue peer,
-        # and libzmq then stops reading (backpressure, nothing dropped).
-        self._queued = 2 * window + 16
         self._ids = itertools.count()
         self._poller = zmq.Poller()
         self.flow: Optional[EpochFlow] = None  # the epoch streaming on this set (start_epoch)
@@ -82,10 +78,18 @@ class Connections:
         for e in endpoints:
             self.join(e)
 
+    @property
+    def max_queued(self) -> int:
+        """A service sends a connection at most ``window`` batches of its stream, plus as many of a
+        stream being replaced and a few control messages: more can only come from a rogue peer.
+        libzmq stops reading past it (backpressure, nothing dropped), and so many unusable batches
+        in a row end the loader (client.epoch)."""
+        return 2 * self.window + 16
+
     def join(self, endpoint: str) -> Replica:
         """Connect to one more replica."""
         r = Replica(self._ctx, endpoint, self.config.heartbeat_s, next(self._ids), self._curve, self.frame_cap,
-                    self._queued)
+                    self.max_queued)
         self._poller.register(r.sock, zmq.POLLIN)
         self._poller.register(r.monitor, zmq.POLLIN)
         self.replicas.append(r)
@@ -248,7 +252,8 @@ class Connections:
             # on a GPU, page-locked, and also those whose copy to the device may not have run yet
             gpu = self.config.device.startswith("cuda")
             keep = self.window + 2 + (self.config.device_prefetch if gpu else 0)
-            r.lanes = Lanes(host, port, r.identity, self.config.lanes, self.frame_cap, self._queued, keep, pinned=gpu)
+            r.lanes = Lanes(host, port, r.identity, self.config.lanes, self.frame_cap, self.max_queued, keep,
+                            pinned=gpu)
         except OSError as exc:
             r.lanes_off = f"cannot open bulk lanes to {host}:{port}: {exc}"
             log.warning("service replica %s: %s; its batches come in data frames", r.endpoint, r.lanes_off)

@@ -263,7 +263,7 @@ class EpochRun:
         if exc.stale:
             # a set let go of had at most what the service may send unasked; more is a peer's game
             r.stale_batches += 1
-            if r.stale_batches > 2 * self.conns.window + 16:
+            if r.stale_batches > self.conns.max_queued:
                 raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
                     f"{r.endpoint} sent {r.stale_batches} batches in a row on bulk lanes this loader does not "
                     "have: a peer that is not a loader service, or a bug"))
@@ -283,7 +283,7 @@ class EpochRun:
         sweeps a killed one's). The batch is still owed: what ``r`` owes is asked for again on a new
         stream (a restarted service's Accept then says whether it shares this host's shared memory)."""
         r.gone_batches += 1
-        if r.gone_batches > 2 * self.conns.window + 16:  # more than a stream's worth: no restart explains it
+        if r.gone_batches > self.conns.max_queued:  # more than a stream's worth: no restart explains it
             raise LoaderError(P.ErrorCode.BAD_MESSAGE, (
                 f"{r.endpoint} handed over {r.gone_batches} batches in a row in shared memory that does not exist "
                 f"(the last: {exc.name!r}): a peer that is not a loader service, or a bug"))

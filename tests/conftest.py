@@ -23,8 +23,11 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 from loader_service import shm  # noqa: E402
 from loader_service.config import ServiceConfig  # noqa: E402
 from loader_service.service import Service  # noqa: E402
+from testkit.service import can_own_shm  # noqa: E402
 
 DEMO_SIZE = 240
+# a service in a /dev/shm of its own (testkit.service.own_shm): where a private mount namespace is permitted
+needs_own_shm = pytest.mark.skipif(not can_own_shm(), reason="needs a private mount namespace (unshare -m, mount)")
 
 
 def _children() -> set:

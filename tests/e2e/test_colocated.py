@@ -5,16 +5,15 @@ import logging
 import os
 import time
 
-import pytest
 import torch
 
 from client import RemoteLoader
 from client import local as client_local
 from wire import protocol as P
 
-from tests.conftest import DEMO_SIZE
+from tests.conftest import DEMO_SIZE, needs_own_shm
 from testkit.helpers import collect, dealer, holdings
-from testkit.service import ServiceProcess, can_own_shm
+from testkit.service import ServiceProcess
 
 KW = dict(batch_size=8, image_size=32, shuffle=True, seed=5)
 
@@ -577,7 +576,7 @@ def test_a_service_back_at_the_same_endpoint_out_of_reach_is_asked_again_over_th
 
 
 
-@pytest.mark.skipif(not can_own_shm(), reason="needs a private mount namespace (unshare -m, mount)")
+@needs_own_shm
 def test_a_service_back_in_a_shm_of_its_own_is_served_over_the_socket_exactly_once(caplog):
     """The case above for real: the service that comes back at the endpoint runs in a /dev/shm of its
     own (a private mount namespace, as a container without the shared IPC namespace), so the slots

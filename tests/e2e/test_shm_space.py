@@ -20,7 +20,9 @@ import pytest
 
 from loader_service import shm
 from loader_service.dispatch.memory import BatchMemory, NoShmSpace, slot_cap
-from testkit.service import can_own_shm, own_shm
+from testkit.service import own_shm
+
+from tests.conftest import needs_own_shm
 
 ROOT = REPO_ROOT
 MiB = 1 << 20
@@ -87,8 +89,6 @@ def test_the_slot_cap_follows_a_small_shm_and_says_what_raises_it(monkeypatch, c
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-needs_mount_ns = pytest.mark.skipif(not can_own_shm(), reason="needs a private mount namespace (unshare -m, mount)")
-
 # Run inside the namespace: a service on a free loopback port, then clients; prints what happened.
 SCRIPT = textwrap.dedent("""
     import sys, urllib.request
@@ -124,7 +124,7 @@ def _in_small_shm(size_mb: int, *args: str) -> tuple:
     return proc.stdout, log
 
 
-@needs_mount_ns
+@needs_own_shm
 def test_a_job_larger_than_a_small_shm_is_refused_at_once_and_the_service_stays_healthy():
     out, log = _in_small_shm(16, "none")
     assert "small job: 256 samples" in out, log
@@ -134,7 +134,7 @@ def test_a_job_larger_than_a_small_shm_is_refused_at_once_and_the_service_stays_
     assert "health: 200" in out and "service exit: 0" in out, log
 
 
-@needs_mount_ns
+@needs_own_shm
 def test_a_shm_filled_by_someone_else_after_the_start_is_a_refusal_not_a_crash():
     out, log = _in_small_shm(64, "fill", "40")
     assert "small job: 256 samples" in out, log

@@ -139,6 +139,7 @@ class FakeConnections:
         r.hellos.append((r.stream, epoch, list(batches), lookahead))
 
     misplaced = Connections.misplaced  # the real one: the stream's Hello against where its service is
+    max_queued = Connections.max_queued
 
     def healthy(self) -> bool:
         return Connections.healthy(self)
