@@ -328,12 +328,14 @@ class RemoteLoader:
         """One line when a resume changes the job's shape: how the rest of the epoch is shared now."""
         c, (world, batch) = self.config, self._saved_shape
         assert self._dataset_length is not None
-        origin = min(self._origin, self._dataset_length)
+        # the position, not the plan's origin: a saved position on a step of the new shape resumes
+        # the whole epoch's plan from a later batch, with its origin at 0
+        at = self._position()
         log.warning("resuming epoch %d at sample %d of %d, saved at world size %d x batch %d, now %d x %d: the "
                     "remaining %d samples are shared by %d ranks, %d batches each (a loop that counts this epoch's "
                     "batches itself must count these: batches_left(); under Lightning the loader sees to it)",
-                    self._epoch, origin, self._dataset_length, world, batch, c.spec.world_size, c.spec.batch_size,
-                    self._dataset_length - origin, c.spec.world_size, self._batches(origin))
+                    self._epoch, at, self._dataset_length, world, batch, c.spec.world_size, c.spec.batch_size,
+                    self._dataset_length - at, c.spec.world_size, self.batches_left())
         self._saved_shape = None
 
     def _iterate(self, epoch: int, origin: int, start: int, started: dict) -> Iterator[Batch]:

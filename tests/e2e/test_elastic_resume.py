@@ -46,6 +46,10 @@ def test_a_state_from_rank_0_resumes_the_job_at_another_shape_exactly_once(make_
     said = [r for r in caplog.records if f"saved at world size {w1} x batch {b1}, now {w2} x {b2}" in r.getMessage()]
     if before != after:  # a WARNING on the `client` logger: seen under Lightning and torchrun, whose logs drop INFO
         assert [(r.name, r.levelname) for r in said] == [("client", "WARNING")] * len(said) and said
+        at, share = 3 * b1 * w1, len(second[0][0])  # what the line tells must be what happened
+        assert all(r.getMessage().startswith(
+            f"resuming epoch 0 at sample {at} of {N}, saved at world size {w1} x batch {b1}, now {w2} x {b2}: the "
+            f"remaining {N - at} samples are shared by {w2} ranks, {share} batches each") for r in said)
 
 
 def test_the_same_shape_resumes_on_the_whole_epochs_plan_batch_numbers_and_all(make_service):
