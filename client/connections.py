@@ -224,6 +224,7 @@ class Connections:
         if isinstance(msg, (P.Accept, P.DatasetInfo)) and not self._check_identity(r, msg):
             return None, None  # quarantined: its stream's batches are stale from now on
         if isinstance(msg, P.Accept):  # (a replica that joined without a Describe, or came back elsewhere)
+            r.served_by(msg.service)
             self._colocate(r, msg.probe)
         if isinstance(msg, P.Accept) and msg.lanes and self.config.lanes:
             if r.lanes is not None and r.lanes.failed:  # while no batch was on them (its service restarted)

@@ -97,7 +97,8 @@ class Replica:
         # bulk lanes to its service, once open (client.lanes); why this connection goes without them
         self.lanes: Optional[Lanes] = None
         self.lanes_off = ""  # "": lanes may be opened with the next accepted stream
-        self.lanes_lost = 0  # lane sets of this connection that failed
+        self.lanes_lost = 0  # lane sets that failed while this connection's service instance served it
+        self.service = ""  # that instance's id (Accept.service; a restart is a new one)
         self.stale_batches = 0  # batches in a row sent on lanes it no longer had (client.epoch)
         self.gone_batches = 0  # batches in a row handed over in shared memory that no longer exists (client.epoch)
         self.identity = sock.getsockopt(zmq.IDENTITY)
@@ -242,6 +243,22 @@ class Replica:
     def drain(self) -> None:
         while self.sock.getsockopt(zmq.RCVMORE):
             self.sock.recv(copy=False)
+
+    def served_by(self, service: str) -> None:
+        """The service instance that accepted this connection's stream. A new one (its service
+        restarted, or another took its address) starts with no lane set lost: a set that died with
+        the process before it is not lanes that keep failing, and a long run whose services are
+        restarted now and then keeps its lanes. Lanes still open to the old process are let go."""
+        if not service or service == self.service:
+            return
+        if self.service:
+            if self.lanes is not None:
+                self.lanes.close()
+                self.lanes = None
+            if self.lanes_lost >= MAX_LANES_LOST:
+                self.lanes_off = ""
+            self.lanes_lost = 0
+        self.service = service
 
     def drop_lanes(self, why: str) -> None:
         """Close the bulk lanes, which failed: the next accepted stream opens new ones (a service

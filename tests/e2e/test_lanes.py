@@ -180,6 +180,46 @@ def test_a_replica_stopped_or_killed_mid_epoch_with_lanes_costs_no_batch(demo_so
         shm.sweep_stale()
 
 
+def test_lanes_outlive_a_service_restarted_more_often_than_the_bound_on_failed_sets(caplog):
+    """A lane set lost with its service's process is not lanes that keep failing: a run whose
+    service is stopped or killed and started again at its address more often than the bound on
+    failed sets (MAX_LANES_LOST) keeps its lanes, every batch once, byte for byte."""
+    from client.replica import MAX_LANES_LOST
+
+    caplog.set_level("INFO", logger="client")
+    port = free_port()
+    args = ["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1", "--lane-port", "0"]
+    svc = ServiceProcess(port, args)
+    restarts = {3: signal.SIGTERM, 10: signal.SIGKILL, 17: signal.SIGTERM, 24: signal.SIGKILL, 35: signal.SIGTERM}
+    assert len(restarts) > MAX_LANES_LOST
+    try:
+        ref, _ = _epoch(svc.endpoint, epochs=2)
+        got, services = [], set()
+        with RemoteLoader(svc.endpoint, **KW, lanes=2, heartbeat_s=0.3) as ld:
+            for e in range(2):
+                ld.set_epoch(e)
+                for b in ld:
+                    got.append((b.indices, b.raw.clone()))
+                    if len(got) in restarts:
+                        services.add(ld._conns.replicas[0].service)
+                        svc.kill(restarts[len(got)])
+                        svc.stop()
+                        svc = ServiceProcess(port, args)
+            r = ld._conns.replicas[0]
+            services.add(r.service)
+            used, lost = r.lanes is not None, r.lanes_lost
+    finally:
+        svc.stop()
+        from loader_service import shm
+
+        shm.sweep_stale()  # the SIGKILLed processes' segments
+    assert [i for i, _ in got] == [x[1] for x in ref]
+    assert all(torch.equal(raw, x[2]) for (_, raw), x in zip(got, ref))
+    assert len(services) == len(restarts) + 1  # each restart was seen as a new process
+    assert used and lost < MAX_LANES_LOST, (used, lost)
+    assert "sets of bulk lanes failed" not in caplog.text
+
+
 def test_a_peer_that_keeps_sending_batches_on_lanes_never_opened_is_refused_not_looped(caplog):
     """A loader without lanes, its 'service' a ZeroMQ peer that answers every ask with a batch
     on lanes: each is asked for again on a new stream (a set let go of may still deliver a few),
