@@ -57,8 +57,9 @@ class ServiceProcess:
     service has printed its ready line; it raises (the process stopped) if the service exits
     first or, with ``ready_timeout``, takes longer.
 
-    ``data_port`` / ``http_port``: 0 lets the service pick (read back from its ready line);
-    ``http_port`` None: a free port chosen here. ``env``: variables set on top of this process's
+    ``data_port`` / ``http_port``: 0 (the default) lets the service pick (read back from its ready
+    line), so no port chosen here can be taken by another process before the service binds it (a
+    service's bulk-lane port, say); ``http_port`` None: a free port chosen here. ``env``: variables set on top of this process's
     environment (a None value removes one); the child also gets ``PYTHONPATH`` with the checkout
     first and ``LOADER_API_TOKEN=token``. ``nofile``: the child's descriptor limit (soft and
     hard), to test what exhausts it.
@@ -73,7 +74,7 @@ class ServiceProcess:
     another host or in a container without the shared IPC namespace."""
 
     def __init__(self, data_port: int = 0, args: Sequence[str] = (), env: Optional[Dict[str, Optional[str]]] = None,
-                 token: str = "chaos", nofile: Optional[int] = None, *, http_port: Optional[int] = None,
+                 token: str = "chaos", nofile: Optional[int] = None, *, http_port: Optional[int] = 0,
                  drain: bool = False, sweep: bool = False, ready_timeout: Optional[float] = None,
                  log_level: str = "warning", own_shm_mb: int = 0):
         if ready_timeout is not None and not drain:
