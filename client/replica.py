@@ -262,7 +262,8 @@ class Replica:
 
     def drop_lanes(self, why: str) -> None:
         """Close the bulk lanes, which failed: the next accepted stream opens new ones (a service
-        that restarted), up to MAX_LANES_LOST failed sets; then data frames for good."""
+        that restarted), up to MAX_LANES_LOST failed sets with one service process; then data
+        frames until another process serves the connection (:meth:`served_by`)."""
         self.lanes_lost += 1
         if self.lanes_lost >= MAX_LANES_LOST:
             self.lanes_off = f"{self.lanes_lost} sets of bulk lanes failed, the last: {why}"

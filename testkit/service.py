@@ -59,10 +59,10 @@ class ServiceProcess:
 
     ``data_port`` / ``http_port``: 0 (the default) lets the service pick (read back from its ready
     line), so no port chosen here can be taken by another process before the service binds it (a
-    service's bulk-lane port, say); ``http_port`` None: a free port chosen here. ``env``: variables set on top of this process's
-    environment (a None value removes one); the child also gets ``PYTHONPATH`` with the checkout
-    first and ``LOADER_API_TOKEN=token``. ``nofile``: the child's descriptor limit (soft and
-    hard), to test what exhausts it.
+    service's bulk-lane port, say); ``http_port`` None: a free port chosen here. ``env``:
+    variables set on top of this process's environment (a None value removes one); the child also
+    gets ``PYTHONPATH`` with the checkout first and ``LOADER_API_TOKEN=token``. ``nofile``: the
+    child's descriptor limit (soft and hard), to test what exhausts it.
 
     ``drain`` (the benchmarks): threads read the child's stdout and stderr as it runs, so a long
     run never blocks on a full pipe; the last 40 stderr lines are kept for error messages
