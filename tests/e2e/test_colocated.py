@@ -5,6 +5,7 @@ import logging
 import os
 import time
 
+import pytest
 import torch
 
 from client import RemoteLoader
@@ -608,6 +609,40 @@ def test_a_service_back_in_a_shm_of_its_own_is_served_over_the_socket_exactly_on
     assert 3 <= stats["local_batches"] < DEMO_SIZE // 8 and stats["batches"] == 2 * DEMO_SIZE // 8
     assert "its shared memory is not reachable from here" in caplog.text
     assert not [n for n in os.listdir(client_local.SHM_DIR) if n.startswith(f"{client_local.PREFIX}{second.proc.pid}-")]
+
+
+@needs_own_shm
+@pytest.mark.parametrize("lanes_after", [True, False])
+def test_a_service_back_in_reach_after_one_out_of_reach_lets_the_old_bulk_lanes_go(lanes_after):
+    """``local=True, lanes=2``: the first service runs in a /dev/shm of its own, so its batches come
+    on bulk lanes; it stops between epochs (its lanes idle) and the service that comes back at the
+    endpoint shares this host's, with or without a lane port of its own. Its batches come in
+    place, the old process's lanes are let go (none left open or kept failed), and both epochs are
+    exactly once, byte for byte."""
+    args = ["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1", "--lane-port", "0"]
+    first = ServiceProcess(args=args, drain=True, own_shm_mb=256)
+    second = None
+    try:
+        with RemoteLoader(first.endpoint, **KW) as one:
+            ref = [collect(one) for _ in range(2)]
+        with RemoteLoader(first.endpoint, **KW, local=True, lanes=2, heartbeat_s=0.3, timeout=60) as ld:
+            got = collect_some(iter(ld), -1)
+            r = ld._conns.replicas[0]
+            assert r.lanes is not None and ld.stats()["local_batches"] == 0  # out of reach: on lanes
+            first.stop()
+            second = ServiceProcess(data_port=first.data_port, args=args if lanes_after else args[:-2], drain=True)
+            ld.set_epoch(1)
+            again = collect_some(iter(ld), -1)
+            lanes, stats = r.lanes, ld.stats()
+    finally:
+        for svc in (first, second):
+            if svc is not None:
+                svc.stop()
+    for mine, theirs in ((got, ref[0]), (again, ref[1])):
+        assert sorted(i for x in mine for i in x["indices"]) == list(range(DEMO_SIZE))
+        assert [x["images"] for x in mine] == [x["images"] for x in theirs]
+    assert lanes is None
+    assert stats["local_batches"] == DEMO_SIZE // 8  # epoch 1, all in place
 
 
 def test_a_batch_whose_segment_its_stopped_service_unlinked_before_it_was_read_is_asked_again(make_service,
