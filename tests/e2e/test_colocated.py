@@ -38,6 +38,14 @@ def collect_some(it, n: int) -> list:
     return out
 
 
+def assert_epochs_exact(epochs: list, refs: list) -> None:
+    """Each epoch's batches (as :func:`collect_some` keeps them) hold every sample once and equal
+    the reference epoch's byte for byte, in order."""
+    for mine, theirs in zip(epochs, refs, strict=True):
+        assert sorted(i for x in mine for i in x["indices"]) == list(range(DEMO_SIZE))
+        assert [x["images"] for x in mine] == [x["images"] for x in theirs]
+
+
 def _in_place(monkeypatch):
     """Names the segment of each batch handed over in place, lent as views or copied out (the proof
     that the socket carried no pixels)."""
@@ -603,9 +611,7 @@ def test_a_service_back_in_a_shm_of_its_own_is_served_over_the_socket_exactly_on
         for svc in (first, second):
             if svc is not None:
                 svc.stop()
-    for mine, theirs in ((got, ref[0]), (again, ref[1])):
-        assert sorted(i for x in mine for i in x["indices"]) == list(range(DEMO_SIZE))
-        assert [x["images"] for x in mine] == [x["images"] for x in theirs]
+    assert_epochs_exact([got, again], ref)
     assert 3 <= stats["local_batches"] < DEMO_SIZE // 8 and stats["batches"] == 2 * DEMO_SIZE // 8
     assert "its shared memory is not reachable from here" in caplog.text
     assert not [n for n in os.listdir(client_local.SHM_DIR) if n.startswith(f"{client_local.PREFIX}{second.proc.pid}-")]
@@ -638,9 +644,7 @@ def test_a_service_back_in_reach_after_one_out_of_reach_lets_the_old_bulk_lanes_
         for svc in (first, second):
             if svc is not None:
                 svc.stop()
-    for mine, theirs in ((got, ref[0]), (again, ref[1])):
-        assert sorted(i for x in mine for i in x["indices"]) == list(range(DEMO_SIZE))
-        assert [x["images"] for x in mine] == [x["images"] for x in theirs]
+    assert_epochs_exact([got, again], ref)
     assert lanes is None
     assert stats["local_batches"] == DEMO_SIZE // 8  # epoch 1, all in place
 
