@@ -99,6 +99,7 @@ class Replica:
         self.lanes_off = ""  # "": lanes may be opened with the next accepted stream
         self.lanes_lost = 0  # lane sets that failed while this connection's service instance served it
         self.service = ""  # that instance's id (Accept.service; a restart is a new one)
+        self.reconnected = False  # the connection came back since the last Accept (a new process may serve it)
         self.stale_batches = 0  # batches in a row sent on lanes it no longer had (client.epoch)
         self.gone_batches = 0  # batches in a row handed over in shared memory that no longer exists (client.epoch)
         self.identity = sock.getsockopt(zmq.IDENTITY)
@@ -168,6 +169,7 @@ class Replica:
             self.attempts.succeeded()
             back = self.was_connected or self._dropped
             self.was_connected, self.down_since, self._dropped, self.shutdown_at = True, None, False, None
+            self.reconnected = self.reconnected or back
             return back
         return False
 
@@ -245,13 +247,16 @@ class Replica:
             self.sock.recv(copy=False)
 
     def served_by(self, service: str) -> None:
-        """The service instance that accepted this connection's stream. A new one (its service
-        restarted, or another took its address) starts with no lane set lost: a set that died with
-        the process before it is not lanes that keep failing, and a long run whose services are
-        restarted now and then keeps its lanes. Lanes still open to the old process are let go."""
+        """The service instance that accepted this connection's stream. A new one over a new
+        connection (its service restarted, or another took its address) starts with no lane set
+        lost: a set that died with the process before it is not lanes that keep failing, and a long
+        run whose services are restarted now and then keeps its lanes. Lanes still open to the old
+        process are let go. (A new id on the same connection is a peer's game, not a restart: the
+        count stands, so lanes that keep failing are still given up.)"""
+        reconnected, self.reconnected = self.reconnected, False
         if not service or service == self.service:
             return
-        if self.service:
+        if self.service and reconnected:
             if self.lanes is not None:
                 self.lanes.close()
                 self.lanes = None

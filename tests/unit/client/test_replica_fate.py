@@ -6,6 +6,7 @@ dataset remains is it fatal."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -247,3 +248,52 @@ def test_a_disconnect_read_before_a_long_step_is_no_cut_while_libzmq_s_next_even
     while r.has_event():
         r.on_monitor()
     assert r.retried and not r.is_cut(later)
+
+
+def test_lane_sets_lost_are_counted_anew_only_for_a_new_service_over_a_new_connection(services):
+    """A service restarted at the address (a new ``Accept.service`` over a new connection) starts
+    with no lane set lost, so lanes given up after MAX_LANES_LOST failed sets with one process are
+    tried again with the next. A new id on the same connection is no restart: a peer that sends one
+    with every Accept cannot keep the loader opening lanes that fail."""
+    from client.replica import MAX_LANES_LOST
+
+    s = services(1)
+    s.start_epoch()
+    r = s.conns.replicas[0]
+    s.send(0, dataclasses.replace(s.accept(0), service="first"))
+    s.receive(0)
+    for _ in range(MAX_LANES_LOST):
+        r.drop_lanes("lane 0 was closed by the service")
+    assert r.lanes_off.startswith(f"{MAX_LANES_LOST} sets of bulk lanes failed")
+
+    s.send(0, dataclasses.replace(s.accept(0), service="second"))  # the same connection
+    s.receive(0)
+    assert r.service == "second" and r.lanes_lost == MAX_LANES_LOST and r.lanes_off
+
+    port = s.routers[0].getsockopt(zmq.LAST_ENDPOINT).decode()
+    s.routers[0].close(0)  # the service goes; another process binds its address
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        router = s.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            router.bind(port)
+            break
+        except zmq.ZMQError:
+            router.close(0)
+            assert time.monotonic() < deadline, f"{port} not free again within {DEADLINE_S}s"
+            time.sleep(0.05)
+    s.routers[0] = router
+    while not r.reconnected:
+        assert r.monitor.poll(DEADLINE_S * 1000), "the loader did not connect again"
+        r.on_monitor()
+    while True:  # until the new service knows the loader's connection
+        try:
+            s.send(0, dataclasses.replace(s.accept(0), service="third"))
+            break
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline, "the new service never saw the loader connect"
+            time.sleep(0.05)
+    s.receive(0)
+    assert r.service == "third" and r.lanes_lost == 0 and not r.lanes_off
