@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import pytest
 from hypothesis import assume, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from client.attempts import MAX_S
 from client.config import LoaderConfig
@@ -165,6 +165,27 @@ TOTAL = 30
 REPLICA_TIMEOUT = 5.0
 
 
+# which replicas a rule may pick
+def unaccepted(r) -> bool:
+    return not r.accepted and r.down_since is None and r.stream >= 0
+
+
+def owing(r) -> bool:
+    return bool(r.asked) and r.down_since is None and r.accepted
+
+
+def up(r) -> bool:
+    return r.down_since is None
+
+
+def down(r) -> bool:
+    return r.down_since is not None
+
+
+def down_not_dead(r) -> bool:
+    return r.down_since is not None and not r.dead
+
+
 class FleetDuringAnEpoch(RuleBasedStateMachine):
     """The real Membership, Fleet, EpochFlow and Connections.start_epoch over fake connections;
     the services, the resolver and the clock are played by the rules."""
@@ -197,9 +218,11 @@ class FleetDuringAnEpoch(RuleBasedStateMachine):
         self.fleet.follow(self.conns, self.clock.now, self.flow, 0)
         self._ask()
 
+    def _any(self, which) -> bool:
+        return any(which(r) for r in self.conns.replicas)
+
     def _replica(self, data, which):
         reps = [r for r in self.conns.replicas if which(r)]
-        assume(reps)
         return data.draw(st.sampled_from(sorted(reps, key=lambda r: r.index)))
 
     # ------------------------------------------------------------------ the resolver
@@ -230,15 +253,18 @@ class FleetDuringAnEpoch(RuleBasedStateMachine):
         self.nothing = nothing
 
     # ------------------------------------------------------------------ the services and the network
+    # preconditions, not assume(): a rule that cannot run is never drawn, so no draw is wasted
+    @precondition(lambda self: self._any(unaccepted))
     @rule(data=st.data())
     def a_service_accepts_its_stream(self, data):
-        r = self._replica(data, lambda r: not r.accepted and r.down_since is None and r.stream >= 0)
+        r = self._replica(data, unaccepted)
         r.accepted = True
         self._ask()
 
+    @precondition(lambda self: self._any(owing))
     @rule(data=st.data())
     def a_replica_delivers_a_batch_it_was_asked_for(self, data):
-        r = self._replica(data, lambda r: r.asked and r.down_since is None and r.accepted)
+        r = self._replica(data, owing)
         b = data.draw(st.sampled_from(sorted(r.asked)))
         r.asked.remove(b)
         self.clock.now += 0.01
@@ -246,29 +272,32 @@ class FleetDuringAnEpoch(RuleBasedStateMachine):
         self.fleet.delivered(self.conns, r, self.clock.now, self.flow)
         self._ask()
 
+    @precondition(lambda self: self.flow.next_received())
     @rule()
     def the_trainer_takes_the_next_batch(self):
-        assume(self.flow.next_received())
         self.yielded.append(self.flow.take())
         self._ask()
 
+    @precondition(lambda self: self._any(up))
     @rule(data=st.data())
     def a_connection_is_lost(self, data):
-        r = self._replica(data, lambda r: r.down_since is None)
+        r = self._replica(data, up)
         r.down_since = self.clock.now
         self.fleet.lost(self.conns, r, self.clock.now, self.flow)
         self._ask()
 
+    @precondition(lambda self: self._any(down))
     @rule(data=st.data())
     def a_connection_comes_back_and_the_stream_starts_again(self, data):
-        r = self._replica(data, lambda r: r.down_since is not None)
+        r = self._replica(data, down)
         r.down_since, r.dead = None, False
         self.conns.hello(r, 0, sorted(self.flow.outstanding.get(r.index, ())))  # as EpochRun._restart
         self._ask()
 
+    @precondition(lambda self: self._any(down_not_dead))
     @rule(data=st.data())
     def a_replica_down_too_long_is_given_up_on(self, data):
-        r = self._replica(data, lambda r: r.down_since is not None and not r.dead)
+        r = self._replica(data, down_not_dead)
         others = [x for x in self.conns.replicas if x is not r and not x.dead and x.down_since is None]
         assume(others)
         self.clock.now = max(self.clock.now, r.down_since + REPLICA_TIMEOUT)
