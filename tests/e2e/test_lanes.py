@@ -13,6 +13,7 @@ import torch
 
 from client import LoaderError, RemoteLoader
 from loader_service.config import ServiceConfig
+from testkit.helpers import wait_for
 from testkit.service import ServiceProcess, free_port
 from wire import protocol as P
 
@@ -54,8 +55,8 @@ def test_batches_on_lanes_are_the_batches_in_data_frames(make_service):
         assert sorted(i for ep, idx, *_ in lanes if ep == e for i in idx) == list(range(DEMO_SIZE))
     kept = [b for *_, b in lanes]
     assert all(torch.equal(k.raw, x[2]) for k, x in zip(kept, lanes))  # a kept batch keeps its own bytes
-    status = service.dispatcher.call(lambda: service.dispatcher.lane_sets).result(5)
-    assert status == {}  # the loader closed: its lanes went with its session
+    d = service.dispatcher  # the loader closed: its lanes go with its session once its Bye is read
+    wait_for(lambda: d.call(lambda: len(d.lane_sets)).result(5) == 0, what="the closed loader's lanes to go")
 
 
 def _cutter(service, side):
