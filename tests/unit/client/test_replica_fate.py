@@ -270,7 +270,7 @@ def test_lane_sets_lost_are_counted_anew_only_for_a_new_service_over_a_new_conne
     s.receive(0)
     assert r.service == "second" and r.lanes_lost == MAX_LANES_LOST and r.lanes_off
 
-    port = s.routers[0].getsockopt(zmq.LAST_ENDPOINT).decode()
+    address = s.routers[0].getsockopt(zmq.LAST_ENDPOINT).decode()
     s.routers[0].close(0)  # the service goes; another process binds its address
     deadline = time.monotonic() + DEADLINE_S
     while True:
@@ -278,11 +278,11 @@ def test_lane_sets_lost_are_counted_anew_only_for_a_new_service_over_a_new_conne
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
-            router.bind(port)
+            router.bind(address)
             break
         except zmq.ZMQError:
             router.close(0)
-            assert time.monotonic() < deadline, f"{port} not free again within {DEADLINE_S}s"
+            assert time.monotonic() < deadline, f"{address} not free again within {DEADLINE_S}s"
             time.sleep(0.05)
     s.routers[0] = router
     while not r.reconnected:
