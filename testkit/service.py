@@ -59,10 +59,10 @@ class ServiceProcess:
 
     ``data_port`` / ``http_port``: 0 (the default) lets the service pick (read back from its ready
     line), so no port chosen here can be taken by another process before the service binds it (a
-    service's bulk-lane port, say); ``http_port`` None: a free port chosen here. ``env``:
-    variables set on top of this process's environment (a None value removes one); the child also
-    gets ``PYTHONPATH`` with the checkout first and ``LOADER_API_TOKEN=token``. ``nofile``: the
-    child's descriptor limit (soft and hard), to test what exhausts it.
+    service's bulk-lane port, say). ``env``: variables set on top of this process's environment
+    (a None value removes one); the child also gets ``PYTHONPATH`` with the checkout first and
+    ``LOADER_API_TOKEN=token``. ``nofile``: the child's descriptor limit (soft and hard), to test
+    what exhausts it.
 
     ``drain`` (the benchmarks): threads read the child's stdout and stderr as it runs, so a long
     run never blocks on a full pipe; the last 40 stderr lines are kept for error messages
@@ -74,14 +74,14 @@ class ServiceProcess:
     another host or in a container without the shared IPC namespace."""
 
     def __init__(self, data_port: int = 0, args: Sequence[str] = (), env: Optional[Dict[str, Optional[str]]] = None,
-                 token: str = "chaos", nofile: Optional[int] = None, *, http_port: Optional[int] = 0,
+                 token: str = "chaos", nofile: Optional[int] = None, *, http_port: int = 0,
                  drain: bool = False, sweep: bool = False, ready_timeout: Optional[float] = None,
                  log_level: str = "warning", own_shm_mb: int = 0):
         if ready_timeout is not None and not drain:
             raise ValueError("ready_timeout needs drain=True (a blocking read of the ready line has no timeout)")
         self.token, self.sweep = token, sweep
         self.data_port = data_port
-        self.http_port = free_port() if http_port is None else http_port
+        self.http_port = http_port
         self.cmd = [sys.executable, "-m", "loader_service", "serve", "--host", "127.0.0.1",
                     "--data-port", str(data_port), "--http-port", str(self.http_port), "--log-level", log_level, *args]
         if own_shm_mb:
