@@ -227,7 +227,7 @@ class Connections:
             r.served_by(msg.service)
             self._colocate(r, msg.probe)
         if isinstance(msg, P.Accept) and msg.lanes and self.config.lanes:
-            if r.lanes is not None and r.lanes.failed:  # while no batch was on them (its service restarted)
+            if r.lanes is not None and r.lanes.failed:  # while no batch was on them (a cut; a restart not yet seen)
                 r.drop_lanes(r.lanes.failed)
             if r.lanes is None and not r.lanes_off:
                 self._open_lanes(r, msg.lanes)
