@@ -71,6 +71,11 @@ class ServiceConfig:
         "with no_capacity naming this cap (the client retries)")] = 256
     stop_timeout_s: Annotated[float, opt("per stage of the worker stop ladder")] = 5.0
     drain_s: Annotated[float, opt("on stop, let tasks in flight finish and go out for up to this long")] = 2.0
+    stop_deadline_s: Annotated[float, opt(
+        "a stop (SIGTERM) ends within this long whatever still runs: past it, what did not stop is logged with its "
+        "stack, the workers are killed, the shared memory is removed and the process exits 1 (keep it under the "
+        "orchestrator's grace, with 5s to spare: compose's stop_grace_period here is 30s, Kubernetes' default "
+        "30s)")] = 20.0
     task_deadline_s: Annotated[float, opt(
         "a task running longer has its worker killed and replaced, and is redone (0: derived from measured task "
         "times, at least --task-deadline-floor)")] = 0.0
@@ -181,8 +186,9 @@ class ServiceConfig:
             from loader_service.control.autoscale import AutoscalePolicy
 
             AutoscalePolicy.parse(self.autoscale, self.autoscale_interval_s)  # raises if malformed
-        if self.max_shm_mb < 1 or self.demo_size < 1 or self.heartbeat_s <= 0 or self.stop_timeout_s <= 0:
-            raise ValueError("max_shm_mb, demo_size, heartbeat_s and stop_timeout_s must be positive")
+        if (self.max_shm_mb < 1 or self.demo_size < 1 or self.heartbeat_s <= 0 or self.stop_timeout_s <= 0
+                or self.stop_deadline_s <= 0):
+            raise ValueError("max_shm_mb, demo_size, heartbeat_s, stop_timeout_s and stop_deadline_s must be positive")
         if self.reclaim_idle_s < 0:
             raise ValueError(f"reclaim_idle_s must be >= 0, got {self.reclaim_idle_s}")
         if self.worker_start_s <= 0:

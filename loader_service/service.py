@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
+import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
 from loader_service.control.auth import resolve_token
@@ -17,7 +20,7 @@ from loader_service.dispatch.loop import Dispatcher, cannot_bind
 from loader_service.decode.jpeg import decode_path
 from loader_service.control.http_limits import Counters
 from loader_service.control.operate import autoscale_step, first_workers, status_json
-from loader_service.shm import sweep_stale
+from loader_service import shm
 from loader_service.sources import Source, open_path
 from loader_service.sources.demo import ensure_demo
 
@@ -72,6 +75,7 @@ class Service:
         self._periodic_stop = threading.Event()
         self._periodic: List[threading.Thread] = []  # the autoscaler and the status log line
         self._progress: Optional[Tuple[float, int, int]] = None  # (time, samples, bytes) at the last line
+        self.cut = ""  # what a stop left behind, past its deadline ("" when everything stopped)
 
     @property
     def endpoint(self) -> str:
@@ -85,7 +89,7 @@ class Service:
         return f"http://{host}:{self.http_port}"
 
     def _open(self) -> None:
-        stale = sweep_stale()
+        stale = shm.sweep_stale()
         if stale:
             log.info("removed %d shared-memory segments left by dead services", len(stale))
         token = resolve_token(self.config.api_token, self.config.api_token_file, self.config.http_port, self.config.host)
@@ -241,31 +245,38 @@ class Service:
         return self.dispatcher.ready.wait(timeout)
 
     def stop(self) -> None:
-        """Stop serving and release everything. Idempotent and safe from any thread: a call made
-        while another is stopping the service returns only when the service is stopped."""
+        """Stop serving and release everything, within ``stop_deadline_s``. Idempotent and safe from
+        any thread: a call made while another is stopping the service returns only when the service
+        is stopped. :attr:`cut` says what did not stop in time ("" when all did)."""
         with self._stop_lock:
             if self._stopped:
                 return
-            self._stop()
+            self._stop(time.monotonic() + self.config.stop_deadline_s)
             self._stopped = True
 
-    def _stop(self) -> None:
-        # Every join is bounded: a stop must finish even if a thread is stuck (its failure is
-        # logged, and the process exits anyway since every thread here is a daemon).
+    def _stop(self, deadline: float) -> None:
+        # Every wait ends by the deadline: a stop must finish even if a thread is stuck. What did
+        # not stop is logged with its stack and left behind (every thread here is a daemon); the
+        # dispatcher's sockets are never closed from this thread while its own still runs (a zmq
+        # socket belongs to one thread), so then the stop releases what needs no socket (abandon).
         c = self.config
         self._periodic_stop.set()
         for t in self._periodic:
             if t is not threading.current_thread():
-                _join(t, 30.0)
+                self._join(t, deadline)
         if self.dispatcher is not None:
             self.dispatcher.stop(c.drain_s)
-            if self._thread is not None and self._thread is not threading.current_thread():
-                _join(self._thread, c.drain_s + 3 * c.stop_timeout_s + 5.0)
-            self.dispatcher.close()
+            t = self._thread
+            if t is None or t is threading.current_thread() or self._join(t, deadline):
+                self.dispatcher.close()
+            else:
+                self.abandon()
         if self._http is not None:
             self._http.should_exit = True
             if self._http_thread is not None:
-                _join(self._http_thread, 10.0)
+                # what is left of the deadline, and a moment even when none is: uvicorn looks at
+                # should_exit every 0.1 s
+                self._join(self._http_thread, max(deadline, time.monotonic() + 1.0))
         if self._http_sock is not None:
             self._http_sock.close()
         for src in self.sources.values():
@@ -276,6 +287,33 @@ class Service:
             except OSError:
                 pass
 
+    def _join(self, t: threading.Thread, deadline: float) -> bool:
+        """Wait for ``t`` until ``deadline``; True if it ended. If it did not, say so with its stack
+        and add it to :attr:`cut`."""
+        t.join(max(0.0, deadline - time.monotonic()))
+        if not t.is_alive():
+            return True
+        log.error("thread %s did not stop within the stop's deadline (%gs); leaving it behind. It is at:\n%s",
+                  t.name, self.config.stop_deadline_s, thread_stack(t))
+        self.cut = (f"{self.cut}, {t.name}" if self.cut
+                    else f"thread {t.name} did not stop within {self.config.stop_deadline_s:g}s")
+        return False
+
+    def abandon(self) -> None:
+        """A stop's last resort, safe from any thread while the dispatcher's loop still runs: kill
+        the decode workers and unlink the dispatcher's shared memory (its mappings go with the
+        process). Clients see their connections drop, and reconnect elsewhere or later."""
+        d = self.dispatcher
+        if d is None:
+            return
+        for pid in d.pool.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)  # works on a stopped (SIGSTOP) process too
+            except (ProcessLookupError, PermissionError):
+                pass
+        removed = shm.unlink(d.segment_names())
+        log.error("abandoned the stop: killed the decode workers, removed %d shared-memory segments", len(removed))
+
     def __enter__(self) -> "Service":
         return self.start()
 
@@ -283,7 +321,7 @@ class Service:
         self.stop()
 
 
-def _join(t: threading.Thread, timeout: float) -> None:
-    t.join(timeout)
-    if t.is_alive():
-        log.error("thread %s did not stop within %.0fs; leaving it behind", t.name, timeout)
+def thread_stack(t: threading.Thread) -> str:
+    """Where thread ``t`` is now (for a log line about a thread that did not stop)."""
+    frame = sys._current_frames().get(t.ident) if t.ident is not None else None
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(it has no frame)"

@@ -174,18 +174,27 @@ def list_segments(pid: Optional[int] = None) -> list:
 
 def sweep_stale() -> list:
     """Unlink segments whose creating process no longer exists. Returns their names."""
-    removed = []
+    stale = []
     for name in list_segments():
         try:
             pid = int(name[len(PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
         if not _alive(pid):
-            try:
-                os.unlink(_path(name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+            stale.append(name)
+    return unlink(stale)
+
+
+def unlink(names: list) -> list:
+    """Unlink the segments named (a mapped one stays mapped until unmapped). Returns the names
+    of those that were there."""
+    removed = []
+    for name in names:
+        try:
+            os.unlink(_path(name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
     return removed
 
 

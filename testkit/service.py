@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_RE = re.compile(r"loader-service ready: data (tcp://\S+)\s+REST (http://\S+)")
 STOP_TIMEOUT_S = 30.0
+CUT_STOP = re.compile(r"\S+ \S+ ERROR loader_service: exiting 1: ")  # the log line of a stop past its deadline
 
 
 def free_port() -> int:
@@ -65,7 +66,7 @@ class ServiceProcess:
     what exhausts it.
 
     ``drain`` (the benchmarks): threads read the child's stdout and stderr as it runs, so a long
-    run never blocks on a full pipe; the last 40 stderr lines are kept for error messages
+    run never blocks on a full pipe; the last 100 stderr lines are kept for error messages
     (``stderr_tail``). Without it the pipes are the caller's (``proc.stderr.read()``,
     ``proc.communicate()``). ``sweep`` (the benchmarks): :meth:`stop` also kills workers that
     outlive the service and unlinks shared memory it left, with a warning, so one run's leftovers
@@ -86,7 +87,7 @@ class ServiceProcess:
                     "--data-port", str(data_port), "--http-port", str(self.http_port), "--log-level", log_level, *args]
         if own_shm_mb:
             self.cmd = own_shm(self.cmd, own_shm_mb)
-        self.stderr_tail: "collections.deque[str]" = collections.deque(maxlen=40)
+        self.stderr_tail: "collections.deque[str]" = collections.deque(maxlen=100)
         self._lines: "queue.Queue[str]" = queue.Queue()
         self._threads: List[threading.Thread] = []
         child_env = dict(os.environ)
@@ -203,12 +204,21 @@ class ServiceProcess:
             self._sweep(tree)
         for t in self._threads:
             t.join(5.0)
-        for f in (self.proc.stdout, self.proc.stderr):
-            if f and not f.closed:
-                f.close()
+        if any(t.is_alive() for t in self._threads):
+            # closing a pipe a thread still reads would wait for that read (for ever)
+            _warn("warning: a process the service started still holds its output pipes open (a worker that "
+                  "outlived it?); leaving them")
+        else:
+            for f in (self.proc.stdout, self.proc.stderr):
+                if f and not f.closed:
+                    f.close()
         if running and self._threads and self.proc.returncode not in (0, -signal.SIGTERM, -signal.SIGINT):
             _warn(f"warning: the service exited with code {self.proc.returncode}; its stderr:\n"
                   + "\n".join(self.stderr_tail))
+            if any(CUT_STOP.match(line) for line in self.stderr_tail):
+                # its stop gave up on a thread at the deadline: a bug to see, not a slow machine
+                raise AssertionError("the service's stop ran past its deadline; its stderr:\n"
+                                     + "\n".join(self.stderr_tail))
 
     def _sweep(self, tree: list) -> None:
         import psutil

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import logging
 import os
@@ -151,7 +152,8 @@ def _config(args) -> "Loaded":
 
 def _serve(config: "ServiceConfig") -> int:
     """Run until SIGTERM/SIGINT. Exit code 0 after a clean stop; 1 if the service failed (its
-    dispatcher died, or no worker could start); 2 if it could not start at all."""
+    dispatcher died, or no worker could start) or its stop ran past ``stop_deadline_s``; 2 if it
+    could not start at all."""
     import time
 
     from loader_service.service import Service
@@ -197,7 +199,19 @@ def _serve(config: "ServiceConfig") -> int:
                 announced = True
             stop.wait(0.5)
     problem = svc.problem()
+    # The backstop under the stop's own deadline: should this thread itself be stuck, a C thread
+    # (no GIL needed) prints every thread's stack and ends the process.
+    faulthandler.dump_traceback_later(config.stop_deadline_s + 5.0, exit=True)
     svc.stop()
+    faulthandler.cancel_dump_traceback_later()
+    if svc.cut:
+        # threads that did not stop still hold sockets and mappings: leave now, not through the
+        # interpreter's exit (which may wait on them)
+        log.error("exiting 1: %s", svc.cut)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 1 if problem else 0
 
 

@@ -34,7 +34,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Callable, Deque, Dict, Optional
+from typing import Callable, Deque, Dict, List, Optional
 
 import numpy as np
 import zmq
@@ -123,6 +123,11 @@ class Dispatcher:
         """Where the loop thread is now (for a log line when it does not answer); thread-safe."""
         frame = sys._current_frames().get(self.loop_thread) if self.loop_thread is not None else None
         return "".join(traceback.format_stack(frame)) if frame is not None else "(the loop thread is not running)"
+
+    def segment_names(self) -> List[str]:
+        """The shared memory it made and has not unlinked (the batch slots and the co-location
+        probe); safe from another thread, for a stop that gives up on this one's loop."""
+        return self.state.memory.names() + ([self.colocation.name] if self.colocation.name else [])
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the dispatcher thread, no answer; thread-safe, never blocks. Dropped

@@ -213,6 +213,11 @@ class BatchMemory:
             self._reserve_bytes -= seg.size
         return seg
 
+    def names(self) -> List[str]:
+        """The name of every segment it holds and has not unlinked; safe from another thread (each
+        copy is made in one step under the GIL)."""
+        return [s.name for s in list(self._segments) + list(self._reserve.values()) + list(self._closing)]
+
     def held_by(self, ident: bytes) -> int:
         """Bytes of ``ident``'s reserve."""
         return self._reserve[ident].size if ident in self._reserve else 0

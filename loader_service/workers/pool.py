@@ -211,6 +211,10 @@ class WorkerPool:
             w.state = "idle"
         return msg, w
 
+    def pids(self) -> List[int]:
+        """The worker processes' pids (a copy: safe to call from another thread)."""
+        return [w.pid for w in list(self.workers.values()) if w.pid]
+
     def sentinels(self) -> Dict[int, int]:
         """fd -> worker id, for the dispatcher's poller (readable when the process exits)."""
         return {w.process.sentinel: w.id for w in self.workers.values()}

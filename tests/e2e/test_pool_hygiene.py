@@ -166,3 +166,38 @@ def test_decode_processes_run_as_much_nicer_as_configured_also_those_started_lat
     assert os.nice(0) == want - (10 if nice is None else nice)  # the service's own process (this one) as it was
     with RemoteLoader(svc.endpoint, batch_size=16, image_size=32, seed=1, epoch_lookahead=False) as ld:
         assert sorted(indices_of(collect(ld))) == list(range(DEMO_SIZE))
+
+
+def test_a_stop_past_its_deadline_kills_the_workers_removes_the_shared_memory_and_exits_1(demo_source):
+    # A decode worker frozen (SIGSTOP) holding a task: the stop's drain would wait drain_s (2 s) for
+    # it, past the stop's deadline of 0.5 s. The stop gives up on the dispatcher's thread there,
+    # logs where it is, and lets go of what needs no socket of it.
+    sp = ServiceProcess(0, ["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1", "--stop-deadline", "0.5"],
+                        drain=True)
+    try:
+        wait_for(lambda: sp.status()["workers"]["counts"] == {"idle": 1}, what="an idle worker")
+        (worker,) = [psutil.Process(pid) for pid in sp.worker_pids()]
+        worker.suspend()
+        ld = RemoteLoader(sp.endpoint, batch_size=8, image_size=24, timeout=3, epoch_lookahead=False)
+        asking = threading.Thread(target=lambda: pytest.raises(Exception, next, iter(ld)))
+        asking.start()
+        wait_for(lambda: sp.status()["workers"]["counts"] == {"busy": 1}, what="a task on the frozen worker")
+        assert shm.list_segments(sp.proc.pid)  # its batch slots and the co-location probe
+        # the harness's stop (SIGTERM, then a wait) fails loudly on a stop that was cut
+        with pytest.raises(AssertionError, match="the service's stop ran past its deadline"):
+            sp.stop()
+        err = "\n".join(sp.stderr_tail)
+        asking.join(60)
+        ld.close()
+        assert sp.proc.returncode == 1, err
+        assert ("thread loader-dispatcher did not stop within the stop's deadline (0.5s); leaving it behind. "
+                "It is at:") in err
+        assert "loader_service/dispatch/loop.py" in err, err  # its stack
+        assert "abandoned the stop: killed the decode workers, removed" in err
+        assert "exiting 1: thread loader-dispatcher did not stop within 0.5s" in err
+        assert "Timeout (0:00" not in err  # the faulthandler backstop was not needed
+        _, alive = psutil.wait_procs([worker], timeout=10)
+        assert not [p for p in alive if _alive(p)]
+        assert shm.list_segments(sp.proc.pid) == []
+    finally:
+        sp.stop()
