@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 from concurrent.futures import Future
 from typing import Callable, Optional, Tuple
 
@@ -19,14 +20,22 @@ class Mailbox:
         self._r.setblocking(False)
         self._w.setblocking(False)
         self._calls: "queue.SimpleQueue[Tuple[Callable, Optional[Future]]]" = queue.SimpleQueue()
+        # put and close in turn: a call queued after close's sweep would wait for ever
+        self._lock = threading.Lock()
+        self._closed = False
 
     def fileno(self) -> int:
         """What the loop polls: readable when something was put."""
         return self._r.fileno()
 
     def put(self, fn: Callable, fut: Optional[Future]) -> None:
-        """Queue ``fn`` (its result or exception goes to ``fut``, if given); thread-safe."""
-        self._calls.put((fn, fut))
+        """Queue ``fn`` (its result or exception goes to ``fut``, if given); thread-safe. Once
+        closed, ``fut`` fails at once and ``fn`` is dropped."""
+        with self._lock:
+            if self._closed:
+                _fail(fut)
+                return
+            self._calls.put((fn, fut))
         try:
             self._w.send(b"x")
         except (BlockingIOError, OSError):
@@ -54,7 +63,10 @@ class Mailbox:
                     fut.set_exception(exc)
 
     def close(self) -> None:
-        """Close the wake-up pair; anyone still waiting on an answer learns that the service is gone."""
+        """Close the wake-up pair; anyone still waiting on an answer learns that the service is
+        gone, and so does anyone who asks later. Idempotent."""
+        with self._lock:
+            self._closed = True
         self._r.close()
         self._w.close()
         while True:
@@ -62,5 +74,9 @@ class Mailbox:
                 _, fut = self._calls.get_nowait()
             except queue.Empty:
                 break
-            if fut is not None and fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("the service stopped"))
+            _fail(fut)
+
+
+def _fail(fut: Optional[Future]) -> None:
+    if fut is not None and fut.set_running_or_notify_cancel():
+        fut.set_exception(RuntimeError("the service stopped"))

@@ -59,3 +59,41 @@ def test_a_cancelled_call_is_not_run_and_closing_fails_the_calls_left():
     with pytest.raises(RuntimeError, match="the service stopped"):
         left.result(0)
     assert ran == []
+
+
+def test_a_call_put_after_close_fails_at_once_and_is_never_run():
+    # another thread's call that lost the race with the loop's close (a status line due as the
+    # service stops) must not wait out its caller's timeout
+    box = Mailbox()
+    box.close()
+    late, ran = Future(), []
+    box.put(lambda: ran.append("late"), late)
+    with pytest.raises(RuntimeError, match="the service stopped"):
+        late.result(0)
+    box.put(lambda: ran.append("posted"), None)  # a post after close: dropped, no error
+    assert ran == []
+    box.close()  # idempotent
+
+
+def test_every_call_is_answered_or_failed_whichever_side_of_close_it_lands():
+    box = Mailbox()
+    futures: list = []
+    go = threading.Event()
+
+    def ask() -> None:
+        go.wait()
+        for i in range(200):
+            f = Future()
+            futures.append(f)
+            box.put(lambda i=i: i, f)
+
+    askers = [threading.Thread(target=ask) for _ in range(4)]
+    for t in askers:
+        t.start()
+    go.set()
+    box.run_all()
+    box.close()
+    for t in askers:
+        t.join()
+    assert len(futures) == 800 and all(f.done() for f in futures)
+    assert {type(f.exception()) for f in futures if f.exception() is not None} <= {RuntimeError}
