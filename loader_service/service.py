@@ -7,16 +7,14 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
-import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
 from loader_service.control.auth import resolve_token
 from loader_service.control.autoscale import Autoscaler, make_autoscaler
 from loader_service.config import ServiceConfig
-from loader_service.dispatch.loop import Dispatcher, cannot_bind
+from loader_service.dispatch.loop import Dispatcher, cannot_bind, thread_stack
 from loader_service.decode.jpeg import decode_path
 from loader_service.control.http_limits import Counters
 from loader_service.control.operate import autoscale_step, first_workers, status_json
@@ -294,7 +292,7 @@ class Service:
         if not t.is_alive():
             return True
         log.error("thread %s did not stop within the stop's deadline (%gs); leaving it behind. It is at:\n%s",
-                  t.name, self.config.stop_deadline_s, thread_stack(t))
+                  t.name, self.config.stop_deadline_s, thread_stack(t.ident, t.name))
         self.cut = (f"{self.cut}, {t.name}" if self.cut
                     else f"thread {t.name} did not stop within {self.config.stop_deadline_s:g}s")
         return False
@@ -319,9 +317,3 @@ class Service:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def thread_stack(t: threading.Thread) -> str:
-    """Where thread ``t`` is now (for a log line about a thread that did not stop)."""
-    frame = sys._current_frames().get(t.ident) if t.ident is not None else None
-    return "".join(traceback.format_stack(frame)) if frame is not None else "(it has no frame)"

@@ -213,12 +213,11 @@ class ServiceProcess:
                 if f and not f.closed:
                     f.close()
         if running and self._threads and self.proc.returncode not in (0, -signal.SIGTERM, -signal.SIGINT):
-            _warn(f"warning: the service exited with code {self.proc.returncode}; its stderr:\n"
-                  + "\n".join(self.stderr_tail))
+            tail = "\n".join(self.stderr_tail)
             if any(CUT_STOP.match(line) for line in self.stderr_tail):
                 # its stop gave up on a thread at the deadline: a bug to see, not a slow machine
-                raise AssertionError("the service's stop ran past its deadline; its stderr:\n"
-                                     + "\n".join(self.stderr_tail))
+                raise AssertionError(f"the service's stop ran past its deadline; its stderr:\n{tail}")
+            _warn(f"warning: the service exited with code {self.proc.returncode}; its stderr:\n{tail}")
 
     def _sweep(self, tree: list) -> None:
         import psutil

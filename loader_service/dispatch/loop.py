@@ -121,8 +121,7 @@ class Dispatcher:
 
     def loop_stack(self) -> str:
         """Where the loop thread is now (for a log line when it does not answer); thread-safe."""
-        frame = sys._current_frames().get(self.loop_thread) if self.loop_thread is not None else None
-        return "".join(traceback.format_stack(frame)) if frame is not None else "(the loop thread is not running)"
+        return thread_stack(self.loop_thread, "the loop thread")
 
     def segment_names(self) -> List[str]:
         """The shared memory it made and has not unlinked (the batch slots and the co-location
@@ -434,6 +433,13 @@ class Dispatcher:
             self.state.memory.close()
             self.colocation.close()
             self.mailbox.close()
+
+
+def thread_stack(ident: Optional[int], name: str) -> str:
+    """Where thread ``ident`` (called ``name`` if it has ended) is now, for a log line about a
+    thread that does not answer or did not stop; thread-safe."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    return "".join(traceback.format_stack(frame)) if frame is not None else f"({name} is not running)"
 
 
 def _data_port(config: ServiceConfig):

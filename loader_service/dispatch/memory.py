@@ -216,7 +216,11 @@ class BatchMemory:
     def names(self) -> List[str]:
         """The name of every segment it holds and has not unlinked; safe from another thread (each
         copy is made in one step under the GIL)."""
-        return [s.name for s in list(self._segments) + list(self._reserve.values()) + list(self._closing)]
+        return [s.name for s in self._held()]
+
+    def _held(self) -> List[Segment]:
+        """Every segment it holds: in use, kept as reserves, dropped but still mapped."""
+        return list(self._segments) + list(self._reserve.values()) + list(self._closing)
 
     def held_by(self, ident: bytes) -> int:
         """Bytes of ``ident``'s reserve."""
@@ -437,7 +441,7 @@ class BatchMemory:
         """Unmap everything (after zmq has released every frame). Idempotent."""
         self.stop()
         self.retiring = []
-        for seg in list(self._segments) + list(self._reserve.values()) + self._closing:
+        for seg in self._held():
             seg.close()
         self._closing = []
         self._segments.clear()
