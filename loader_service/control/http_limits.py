@@ -16,8 +16,9 @@ leaves three gaps, closed here:
 * **body size**: :class:`BodyLimit` answers 413 from ``Content-Length`` before reading, and
   stops reading a chunked body at the cap.
 
-Repeated warnings (refused connections, deadlines, malformed requests) are rate-limited
-(:class:`RateLimitFilter`), so a flood cannot grow the log without bound.
+Repeated warnings (refused connections, deadlines, malformed requests, and the data port's
+malformed client messages) are rate-limited (:class:`RateLimitFilter`), so a flood cannot grow
+the log without bound.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ FD_RESERVE = 256  # descriptors kept for the data plane, workers and files beyon
 
 
 def limit_logs() -> None:
-    """Rate-limit the loggers a connection flood writes to (idempotent)."""
-    for name in ("uvicorn.error", "asyncio", log.name):
+    """Rate-limit the loggers a connection or message flood writes to (idempotent)."""
+    for name in ("uvicorn.error", "asyncio", log.name, "loader_service.dispatch.refused"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
             logger.addFilter(RateLimitFilter())

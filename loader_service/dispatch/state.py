@@ -56,6 +56,9 @@ from loader_service.sources import Source
 from loader_service.workers.pool import WorkerPool, describe_exit
 
 log = logging.getLogger("loader_service.dispatch.loop")  # one logger for the dispatcher, whichever half
+# a client's malformed messages: rate-limited (control.http_limits.limit_logs), so a flood of them
+# costs a line every few seconds, not one each (totals.bad_messages counts them all)
+refused_log = logging.getLogger("loader_service.dispatch.refused")
 
 ACCEPT_REPORT_GRACE_S = 10.0  # how late a connection's accept may be reported after its first message
 CLIENT_MESSAGES = (P.Hello, P.Request, P.Release, P.Bye, P.Describe)
@@ -222,7 +225,7 @@ class DispatchState:
             msg, _ = P.decode(list(frames), expect=CLIENT_MESSAGES)
         except P.ProtocolError as exc:
             self.totals.bad_messages += 1
-            log.warning("refused a message from client %s: %s", ident.hex()[:12], exc)
+            refused_log.warning("refused a message from client %s: %s", ident.hex()[:12], exc)
             self._send(ident, P.Error(code=exc.code, message=str(exc), stream=_stream_of(frames[0]) if frames else -1))
             return
         if (self.authorized is not None and isinstance(msg, (P.Hello, P.Request))

@@ -9,6 +9,7 @@ grew the service by gigabytes; a name with bytes that are not UTF-8 stopped ``se
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -166,3 +167,21 @@ def test_a_file_name_that_is_not_utf8_is_served_and_named_when_it_fails(tmp_path
         for k, i in enumerate(b["indices"]):
             image[i] = b["images"][k * per:(k + 1) * per]
     assert image[bad] == image[twin]  # the Latin-1 name's bytes are the good photo's, decoded alike
+
+
+def test_a_flood_of_malformed_messages_costs_a_log_line_not_one_each(make_service, caplog):
+    """Each is still refused to its client with the reason and counted, but the log gets at most
+    a line every 10 s for them (control.http_limits.limit_logs): before, 500 garbage frames wrote
+    500 lines, and a peer sending them as fast as it can grew the log by megabytes a second."""
+    svc = make_service()
+    s = dealer(svc.endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger="loader_service.dispatch.refused"):
+            for _ in range(500):
+                s.send(b"\xc1")  # a byte msgpack never uses
+            told = [_next(s, (P.Error,)) for _ in range(500)]
+        assert {(e.code, "not valid msgpack" in e.message) for e in told} == {("bad_message", True)}
+        assert status(svc)["totals"]["bad_messages"] == 500
+        assert len([r for r in caplog.records if "refused a message" in r.getMessage()]) <= 1
+    finally:
+        s.close(0)
