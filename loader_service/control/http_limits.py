@@ -68,8 +68,9 @@ FD_RESERVE = 256  # descriptors kept for the data plane, workers and files beyon
 
 def limit_logs() -> None:
     """Rate-limit the loggers a connection or message flood writes to (idempotent)."""
-    for name in ("uvicorn.error", "asyncio", log.name, "loader_service.dispatch.refused"):
-        logger = logging.getLogger(name)
+    from loader_service.dispatch.state import refused_log  # the data port's, named where it is used
+
+    for logger in (logging.getLogger("uvicorn.error"), logging.getLogger("asyncio"), log, refused_log):
         if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
             logger.addFilter(RateLimitFilter())
 
