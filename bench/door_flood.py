@@ -7,7 +7,8 @@ lendable only after ``--reclaim-idle``, left at its default); a second client's 
 for them and floods Requests of 65,536 batch numbers (the protocol's most per message), saying
 Hello again each time its stream is refused. Before the door, everything it sent piled up
 (92 -> 3,063 MiB in 11 s). Prints the service's RSS before, at its peak during the flood and
-after, and what the flooding client was told.
+after, what the flooding client was told, and how often its connection was cut for sending
+past its allowance (``--client-allowance``; what it sent after a cut is dropped unread).
 """
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ def main(argv=None) -> int:
         after = proc.memory_info().rss
         st = svc.status()
         print(table_head(["seconds", "Requests of 65,536 batches", "Hellos", "service RSS before MiB",
-                          "peak during MiB", "after MiB", "the flooder was told", "healthy", "refused asks"],
-                         "rrrrrrlll"))
+                          "peak during MiB", "after MiB", "the flooder was told", "healthy", "refused asks",
+                          "cuts", "dropped unread"], "rrrrrrlllrr"))
         print(table_row([a.seconds, sent, stream, round(before / 2**20, 1), round(peak / 2**20, 1),
                          round(after / 2**20, 1), ", ".join(f"{k} x{v}" for k, v in sorted(told.items())),
-                         st["healthy"], st["totals"]["refused_asks"]]))
+                         st["healthy"], st["totals"]["refused_asks"], st["totals"].get("floods_cut", "-"),
+                         st["totals"].get("flooded_messages", "-")]))
         holder.close(0)
         flood.close(0)
     finally:

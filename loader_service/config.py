@@ -66,6 +66,14 @@ class ServiceConfig:
     max_sessions: Annotated[int, opt(
         "sessions (connections that said Hello) at once; a Hello past it is refused with no_capacity naming this "
         "cap (each session costs a few KB, and while it streams one shared-memory segment and its descriptor)")] = 8192
+    client_allowance: Annotated[int, opt(
+        "what one data-port connection may send beyond what it is served, in units of a message or 4 KiB of one "
+        "(whichever is more): each batch sent to it earns 4 back, time --client-allowance-rate a second; past it "
+        "the connection is cut and what its client sends for 30 s is dropped unread (a flood costs this much, "
+        "not a growing queue; the project's client sends about two messages a batch)")] = 1024
+    client_allowance_rate: Annotated[float, opt(
+        "units a second each data-port connection's allowance earns back whatever it is sent (a stream's Hello "
+        "and first Requests, a Describe)")] = 256.0
     max_waiting: Annotated[int, opt(
         "new streams waiting at once for batch slots that ending or quiet streams hold; a Hello past it is refused "
         "with no_capacity naming this cap (the client retries)")] = 256
@@ -201,6 +209,9 @@ class ServiceConfig:
             raise ValueError("max_sample_bytes, max_http_connections, max_http_body_bytes, http_receipt_s and "
                              f"loop_answer_s must be positive, got {self.max_sample_bytes}, {self.max_http_connections}, "
                              f"{self.max_http_body_bytes}, {self.http_receipt_s} and {self.loop_answer_s}")
+        if self.client_allowance < 1 or self.client_allowance_rate < 0:
+            raise ValueError(f"client_allowance must be >= 1 and client_allowance_rate >= 0, got "
+                             f"{self.client_allowance} and {self.client_allowance_rate}")
         if self.max_sessions < 1 or self.max_waiting < 0:
             raise ValueError(f"max_sessions must be >= 1 and max_waiting >= 0, got {self.max_sessions} and "
                              f"{self.max_waiting}")

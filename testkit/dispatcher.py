@@ -5,7 +5,7 @@ I/O shell the way :mod:`loader_service.dispatch.loop` does, with the test in cha
 shell would read: monitor events (queued until the shell would read them), client messages
 (any bytes at all), workers that take, finish or lose tasks, and libzmq letting go of a sent
 batch. It records what the state commands: every message (``d.sent``), every batch
-(``d.batches``), tasks handed out, workers killed, segments unmapped.
+(``d.batches``), tasks handed out, workers killed, connections cut, segments unmapped.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ class Driven:
         self.sending: List[E.LetGo] = []  # batches libzmq has not let go of yet
         self.assigned: List[E.Assign] = []
         self.killed: List[int] = []
+        self.cut: List[int] = []  # fds of connections cut for flooding
+        self.cut_marks: List[Tuple[int, int, int, float]] = []  # (fd, len(sent), len(batches), now) at each cut
         self.unmapped: List[str] = []
         self.trims = 0
         self.ended = False  # an EndLoop came
@@ -109,6 +111,11 @@ class Driven:
             self.assigned.append(c)
         elif isinstance(c, E.Kill):
             self.killed.append(c.pid)
+        elif isinstance(c, E.Cut):
+            self.cut.append(c.fd)
+            self.cut_marks.append((c.fd, len(self.sent), len(self.batches), self.now))
+            if self.state.sessions.serial(c.fd) == c.serial:
+                self.event(zmq.EVENT_DISCONNECTED, c.fd)  # libzmq closes it; the monitor says so
         elif isinstance(c, E.Unmap):
             self.unmapped.append(c.name)
         elif isinstance(c, E.TrimHeap):

@@ -1,10 +1,12 @@
 """Hostile peers and what to watch them by, shared by the tests and bench/reliability: a REST
 client that never finishes its headers (:func:`half_open`), a ZeroMQ peer whose frame claims a
-gigabyte (:class:`RoguePeer`), and a service's worker processes and zombies (:func:`workers`,
-:func:`zombies`). Loopback only."""
+gigabyte (:class:`RoguePeer`), a ZeroMQ client that floods the data port and resets its
+connection (:func:`flood_and_reset`), and a service's worker processes and zombies
+(:func:`workers`, :func:`zombies`). Loopback only."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -56,6 +58,47 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return out
 
 
+GREETING = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31  # ZMTP 3.0, NULL
+
+
+def _prop(name: bytes, value: bytes) -> bytes:
+    return bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+
+
+def _frame(body: bytes, flags: int = 0) -> bytes:
+    """One ZMTP frame (``flags``: 0x01 more, 0x04 command), short or long."""
+    if len(body) < 256:
+        return bytes([flags]) + bytes([len(body)]) + body
+    return bytes([flags | 0x02]) + struct.pack(">Q", len(body)) + body
+
+
+def flood_and_reset(port: int, messages: int = 200, ping_every: int = 10, body: bytes = b"\xc1") -> None:
+    """A DEALER made by hand on a plain socket: its handshake, then ``messages`` one-frame
+    messages (``body``; default a byte msgpack never uses) in one write, a ZMTP PING after every
+    ``ping_every`` of them, then a TCP reset (SO_LINGER 0). libzmq 4.3.5 aborted a ROUTER that
+    had stopped reading such a connection (its receive cap reached) once a PING or its own
+    heartbeat met the reset (docs/reliability.md, Known limits)."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        conn.sendall(GREETING)
+        _recv_exact(conn, 64)
+        conn.sendall(_frame(b"\x05READY" + _prop(b"Socket-Type", b"DEALER") + _prop(b"Identity", os.urandom(8)),
+                            0x04))
+        flags = _recv_exact(conn, 1)[0]  # the service's READY
+        size = struct.unpack(">Q", _recv_exact(conn, 8))[0] if flags & 0x02 else _recv_exact(conn, 1)[0]
+        _recv_exact(conn, size)
+        ping = _frame(b"\x04PING" + struct.pack(">H", 0), 0x04)
+        burst = bytearray()
+        for k in range(messages):
+            burst += _frame(body)
+            if ping_every and k % ping_every == ping_every - 1:
+                burst += ping
+        conn.sendall(bytes(burst))
+    finally:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # a reset, not a FIN
+
+
 class RoguePeer:
     """Speaks ZMTP 3.0 (NULL mechanism) as a ROUTER over a raw socket, then sends each client one
     frame that claims :data:`CLAIM` bytes and streams zeros until the client hangs up.
@@ -84,10 +127,9 @@ class RoguePeer:
                     pass
 
     def _one(self, conn: socket.socket) -> None:
-        conn.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31)
+        conn.sendall(GREETING)
         _recv_exact(conn, 64)  # the client's greeting
-        prop = lambda k, v: bytes([len(k)]) + k + struct.pack(">I", len(v)) + v  # noqa: E731
-        ready = b"\x05READY" + prop(b"Socket-Type", b"ROUTER")
+        ready = b"\x05READY" + _prop(b"Socket-Type", b"ROUTER")
         conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
         flags = _recv_exact(conn, 1)[0]  # the client's READY command
         size = struct.unpack(">Q", _recv_exact(conn, 8))[0] if flags & 0x02 else _recv_exact(conn, 1)[0]

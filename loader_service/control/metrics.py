@@ -29,6 +29,10 @@ class StatusCollector(Collector):
             ("loader_failed_tasks", "failed_tasks", "Decode tasks that failed (on_error=raise)."),
             ("loader_redone_tasks", "redone_tasks", "Tasks redone after their worker died."),
             ("loader_streams", "streams", "Client streams (rank-epochs) started."),
+            ("loader_floods_cut", "floods_cut",
+             "Data-port connections cut for sending past their allowance (--client-allowance)."),
+            ("loader_flooded_messages", "flooded_messages",
+             "Client messages dropped unread: past a connection's allowance, or from one cut lately."),
             ("loader_refused_handshakes", "refused_handshakes",
              "Data-port handshakes refused (CURVE: unknown key, no keys, wrong server key)."),
         ):

@@ -7,7 +7,8 @@ other threads); ``state`` (the one door: sessions, streams, memory, tasks, sched
 ``admission`` (Hello -> open / refuse) with ``jobs`` (the job rules); ``memory`` (batch slots,
 reserves, lending, waiting); ``streams`` (the Opening and Stream records); ``stream_state`` (one
 stream's progress); ``sending`` (the BatchLayout, a batch's message and frames); ``tasks`` (tasks
-on workers) with ``deadlines``; ``scheduler``; ``sessions``; ``status`` (the snapshot, and the
+on workers) with ``deadlines``; ``scheduler``; ``sessions``; ``flood`` (what a connection may
+send: its allowance, and the cut past it); ``status`` (the snapshot, and the
 one Totals type); ``curve`` (CURVE keys on the data port); ``heap`` (freed heap given back after
 a flood); ``lanes`` (bulk lanes: the lane port's listener and each client's lane senders, owned
 by the loop).
@@ -59,6 +60,10 @@ replica
 lane
     A plain TCP connection beside an ident's ZeroMQ one (``--lane-port``, ``RemoteLoader(lanes=N)``)
     that carries a stripe of each of its batches' outputs; an ident's lanes are its *lane set*.
+allowance, cut
+    What one connection may still send beyond what it was sent (``flood.py``, in units of a
+    message or 4 KiB); a connection past it is *cut*: its socket shut down, its session dropped,
+    what its ident sends for a while dropped unread.
 lookahead
     A client's next epoch started early, on a second connection: served only when no current
     epoch can use a worker, and given slots only if a current epoch keeps room.

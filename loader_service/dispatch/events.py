@@ -178,6 +178,15 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class Cut:
+    """Shut down connection ``fd`` (serial ``serial`` in the sessions' table) if it is still that
+    one: it sent past its allowance (:mod:`.flood`)."""
+
+    fd: int
+    serial: int
+
+
+@dataclass(frozen=True)
 class Unmap:
     """Segment ``name`` was unlinked: the workers drop their mappings of it."""
 
@@ -194,8 +203,8 @@ class EndLoop:
     """Stop serving now (a stop asked, and what was in flight has gone out or its time is up)."""
 
 
-Command = Union[Send, SendData, Assign, Kill, Unmap, TrimHeap, EndLoop]
+Command = Union[Send, SendData, Assign, Kill, Cut, Unmap, TrimHeap, EndLoop]
 
-__all__ = ["Accepted", "Assign", "ClientMessage", "Closed", "Closing", "Command", "CommandFailed", "Disconnected",
+__all__ = ["Accepted", "Assign", "ClientMessage", "Closed", "Closing", "Command", "CommandFailed", "Cut", "Disconnected",
            "EndLoop", "Event", "HandshakeRefused", "HeapTrimmed", "Kill", "LetGo", "Send", "SendData", "StopAsked",
            "Tick", "TrimHeap", "Unmap", "Unreachable", "WorkerDone", "WorkerLost"]

@@ -55,7 +55,6 @@ from loader_service.workers.pool import WorkerPool
 log = logging.getLogger("loader_service.dispatch.loop")
 
 CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued may take to leave
-CLIENT_QUEUE = 32  # messages of one connection queued unread at most (ZMQ_RCVHWM)
 MAX_LANES_TOTAL = 256  # bulk lanes of all clients together (a sender thread each); past it a lane is closed
 
 
@@ -162,6 +161,8 @@ class Dispatcher:
             self._guarded(c.ident, "sending a batch", self._send_data, c)
         elif isinstance(c, E.Assign):
             self._guarded(c.ident, "handing its batch to a worker", self._assign, c)
+        elif isinstance(c, E.Cut):
+            self._cut(c)
         elif isinstance(c, E.Unmap):
             self.pool.unmap(c.name)
         elif isinstance(c, E.Kill):
@@ -184,6 +185,35 @@ class Dispatcher:
             fn(*args)
         except Exception as exc:
             self._events.append(E.CommandFailed(ident, what, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+    def _cut(self, c: E.Cut) -> None:
+        """Shut the socket of connection ``c.fd`` down; libzmq then closes it and the monitor
+        reports the disconnect. Only if it is still that connection: libzmq reports a
+        disconnect before it closes the fd, and the fd is held (a dup) while it is checked, so
+        a number reused by a new connection is never the one shut down."""
+        if self._reported_gone(c.fd):
+            return
+        try:
+            dup = os.dup(c.fd)
+        except OSError:
+            return  # closed meanwhile
+        try:
+            held = socket.socket(fileno=dup)
+        except OSError:  # not a socket any more
+            os.close(dup)
+            return
+        with held:
+            if not self._reported_gone(c.fd):
+                try:
+                    held.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # the peer is gone already
+
+    def _reported_gone(self, fd: int) -> bool:
+        """Whether the monitor has reported ``fd``'s connection gone since the event at hand
+        (the state has not read those reports yet: they wait in :attr:`_events`)."""
+        self._read_monitor()
+        return any(isinstance(e, E.Disconnected) and e.fd == fd for e in self._events)
 
     def _send_frames(self, ident: bytes, frames: list, copy: bool = True) -> None:
         """Send to ``ident``. If its connection is gone (ROUTER_MANDATORY says so at once), an
@@ -450,10 +480,11 @@ def _data_port(config: ServiceConfig):
     for opt, val in (
         (zmq.LINGER, CLOSE_LINGER_MS),
         (zmq.SNDHWM, 0),  # credits bound what is queued; a full ROUTER would drop batches
-        # what a connection has sent and the loop has not read yet: past it libzmq stops reading
-        # that connection (TCP pushes back on its client), so a client that sends faster than the
-        # service decodes costs at most this many messages here, not a growing queue (issue 37)
-        (zmq.RCVHWM, CLIENT_QUEUE),
+        # no cap on what a connection has sent and the loop has not read: libzmq 4.3.5 aborts the
+        # process when a connection whose reading a cap stopped ends in a reset and then meets a
+        # heartbeat or a PING (stream_engine_base.cpp:310). A flood is cut from the loop instead,
+        # past its connection's allowance (flood.py: E.Cut)
+        (zmq.RCVHWM, 0),
         (zmq.MAXMSGSIZE, P.MAX_CLIENT_MESSAGE_BYTES),  # oversized: the peer is disconnected
         # a client's new connection takes over its identity at once: after a freeze or a network
         # blip its old connection may not be torn down yet, and without handover the new one's

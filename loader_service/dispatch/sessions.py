@@ -136,6 +136,14 @@ class Sessions:
             out.append(fd)
         return out
 
+    def serial(self, fd: int) -> int:
+        """The serial of the connection open on ``fd`` (0: none is)."""
+        return self._open.get(fd, 0)
+
+    def owner(self, fd: int) -> Optional[bytes]:
+        """The identity of the session bound to the connection on ``fd``, if any."""
+        return self._fd_owner.get(fd)
+
     def is_open(self, fd: int) -> bool:
         """Whether a connection is open on ``fd`` (per the monitor events read so far)."""
         return fd in self._open

@@ -15,7 +15,8 @@ Its parts, each pure:
 * :mod:`~loader_service.dispatch.sending`: a batch's message and the slot blocks it is sent from;
 * :class:`~loader_service.dispatch.tasks.Tasks`: tasks on workers and their deadlines;
 * :class:`~loader_service.dispatch.scheduler.Scheduler`: which stream an idle worker serves;
-* :class:`~loader_service.dispatch.sessions.Sessions`: connections and their identities.
+* :class:`~loader_service.dispatch.sessions.Sessions`: connections and their identities;
+* :class:`~loader_service.dispatch.flood.FloodGuard`: what each connection may still send.
 
 The worker pool is read, never changed, here (which workers can take a task, what the one on a
 task is doing); the shell changes it by the commands.
@@ -39,7 +40,7 @@ import numpy as np
 
 from wire import protocol as P
 from loader_service.config import ServiceConfig
-from loader_service.dispatch import door, heap, local, sending, status
+from loader_service.dispatch import door, flood, heap, local, sending, status
 from loader_service.dispatch.door import Life
 from loader_service.dispatch import events as E
 from loader_service.decode.pipelines import Registry
@@ -81,6 +82,7 @@ class DispatchState:
         self.admission = Admission(sources, pipelines, StreamLimits(on_error=config.on_error,
                                                                     max_skipped=config.max_skipped))
         self.sessions = Sessions()
+        self.flood = flood.FloodGuard(config.client_allowance, config.client_allowance_rate)
         cap, hint = slot_cap(config.max_shm_bytes)
         self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint)
         self.tasks = Tasks(TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s), config.on_error)
@@ -116,9 +118,11 @@ class DispatchState:
         elif isinstance(event, E.WorkerLost):
             self._on_worker_lost(event)
         elif isinstance(event, E.Accepted):
+            self.flood.forget(event.fd)
             self.sessions.accepted(event.fd)
             self._trim_rule.connections(self.sessions.connections)
         elif isinstance(event, E.Disconnected):
+            self.flood.forget(event.fd)
             ident = self.sessions.disconnected(event.fd)
             if ident is not None:
                 self._drop_client(ident, "disconnected")
@@ -210,17 +214,28 @@ class DispatchState:
     def _on_client(self, ev: E.ClientMessage) -> None:
         ident, fd, frames = ev.ident, ev.fd, ev.frames
         session = self.sessions.get(ident)
-        if session is None or session.fd != fd:
+        if (session is None or session.fd != fd) and not self.sessions.is_open(fd):
             # The shell has read the monitor to the end first (:meth:`knows`), so that the
             # disconnect of an earlier connection on this fd number is not taken for this one's.
             # A message whose fd is still not open came before its connection's accept was
             # reported, or after it was gone: it is answered, and its connection opened early
             # until the report comes (sessions.py).
-            if not self.sessions.is_open(fd):
-                self.totals.early_messages += 1
-                self.sessions.open_early(fd, self._now + ACCEPT_REPORT_GRACE_S)
-            if session is not None and session.fd != fd:
-                self._bind_fd(session, fd)
+            self.totals.early_messages += 1
+            self.sessions.open_early(fd, self._now + ACCEPT_REPORT_GRACE_S)
+        owner = self.sessions.owner(fd)
+        if owner is not None and owner != ident:
+            # The monitor was read to the end first, so the connection open on this fd is the
+            # owner's: this message came over an older connection on the same fd number (left
+            # unread when it closed: a cut flood's rest), or one libzmq renamed when its client
+            # reconnected. Its client is gone or speaks elsewhere now: dropped, it costs the owner nothing.
+            self.totals.stale_messages += 1
+            return
+        verdict = self.flood.charge(ident, fd, self.sessions.serial(fd), flood.cost(frames), self._now,
+                                    self.sessions.is_early(fd))
+        if verdict is not flood.Verdict.PASS:
+            return self._flooded(ident, fd, verdict)
+        if session is not None and session.fd != fd:
+            self._bind_fd(session, fd)
         try:
             msg, _ = P.decode(list(frames), expect=CLIENT_MESSAGES)
         except P.ProtocolError as exc:
@@ -253,6 +268,23 @@ class DispatchState:
             self._send(ident, local.with_probe(self.admission.describe(msg), self.probe))
         elif isinstance(msg, P.Bye):
             self._drop_client(ident, "said bye")
+
+    def _flooded(self, ident: bytes, fd: int, verdict: flood.Verdict) -> None:
+        """A message past its connection's allowance, or from a connection or identity cut: dropped
+        unread. Past the allowance, the connection is cut and its session dropped."""
+        self.totals.flooded_messages += 1
+        if verdict is not flood.Verdict.CUT:
+            return
+        # A connection still early is not shut down: it may be gone, its fd a newer connection's
+        # whose accept is on its way (what a cut identity left unread comes that way, dropped).
+        if not self.sessions.is_early(fd):
+            self.totals.floods_cut += 1
+            refused_log.warning("cut the connection of client %s: it sent past its allowance (--client-allowance "
+                                "%d, +%g a second, +%d a batch sent); what it sends for %.0f s is dropped unread",
+                                ident.hex()[:12], self.flood.burst, self.flood.rate, flood.EARNED_PER_BATCH,
+                                flood.REMEMBER_S)
+            self._out.append(E.Cut(fd, self.sessions.serial(fd)))
+        self._drop_client(ident, "was cut: it sent past its allowance")
 
     def _revoked(self, ident: bytes, session: Optional[Session], msg: P.Message) -> None:
         """The key this connection's handshake used was removed: its stream ends, its session goes."""
@@ -487,6 +519,7 @@ class DispatchState:
         if session is not None:
             session.batches += 1
             session.samples += n
+            self.flood.earn(session.fd, session.fd_gen, 1, self._now)
         self.totals.samples += n
         self.totals.batches += 1
         self.totals.bytes += sum(size for _, size in out.blocks)
@@ -507,7 +540,7 @@ class DispatchState:
         self._schedule()
         if self._trim_due:
             self._trim_due = False
-            for part in (self.sessions, self.scheduler, self.tasks, self.memory):
+            for part in (self.sessions, self.scheduler, self.tasks, self.memory, self.flood):
                 part.compact()
             self._out.append(E.TrimHeap())
 
@@ -519,6 +552,7 @@ class DispatchState:
         for ident in self.sessions.unreported(self._now):
             self.totals.unreported_connections += 1
             self._drop_client(ident, "is gone: its connection closed before its first message was read")
+        self.flood.keep_open(self.sessions.serial)
 
     def _on_stop(self, drain_s: float) -> None:
         if drain_s <= 0 or not self.tasks.running:

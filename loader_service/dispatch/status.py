@@ -111,6 +111,9 @@ class Totals:
     early_messages: int = 0  # messages read before their connection's accept was reported (or after it was gone)
     unreported_connections: int = 0  # of those, connections whose accept never came: gone before their message was read
     revoked: int = 0  # streams ended because their client's CURVE key was removed
+    floods_cut: int = 0  # connections cut for sending past their allowance (dispatch/flood.py)
+    flooded_messages: int = 0  # messages dropped unread: past an allowance, or from a connection or identity cut
+    stale_messages: int = 0  # dropped unread: from an older connection on the fd number another client's now has
     heap_trims: int = 0  # free heap given back to the system after many sessions left (dispatch/heap.py)
     read_s: float = Field(0.0, exclude=True)  # workers' reading, summed over tasks
     decode_s: float = Field(0.0, exclude=True)  # workers' decoding and augmenting

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Set
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -29,6 +29,7 @@ from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
 from loader_service.dispatch import door
 from loader_service.dispatch.door import MAY_BECOME, Asked, Life
+from loader_service.dispatch.flood import REMEMBER_S
 from loader_service.dispatch.streams import Stream
 from testkit.dispatcher import close, deliver, loopless
 
@@ -102,13 +103,18 @@ class DoorMachine(RuleBasedStateMachine):
         super().__init__()
         self.d = None
 
-    @initialize(reclaim=st.sampled_from([3600.0, 0.0]))
-    def start(self, reclaim):
+    @initialize(reclaim=st.sampled_from([3600.0, 0.0]), allowance=st.sampled_from([(4096, 1024.0), (6, 0.0), (6, 0.5)]))
+    def start(self, reclaim, allowance):
+        """``allowance``: the service's default, or one so small that connections are cut in every
+        life of their streams (flood.py), the bystander too at times (it may ask for nothing)."""
         from loader_service.sources.demo import ensure_demo
 
         self.source = ensure_demo(64, quiet=True)
         self.d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0,
-                                        max_shm_mb=1, reclaim_idle_s=reclaim), self.source, workers=2)
+                                        max_shm_mb=1, reclaim_idle_s=reclaim, client_allowance=allowance[0],
+                                        client_allowance_rate=allowance[1]), self.source, workers=2)
+        self.cuts_seen = 0
+        self.cut_clients: list = []  # (ident, len(sent), len(batches), when) at each cut
         self.idents = {c: uuid.uuid4().bytes for c in CLIENTS}
         self.fds = {c: 40 + i for i, c in enumerate(CLIENTS)}
         self.stream_ids = {c: 0 for c in CLIENTS}
@@ -302,6 +308,22 @@ class DoorMachine(RuleBasedStateMachine):
         if self.d is not None:
             sent = [(ident, b.stream, b.index) for ident, b in self.d.batches]
             assert len(set(sent)) == len(sent)
+
+    @invariant()
+    def a_cut_client_is_sent_nothing_while_what_it_sends_is_dropped(self):
+        if self.d is None:
+            return
+        for fd, sent, batches, when in self.d.cut_marks[self.cuts_seen:]:
+            client = next(c for c in CLIENTS if self.fds[c] == fd)
+            self.cut_clients.append((self.idents[client], sent, batches, when))
+        self.cuts_seen = len(self.d.cut_marks)
+        if self.cut_clients:
+            event("a connection was cut")
+        for ident, sent, batches, when in self.cut_clients:
+            if self.d.now < when + REMEMBER_S:
+                assert ident not in self.d.sessions
+                assert all(i != ident for i, _ in self.d.sent[sent:])
+                assert all(i != ident for i, _ in self.d.batches[batches:])
 
     @invariant()
     def the_bystander_is_never_failed_by_what_others_send(self):

@@ -1,0 +1,104 @@
+"""Clients that flood the data port, and ones that flood it and reset their connection, against a
+live service process (were libzmq to abort, it would take the process it runs in with it).
+
+Before: the data port capped what a connection had sent unread at 32 messages (ZMQ_RCVHWM), and
+libzmq 4.3.5 aborted the whole service (exit -6, ``Assertion failed: !_io_error
+(src/stream_engine_base.cpp:310)``) when a connection it had stopped reading for that cap ended
+in a TCP reset and then met the service's heartbeat timer or a PING it had sent: within 3 of the
+peers below, in 3 runs of 3 at ``--heartbeat 0.01``. Now libzmq reads every connection and the
+dispatcher cuts one that sends past its allowance (loader_service/dispatch/flood.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from client import RemoteLoader
+
+from tests.conftest import DEMO_SIZE
+from testkit.helpers import collect, dealer, indices_of, wait_for
+from testkit.hostile import flood_and_reset
+from testkit.service import ServiceProcess
+
+
+@pytest.fixture
+def serve(demo_source):
+    started = []
+
+    def start(*extra: str) -> ServiceProcess:
+        sp = ServiceProcess(args=["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1", *extra], drain=True)
+        started.append(sp)
+        return sp
+
+    yield start
+    for sp in started:
+        sp.stop()
+
+
+def _alive(svc: ServiceProcess) -> None:
+    assert svc.proc.poll() is None, f"the service exited {svc.proc.returncode}:\n" + "\n".join(svc.stderr_tail)
+
+
+def _an_epoch(svc: ServiceProcess) -> list:
+    with RemoteLoader(svc.endpoint, batch_size=16, image_size=32, epoch_lookahead=False, timeout=120) as ld:
+        return sorted(indices_of(collect(ld)))
+
+
+def test_peers_that_flood_and_reset_their_connection_leave_the_service_serving(serve):
+    """300 hand-made peers in a row, each 200 messages with a PING after every 10, then a reset,
+    against a service whose heartbeat fires every 20 ms: it serves on, and a loader's epoch after
+    them is exact."""
+    svc = serve("--heartbeat", "0.02")
+    for k in range(300):
+        try:
+            flood_and_reset(svc.data_port, messages=200, ping_every=10)
+        except OSError as exc:  # refused or reset in its handshake: the service is gone
+            _alive(svc)
+            raise AssertionError(f"peer {k}: {exc}") from None
+    _alive(svc)
+    assert _an_epoch(svc) == list(range(DEMO_SIZE))
+    st = svc.status()
+    assert st["healthy"] and st["totals"]["internal_errors"] == 0
+    _alive(svc)
+
+
+def test_a_flood_is_cut_at_its_allowance_and_its_identity_dropped_while_a_loader_is_served(serve):
+    """20,000 garbage messages from one client that reads nothing, on an allowance of 1,000 that
+    time does not earn back, while a loader is in the middle of its epoch: exactly 1,000 are
+    read and refused, the connection is cut, and all the rest, on that connection or on the ones
+    its client reconnects with, is dropped unread; the loader's epoch is exact."""
+    svc = serve("--client-allowance", "1000", "--client-allowance-rate", "0")
+    flooder = dealer(svc.endpoint)
+    try:
+        flooder.setsockopt(zmq.SNDHWM, 0)
+        with RemoteLoader(svc.endpoint, batch_size=16, image_size=32, epoch_lookahead=False, timeout=120) as ld:
+            batches = iter(ld)
+            seen = list(next(batches).indices)  # its session is open
+            for _ in range(20_000):
+                flooder.send(b"\xc1")
+            wait_for(lambda: svc.status()["totals"]["floods_cut"] >= 1, timeout=60,
+                     what="the flooding connection's cut")
+            seen += [i for b in batches for i in b.indices]
+        assert sorted(seen) == list(range(DEMO_SIZE))
+        t = svc.status()["totals"]
+        assert t["bad_messages"] == 1000 and 0 < t["flooded_messages"] <= 19_000, t
+        assert t["internal_errors"] == 0
+        _alive(svc)
+    finally:
+        flooder.close(0)
+
+
+def test_the_project_s_client_is_never_cut_on_the_least_allowance(serve):
+    """Three epochs with a validation pass beside, on an allowance of 16 that time does not earn
+    back: what the loaders are sent pays for what they send."""
+    svc = serve("--client-allowance", "16", "--client-allowance-rate", "0")
+    kw = dict(batch_size=16, image_size=32, timeout=120)
+    with RemoteLoader(svc.endpoint, job="train", **kw) as train, \
+            RemoteLoader(svc.endpoint, job="val", train=False, shuffle=False, **kw) as val:
+        for epoch in range(3):
+            train.set_epoch(epoch)
+            assert sorted(indices_of(collect(train))) == list(range(DEMO_SIZE))
+            assert indices_of(collect(val)) == list(range(DEMO_SIZE))
+    t = svc.status()["totals"]
+    assert (t["floods_cut"], t["flooded_messages"]) == (0, 0), t
