@@ -1,7 +1,7 @@
 """Hostile peers and what to watch them by, shared by the tests and bench/reliability: a REST
 client that never finishes its headers (:func:`half_open`), a ZeroMQ peer whose frame claims a
-gigabyte (:class:`RoguePeer`), a ZeroMQ client that floods the data port and resets its
-connection (:func:`flood_and_reset`), and a service's worker processes and zombies
+gigabyte (:class:`RoguePeer`), a ZeroMQ client made by hand that floods the data port and may
+reset its connection (:func:`zmtp_dealer`, :func:`flood_and_reset`), and a service's worker processes and zombies
 (:func:`workers`, :func:`zombies`). Loopback only."""
 
 from __future__ import annotations
@@ -72,28 +72,44 @@ def _frame(body: bytes, flags: int = 0) -> bytes:
     return bytes([flags | 0x02]) + struct.pack(">Q", len(body)) + body
 
 
-def flood_and_reset(port: int, messages: int = 200, ping_every: int = 10, body: bytes = b"\xc1") -> None:
-    """A DEALER made by hand on a plain socket: its handshake, then ``messages`` one-frame
-    messages (``body``; default a byte msgpack never uses) in one write, a ZMTP PING after every
-    ``ping_every`` of them, then a TCP reset (SO_LINGER 0). libzmq 4.3.5 aborted a ROUTER that
-    had stopped reading such a connection (its receive cap reached) once a PING or its own
-    heartbeat met the reset (docs/reliability.md, Known limits)."""
+def zmtp_dealer(port: int, identity: bytes = b"") -> socket.socket:
+    """A DEALER made by hand on a plain socket, its ZMTP 3.0 handshake done (NULL mechanism):
+    what it sends next are frames (:func:`zmtp_burst`); it never reconnects."""
     conn = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
         conn.sendall(GREETING)
         _recv_exact(conn, 64)
-        conn.sendall(_frame(b"\x05READY" + _prop(b"Socket-Type", b"DEALER") + _prop(b"Identity", os.urandom(8)),
-                            0x04))
+        conn.sendall(_frame(b"\x05READY" + _prop(b"Socket-Type", b"DEALER")
+                            + _prop(b"Identity", identity or os.urandom(8)), 0x04))
         flags = _recv_exact(conn, 1)[0]  # the service's READY
         size = struct.unpack(">Q", _recv_exact(conn, 8))[0] if flags & 0x02 else _recv_exact(conn, 1)[0]
         _recv_exact(conn, size)
-        ping = _frame(b"\x04PING" + struct.pack(">H", 0), 0x04)
-        burst = bytearray()
-        for k in range(messages):
-            burst += _frame(body)
-            if ping_every and k % ping_every == ping_every - 1:
-                burst += ping
-        conn.sendall(bytes(burst))
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def zmtp_burst(messages: int, body: bytes = b"\xc1", ping_every: int = 0) -> bytes:
+    """``messages`` one-frame messages (``body``; default a byte msgpack never uses), with a ZMTP
+    PING after every ``ping_every`` of them (0: none), as one write."""
+    ping = _frame(b"\x04PING" + struct.pack(">H", 0), 0x04)
+    burst = bytearray()
+    for k in range(messages):
+        burst += _frame(body)
+        if ping_every and k % ping_every == ping_every - 1:
+            burst += ping
+    return bytes(burst)
+
+
+def flood_and_reset(port: int, messages: int = 200, ping_every: int = 10, body: bytes = b"\xc1") -> None:
+    """:func:`zmtp_dealer` sends :func:`zmtp_burst` (a PING after every ``ping_every`` messages),
+    then resets its connection (SO_LINGER 0). libzmq 4.3.5 aborted a ROUTER that had stopped
+    reading such a connection (its receive cap reached) once a PING or its own heartbeat met
+    the reset (docs/reliability.md, Known limits)."""
+    conn = zmtp_dealer(port)
+    try:
+        conn.sendall(zmtp_burst(messages, body, ping_every))
     finally:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         conn.close()  # a reset, not a FIN

@@ -13,7 +13,11 @@ Request and a Release), and time earns ``rate`` units a second; it never holds m
 ``burst``. A connection whose allowance falls below zero is *cut*: the dispatcher shuts its
 socket down (the client sees a reset), drops its session, and drops unread whatever it still
 had queued, and whatever its identity sends for :data:`REMEMBER_S` after (its client reconnects
-with the same identity and would go on where it was). The project's client sends about two
+with the same identity and would go on where it was). What that identity sends is still charged
+to the connection it comes on, so one that reconnects and floods on is cut again; but not to a
+connection whose accept is not reported yet, which is how its old connection's rest comes once
+that closed (its fd number may be a newcomer's by the time the accept confirms it). The
+project's client sends about two
 messages per batch it gets, so it is never cut; a peer that sends faster than it is served is
 cut after ``burst`` units. What it costs before that: what it sent while the dispatcher read its
 first ``burst`` units (docs/benchmarks.md section 16).

@@ -409,7 +409,10 @@ class Dispatcher:
 
     def _on_client(self, frames) -> None:
         ident, last = frames[0].bytes, frames[-1]
-        fd = last.get(zmq.SRCFD)
+        try:
+            fd = last.get(zmq.SRCFD)
+        except zmq.ZMQError:  # no connection metadata (a ZMTP 1.0/2.0 peer, refused by the ZAP domain below)
+            fd = -1
         if not self.state.knows(ident, fd):
             # the disconnect of an earlier connection on this fd number must be read before
             # this message, or it would be taken for this one's
@@ -503,6 +506,12 @@ def _data_port(config: ServiceConfig):
         front.close(0)
         ctx.term()
         raise
+    if not guard.curve:
+        # A ZAP domain makes libzmq refuse peers that speak ZMTP 1.0 or 2.0 (zmtp_engine.cpp), as
+        # CURVE does: their messages carry no metadata, so no fd (SRCFD) to tie them to a
+        # connection, and five bytes of such a handshake used to stop the loop. No ZAP handler
+        # runs without CURVE, so the domain asks nothing of anyone else.
+        front.setsockopt(zmq.ZAP_DOMAIN, b"loader-data")
     monitor = front.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
     try:
         if config.data_port == 0:

@@ -213,6 +213,11 @@ class DispatchState:
     # ------------------------------------------------------------------ clients
     def _on_client(self, ev: E.ClientMessage) -> None:
         ident, fd, frames = ev.ident, ev.fd, ev.frames
+        if fd < 0:  # libzmq named no connection for it: nothing to tie it to, answer or cut
+            self.totals.bad_messages += 1
+            refused_log.warning("dropped a message from client %s: libzmq names no connection for it (a peer "
+                                "speaking ZMTP 1.0 or 2.0?)", ident.hex()[:12])
+            return
         session = self.sessions.get(ident)
         if (session is None or session.fd != fd) and not self.sessions.is_open(fd):
             # The shell has read the monitor to the end first (:meth:`knows`), so that the

@@ -185,3 +185,34 @@ def test_a_flood_of_malformed_messages_costs_a_log_line_not_one_each(make_servic
         assert len([r for r in caplog.records if "refused a message" in r.getMessage()]) <= 1
     finally:
         s.close(0)
+
+
+@pytest.mark.parametrize("handshake", [
+    b"\x01\x00" + b"\x02\x00\xc1",  # ZMTP 1.0: an empty identity frame, then a one-byte message
+    b"\xff" + b"\0" * 8 + b"\x7f" + b"\x01\x05" + b"\x00\x00" + b"\x00\x01\xc1",  # ZMTP 2.0, a DEALER
+])
+def test_a_peer_speaking_an_old_zmtp_is_refused_and_the_service_serves_on(make_service, handshake):
+    """Messages of a ZMTP 1.0 or 2.0 peer carry no connection metadata, so no fd: before, these
+    bytes from any TCP client stopped the dispatcher loop (``ZMQError: Invalid argument`` reading
+    SRCFD; found by bench/live_fuzz.py). The data port's ZAP domain makes libzmq refuse them."""
+    import socket
+
+    svc = make_service()
+    peer = socket.create_connection(("127.0.0.1", int(svc.endpoint.rsplit(":", 1)[1])), timeout=20)
+    try:
+        peer.sendall(handshake)
+        got = b""
+        try:
+            while True:  # the service's greeting, then the close
+                chunk = peer.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+        except ConnectionResetError:
+            pass
+    finally:
+        peer.close()
+    st = status(svc)
+    assert st["healthy"] and st["totals"]["bad_messages"] == 0 and st["totals"]["internal_errors"] == 0
+    with RemoteLoader(svc.endpoint, **SMALL) as ld:
+        assert sorted(indices_of(collect(ld))) == list(range(DEMO_SIZE))

@@ -17,8 +17,8 @@ import zmq
 from client import RemoteLoader
 
 from tests.conftest import DEMO_SIZE
-from testkit.helpers import collect, dealer, indices_of, wait_for
-from testkit.hostile import flood_and_reset
+from testkit.helpers import collect, dealer, indices_of
+from testkit.hostile import flood_and_reset, zmtp_burst, zmtp_dealer
 from testkit.service import ServiceProcess
 
 
@@ -63,27 +63,50 @@ def test_peers_that_flood_and_reset_their_connection_leave_the_service_serving(s
     _alive(svc)
 
 
-def test_a_flood_is_cut_at_its_allowance_and_its_identity_dropped_while_a_loader_is_served(serve):
-    """20,000 garbage messages from one client that reads nothing, on an allowance of 1,000 that
-    time does not earn back, while a loader is in the middle of its epoch: exactly 1,000 are
-    read and refused, the connection is cut, and all the rest, on that connection or on the ones
-    its client reconnects with, is dropped unread; the loader's epoch is exact."""
+def test_a_flood_is_cut_at_its_allowance_and_the_rest_dropped_unread_while_a_loader_is_served(serve):
+    """20,000 garbage messages in one write from a client made by hand that reads nothing and
+    never reconnects, on an allowance of 1,000 that time does not earn back, while a loader is in
+    the middle of its epoch: exactly 1,000 are read and refused, the connection is cut (the
+    client sees it close), and the rest is dropped unread; the loader's epoch is exact."""
+    svc = serve("--client-allowance", "1000", "--client-allowance-rate", "0")
+    with RemoteLoader(svc.endpoint, batch_size=16, image_size=32, epoch_lookahead=False, timeout=120) as ld:
+        batches = iter(ld)
+        seen = list(next(batches).indices)  # its session is open
+        flooder = zmtp_dealer(svc.data_port)
+        try:
+            flooder.sendall(zmtp_burst(20_000))
+            flooder.settimeout(60)
+            try:
+                while flooder.recv(1 << 16):  # the refusals, until the cut closes it
+                    pass
+            except ConnectionResetError:
+                pass
+        finally:
+            flooder.close()
+        seen += [i for b in batches for i in b.indices]
+    assert sorted(seen) == list(range(DEMO_SIZE))
+    t = svc.status()["totals"]
+    assert (t["bad_messages"], t["floods_cut"]) == (1000, 1) and 0 < t["flooded_messages"] <= 19_000, t
+    assert t["internal_errors"] == 0
+    _alive(svc)
+
+
+def test_a_client_that_reconnects_and_floods_on_is_cut_again(serve):
+    """A pyzmq DEALER reconnects by itself with the same identity: what it sends on the new
+    connection is dropped unread and charged to that connection, which is cut in turn."""
     svc = serve("--client-allowance", "1000", "--client-allowance-rate", "0")
     flooder = dealer(svc.endpoint)
     try:
         flooder.setsockopt(zmq.SNDHWM, 0)
-        with RemoteLoader(svc.endpoint, batch_size=16, image_size=32, epoch_lookahead=False, timeout=120) as ld:
-            batches = iter(ld)
-            seen = list(next(batches).indices)  # its session is open
-            for _ in range(20_000):
+        flooder.setsockopt(zmq.RCVHWM, 0)  # it reads nothing, but sees the cut and reconnects
+        sent = 0
+        while svc.status()["totals"]["floods_cut"] < 2:
+            for _ in range(5000):
                 flooder.send(b"\xc1")
-            wait_for(lambda: svc.status()["totals"]["floods_cut"] >= 1, timeout=60,
-                     what="the flooding connection's cut")
-            seen += [i for b in batches for i in b.indices]
-        assert sorted(seen) == list(range(DEMO_SIZE))
+            sent += 5000
+            assert sent <= 2_000_000, svc.status()["totals"]
         t = svc.status()["totals"]
-        assert t["bad_messages"] == 1000 and 0 < t["flooded_messages"] <= 19_000, t
-        assert t["internal_errors"] == 0
+        assert t["internal_errors"] == 0 and t["flooded_messages"] > 0
         _alive(svc)
     finally:
         flooder.close(0)

@@ -87,6 +87,23 @@ def _reachable() -> Dict[Life, Set[Life]]:
     return out
 
 
+
+def test_a_message_libzmq_names_no_connection_for_is_dropped_and_counted():
+    """The shell passes fd -1 for a message without connection metadata (SRCFD), as a ZMTP 1.0
+    peer's were before the data port refused them: nothing to tie it to, so nothing is answered,
+    opened or bound, and the service goes on."""
+    from loader_service.sources.demo import ensure_demo
+
+    source = ensure_demo(64, quiet=True)
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0), source, workers=1)
+    try:
+        deliver(d, b"peer", P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=-1, report=False)
+        assert d.sent == [] and len(d.sessions) == 0 and d.sessions.connections == 0
+        assert d.totals.bad_messages == 1 and d.totals.internal_errors == 0
+    finally:
+        close(d)
+        source.close()
+
 REACHABLE = _reachable()
 SPEC = JobSpec(batch_size=4, image_size=64)  # 48 KiB a slot, 16 of them for a whole epoch: two do not fit in 1 MiB;
 # frames under 64 KiB are copied, so sends complete at once
