@@ -8,19 +8,26 @@ of its own, picking actions at random: valid Hellos, Hellos with hostile fields,
 own streams and for others' (past the end, repeated, after final), Releases, Byes, Describes,
 raw msgpack headers with wrong types, the service's internal messages, random bytes, multi-frame
 junk, bursts of up to 5,000 messages unread, reads of what waits or no reads for a while, closing
-its socket (linger 0) and coming back under the same identity or a new one, the hand-made
-flood-and-reset peer (testkit.hostile.flood_and_reset), garbage on the bulk-lane port and on the
-data port, and lanes that said who they are and are never read.
+its socket (linger 0) and coming back under the same identity or a new one, a second connection
+under its identity while the first still sends (a handover), the hand-made flood-and-reset peer
+(testkit.hostile.flood_and_reset), garbage on the bulk-lane port and on the data port, and lanes
+that said who they are and are never read.
 
 Beside them a witness runs RemoteLoader epochs in turn over data frames, co-located (local=True)
 and bulk lanes (lanes=2), and compares every batch, byte for byte, with the reference epochs
 collected before the fuzz began (same seed and epoch: same order, same bytes).
 
 ``--skip ACTION,...`` leaves actions out (to look past one that takes the service down).
+
 Prints one row: the hostile actions, the witness's epochs, mismatches and errors, whether the
-service is alive (its exit code if not), its health and totals, and its RSS at the start, peak
-and end; then the actions by kind. Exit status 0 only if the service stayed alive, the witness
-saw no mismatch and no error, and the service counted no internal error.
+service is alive (its exit code if not; then its totals as last read, marked *), its health and
+totals, the connections it still counts once they have had time to drain, and its RSS at the
+start, peak and end. Then: each stretch of 10 s or more in which the witness got nothing, whether
+a fresh loader's epoch after the fuzz is exact, the actions by kind and what the service
+answered them. While it runs, stderr gets the peers' last actions whenever the service dies,
+counts an internal error, loses its health or leaves the witness waiting. Exit status 0 only if
+the service stayed alive, the witness (and the fresh loader) saw no mismatch and no error, and
+the service counted no internal error.
 """
 
 from __future__ import annotations
@@ -160,8 +167,8 @@ def _log_uniform(rng: random.Random, hi: int) -> int:
 WEIGHTS = {
     "hello": 10, "hello_hostile": 5, "request": 14, "request_other": 4, "release": 4, "bye": 2, "describe": 2,
     "raw_header": 8, "service_message": 2, "random_bytes": 4, "multi_frame": 3, "big_message": 0.3, "burst": 3,
-    "read": 14, "quiet": 3, "reconnect_same": 2, "reconnect_new": 2, "flood_and_reset": 0.7, "lane_garbage": 2,
-    "lane_hold": 1, "data_port_garbage": 1,
+    "read": 14, "quiet": 3, "reconnect_same": 2, "reconnect_new": 2, "handover": 0.5, "flood_and_reset": 0.7,
+    "lane_garbage": 2, "lane_hold": 1, "data_port_garbage": 1,
 }
 
 
@@ -246,8 +253,8 @@ class Hostile(threading.Thread):
         rng = self.rng
         world = rng.choice([1, 1, 1, 2, 3])
         spec = _spec(rng, world_size=world)
-        self.stream = rng.choice([self.stream + 1, self.stream + 1, self.stream + 2, self.stream, max(0, self.stream - 1),
-                                  rng.randrange(1 << 31)])
+        last = self.stream  # the next, one skipped, the same again, an older one, or any
+        self.stream = rng.choice([last + 1, last + 1, last + 2, last, max(0, last - 1), rng.randrange(1 << 31)])
         self.num_batches = max(1, math.ceil(DEMO_SIZE / world / spec.batch_size))
         self.final = False
         self._send(P.encode(P.Hello(stream=self.stream, spec=spec, epoch=rng.randrange(4), rank=rng.randrange(world),
@@ -399,6 +406,25 @@ class Hostile(threading.Thread):
     def reconnect_new(self) -> None:
         self._connect(self.rng.randbytes(16))
 
+    def handover(self) -> None:
+        """A second connection under this peer's identity while the first still sends (the data
+        port's ROUTER_HANDOVER gives the identity to the new one), then the first closed with
+        linger 0: a reset, as the service's answers wait unread on it."""
+        old, self.sock = self.sock, None
+        try:
+            for burst in (self.rng.randint(100, 1000), self.rng.randint(100, 3000)):
+                for _ in range(burst):
+                    old.send(b"\xc1", zmq.NOBLOCK)
+                if self.sock is None:
+                    self._connect(self.identity)
+            self.stop.wait(min(self._left(), 0.02))
+        except zmq.Again:
+            self.actions["(send dropped: queue full)"] += 1
+        finally:
+            old.close(0)
+            if self.sock is None:
+                self._connect(self.identity)
+
     def flood_and_reset(self) -> None:
         flood_and_reset(self.data_port, messages=self.rng.choice([100, 1000, 5000, 20000]),
                         ping_every=self.rng.choice([0, 1, 10, 100]),
@@ -421,7 +447,7 @@ class Hostile(threading.Thread):
             if pick < 0.3:
                 s.sendall(rng.randbytes(rng.randrange(200)))
             elif pick < 0.6:
-                ident = self.identity if rng.random() < 0.5 else self.rng.randbytes(16)
+                ident = self.identity if rng.random() < 0.5 else rng.randbytes(16)
                 lanes = rng.randint(1, P.MAX_LANES)
                 hello = struct.pack("<4s16sBBI", rng.choice([P.LANE_MAGIC, b"RLL0"]), ident,
                                     rng.randrange(256), lanes, rng.randrange(1 << 32))
@@ -587,7 +613,8 @@ class Watch:
     def run_until(self, deadline: float, witness: "Witness") -> None:
         """Until the deadline, and after it while the witness finishes its epoch."""
         internal, healthy, next_status = 0, True, 0.0
-        while time.monotonic() < deadline or witness.is_alive() and time.monotonic() < deadline + WITNESS_TIMEOUT_S + 30:
+        last_call = deadline + WITNESS_TIMEOUT_S + 30
+        while time.monotonic() < deadline or witness.is_alive() and time.monotonic() < last_call:
             time.sleep(0.2)
             if self.svc.proc.poll() is not None:
                 self.died_at = time.monotonic()
@@ -697,7 +724,7 @@ def main(argv=None) -> int:
             st = _status(svc)
         drained = time.monotonic() - drained
         after = _fresh_epoch(svc.endpoint, a.seed, refs[0]) if alive else "-"
-        if after != "exact":
+        if alive and after != "exact":
             witness.errors.append(f"a fresh loader after the fuzz: {after}")
         rss_end = watch.proc.memory_info().rss if alive else 0
         peak = max(watch.peak, rss_end)
