@@ -85,9 +85,11 @@ class FloodGuard:
         return len(self._cut)
 
     def units(self, fd: int, serial: int, now: float) -> float:
-        """What connection (``fd``, ``serial``) may still send at ``now``."""
-        a = self._allowance(fd, serial, now)
-        return a.units
+        """What connection (``fd``, ``serial``) may still send at ``now`` (changes nothing)."""
+        a = self._allowances.get(fd)
+        if a is None or a.serial != serial:
+            return float(self.burst)
+        return min(self.burst, a.units + max(0.0, now - a.at) * self.rate)
 
     def charge(self, ident: bytes, fd: int, serial: int, units: int, now: float, early: bool = False) -> Verdict:
         """A message of ``units`` from ``ident`` was read on connection (``fd``, ``serial``);
