@@ -50,7 +50,7 @@ import zmq
 from bench.harness import command, log, machine, raise_on_sigterm, table_head, table_row
 from client import RemoteLoader
 from testkit.helpers import collect
-from testkit.hostile import flood_and_reset
+from testkit.hostile import GREETING, flood_and_reset
 from testkit.service import ServiceProcess
 from wire import protocol as P
 from wire.jobspec import JobSpec
@@ -482,7 +482,7 @@ class Hostile(threading.Thread):
             if self.rng.random() < 0.5:
                 s.sendall(self.rng.randbytes(self.rng.randrange(1, 300)))
             else:
-                s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03")
+                s.sendall(GREETING[:11])  # the signature and the major version, no more
 
 
 # --------------------------------------------------------------------------- the witness

@@ -72,6 +72,13 @@ def _frame(body: bytes, flags: int = 0) -> bytes:
     return bytes([flags | 0x02]) + struct.pack(">Q", len(body)) + body
 
 
+def _recv_frame(conn: socket.socket) -> bytes:
+    """One ZMTP frame's body, short or long (its flags read and left aside)."""
+    flags = _recv_exact(conn, 1)[0]
+    size = struct.unpack(">Q", _recv_exact(conn, 8))[0] if flags & 0x02 else _recv_exact(conn, 1)[0]
+    return _recv_exact(conn, size)
+
+
 def zmtp_dealer(port: int, identity: bytes = b"") -> socket.socket:
     """A DEALER made by hand on a plain socket, its ZMTP 3.0 handshake done (NULL mechanism):
     what it sends next are frames (:func:`zmtp_burst`); it never reconnects."""
@@ -81,9 +88,7 @@ def zmtp_dealer(port: int, identity: bytes = b"") -> socket.socket:
         _recv_exact(conn, 64)
         conn.sendall(_frame(b"\x05READY" + _prop(b"Socket-Type", b"DEALER")
                             + _prop(b"Identity", identity or os.urandom(8)), 0x04))
-        flags = _recv_exact(conn, 1)[0]  # the service's READY
-        size = struct.unpack(">Q", _recv_exact(conn, 8))[0] if flags & 0x02 else _recv_exact(conn, 1)[0]
-        _recv_exact(conn, size)
+        _recv_frame(conn)  # the service's READY
     except BaseException:
         conn.close()
         raise
@@ -145,11 +150,8 @@ class RoguePeer:
     def _one(self, conn: socket.socket) -> None:
         conn.sendall(GREETING)
         _recv_exact(conn, 64)  # the client's greeting
-        ready = b"\x05READY" + _prop(b"Socket-Type", b"ROUTER")
-        conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
-        flags = _recv_exact(conn, 1)[0]  # the client's READY command
-        size = struct.unpack(">Q", _recv_exact(conn, 8))[0] if flags & 0x02 else _recv_exact(conn, 1)[0]
-        _recv_exact(conn, size)
+        conn.sendall(_frame(b"\x05READY" + _prop(b"Socket-Type", b"ROUTER"), 0x04))
+        _recv_frame(conn)  # the client's READY command
         conn.sendall(b"\x02" + struct.pack(">Q", CLAIM))  # a long message frame, no MORE flag
         zeros = bytes(1 << 20)
         while self.sent < CLAIM and not self._stop.is_set():
