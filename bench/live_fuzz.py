@@ -2,7 +2,8 @@
 
     python -m bench.live_fuzz --seconds 40 --seed 1
 
-A service process (demo dataset, one decode worker, a short ZMTP heartbeat, bulk lanes on) is
+A service process (demo dataset, one decode worker, a short look for silent connections, bulk
+lanes on, no address ever refused for stranded connections: the peers share the witness's) is
 attacked for ``--seconds`` by ``--hostile`` peers, each a thread with a ``random.Random(seed + k)``
 of its own, picking actions at random: valid Hellos, Hellos with hostile fields, Requests for its
 own streams and for others' (past the end, repeated, after final), Releases, Byes, Describes,
@@ -21,7 +22,8 @@ collected before the fuzz began (same seed and epoch: same order, same bytes).
 
 Prints one row: the hostile actions, the witness's epochs, mismatches and errors, whether the
 service is alive (its exit code if not; then its totals as last read, marked *), its health and
-totals, the connections it still counts once they have had time to drain, and its RSS at the
+totals, the connections it still counts once they have had time to drain (of them, stranded: cut,
+and never closed by libzmq, dispatch/silence.py), and its RSS at the
 start, peak and end. Then: each stretch of 10 s or more in which the witness got nothing, whether
 a fresh loader's epoch after the fuzz is exact, the actions by kind and what the service
 answered them. While it runs, stderr gets the peers' last actions whenever the service dies,
@@ -677,7 +679,13 @@ def _counts(counter: Counter) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counter.items()))
 
 
-TOTALS = ("internal_errors", "floods_cut", "flooded_messages", "stale_messages", "bad_messages", "refused_asks")
+TOTALS = ("internal_errors", "floods_cut", "silent_cut", "flooded_messages", "stale_messages", "bad_messages",
+          "refused_asks")
+
+
+def _unsettled(st: dict) -> int:
+    """Open connections but the stranded ones (which stay open until the service stops)."""
+    return st["connections"]["open"] - st["connections"]["stranded"]
 
 
 def main(argv=None) -> int:
@@ -686,7 +694,8 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=40.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--hostile", type=int, default=4, help="hostile peers (threads)")
-    p.add_argument("--heartbeat", type=float, default=0.05, help="the service's ZMTP heartbeat, seconds")
+    p.add_argument("--heartbeat", type=float, default=0.05,
+                   help="how often the service looks for silent connections (its --heartbeat), seconds")
     p.add_argument("--skip", default="", metavar="ACTION,...",
                    help=f"actions the hostile peers leave out, of: {', '.join(WEIGHTS)}")
     a = p.parse_args(argv)
@@ -696,7 +705,8 @@ def main(argv=None) -> int:
     raise_on_sigterm()
     print(command("bench.live_fuzz", argv), machine(), sep="\n")
     svc = ServiceProcess(args=["--demo", "--demo-size", str(DEMO_SIZE), "--workers", "1", "--heartbeat",
-                               str(a.heartbeat), "--lane-port", "0"], drain=True, ready_timeout=180)
+                               str(a.heartbeat), "--lane-port", "0", "--max-stranded-per-address", "0"],
+                         drain=True, ready_timeout=180)
     stop = threading.Event()
     peers: List[Hostile] = []
     try:
@@ -719,7 +729,7 @@ def main(argv=None) -> int:
         alive = svc.proc.poll() is None
         st = _status(svc) if alive else None
         drained = time.monotonic()
-        while st and st["connections"]["open"] and time.monotonic() < drained + SETTLE_S:
+        while st and _unsettled(st) and time.monotonic() < drained + SETTLE_S:
             time.sleep(0.5)  # a connection that never sent a message is let go of later
             st = _status(svc)
         drained = time.monotonic() - drained
@@ -734,14 +744,16 @@ def main(argv=None) -> int:
         hostile_actions = sum(v for k, v in actions.items() if not k.startswith(("(", "burst:")))
         print(table_head(["seconds", "seed", "hostile actions", "witness epochs", "witness mismatches",
                           "witness errors", "service alive (exit code)", "healthy", *TOTALS,
-                          "open connections at end (waited)", "RSS start/peak/end MiB"], "rrrrrrllrrrrrrrl"))
+                          "open (stranded) connections at end (waited)", "RSS start/peak/end MiB"],
+                         "rrrrrrllrrrrrrrrl"))
         print(table_row([a.seconds, a.seed, hostile_actions, sum(witness.epochs.values()), len(witness.mismatches),
                          len(witness.errors), "yes" if alive else f"no ({svc.proc.returncode})",
                          st["healthy"] if st else "-", *(f"{totals.get(k, '-')}{mark}" for k in TOTALS),
-                         f"{st['connections']['open']} ({drained:.1f} s)" if st else "-",
+                         f"{st['connections']['open']} ({st['connections']['stranded']}) ({drained:.1f} s)"
+                         if st else "-",
                          f"{_mib(watch.rss_start)} / {_mib(peak)} / {_mib(rss_end) if alive else '-'}"]))
         print()
-        if st and st["connections"]["open"]:  # what the count stands for: sockets, or only its bookkeeping
+        if st and _unsettled(st):  # what the count stands for: sockets, or only its bookkeeping
             sockets = Counter(c.status for c in watch.proc.net_connections("tcp")
                               if c.laddr.port == svc.data_port and c.status != psutil.CONN_LISTEN)
             print(f"the service counts {st['connections']} on its data port after {drained:.0f} s; "

@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 from client.errors import LoaderError
 from wire.errors import ProtocolError
 from wire.jobspec import JobSpec
+from wire.protocol import DEFAULT_HEARTBEAT_S, MAX_HEARTBEAT_S
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -34,7 +35,9 @@ class LoaderConfig:
     echo: int = 1  # batch echoing: yield each batch this many times
     device_prefetch: int = 2  # batches copied to the device ahead of the one in use
     replica_timeout: float = 10.0  # with several replicas: one down this long loses its batches to the others
-    heartbeat_s: float = 2.0  # ZMTP heartbeat towards the service; a silent one counts as down after 3x
+    # ZMTP heartbeat: a PING every heartbeat_s, also while the trainer is busy (libzmq's thread sends
+    # it); a silent service counts as down after 3, and the service cuts a connection silent for 3
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
     epoch_lookahead: bool = True  # start epoch e+1 on the service once all of epoch e is asked for
     curve_keys: Optional[str] = None  # a keys dir (client.key_secret + server.key) for CURVE; None: env LOADER_CURVE_KEYS
     # an endpoint tcp://NAME:port stands for every address NAME resolves to, looked up again this often
@@ -83,7 +86,7 @@ class LoaderConfig:
         checks = [
             ("rank", 0 <= self.rank < self.spec.world_size), ("prefetch", 1 <= self.prefetch <= 256),
             ("timeout", self.timeout > 0), ("echo", self.echo >= 1),
-            ("replica_timeout", self.replica_timeout > 0), ("heartbeat_s", self.heartbeat_s > 0),
+            ("replica_timeout", self.replica_timeout > 0), ("heartbeat_s", 0 < self.heartbeat_s <= MAX_HEARTBEAT_S),
             ("dns_refresh_s", self.dns_refresh_s >= 0), ("expect_replicas", 0 <= self.expect_replicas <= 64),
             ("device_prefetch", 1 <= self.device_prefetch <= 8), ("lanes", 0 <= self.lanes <= 8),
             ("dtype", self.dtype in ("float32", "float16", "bfloat16")),

@@ -128,7 +128,7 @@ class Connections:
             stream=stream, spec=c.spec, epoch=epoch, rank=c.rank, origin=self.origin, entry=self.entry,
             slots=slots, job=c.job, window=min(self.window, P.MAX_WINDOW),
             batches=list(batches), lookahead=lookahead, client=self._client_id,
-            local=r.endpoint in self.colocated))
+            local=r.endpoint in self.colocated, heartbeat=c.heartbeat_s))
 
     def _slots(self, r: Replica) -> Tuple[int, int]:
         """(the slots ``r``'s streams ask for, the most batches of ``r`` lent in place at once):

@@ -120,9 +120,15 @@ class HandshakeWatch:
 
     def check(self, event: int, value: int) -> None:
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            # the service's ZAP handler refuses an unknown key, and (with or without keys) an address
+            # many of whose connections it could not close (loader_service/dispatch/silence.py)
+            if self.keys is None:
+                raise LoaderError(AUTH_FAILED, f"the service at {self.endpoint} refused this client's address at the "
+                                  f"handshake (ZAP status {value}): it refuses an address that left it many "
+                                  "connections it cannot close (its log says which; a restart clears it)")
             raise LoaderError(AUTH_FAILED, f"authentication failed: the service at {self.endpoint} refused this "
-                              f"client's CURVE key ({self.keys.directory if self.keys else '?'}/{CLIENT}.key is not in "
-                              f"its keys directory; ZAP status {value})")
+                              f"client's CURVE key ({self.keys.directory}/{CLIENT}.key is not in its keys directory), "
+                              f"or its address (ZAP status {value})")
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             if self.keys is None:
                 raise LoaderError(AUTH_FAILED, f"authentication failed: the service at {self.endpoint} requires "

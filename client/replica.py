@@ -54,7 +54,9 @@ class Replica:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)  # reconnect with exponential backoff ...
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # ... up to 2 s between tries
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))  # libzmq's default: 30 s
-        # heartbeats from our side too: a frozen service (or a dead link) reads as a disconnect
+        # heartbeats: a frozen service (or a dead link) reads as a disconnect; and the PINGs tell the
+        # service this client lives while its trainer is busy (it sends none of its own: it cuts a
+        # connection that brings nothing for 3 of these, loader_service/dispatch/silence.py)
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_s * 3000))
         secure_dealer(sock, curve)  # CURVE keys, if any (client/curve.py)

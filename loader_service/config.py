@@ -62,7 +62,9 @@ class ServiceConfig:
         "batch slots to a job that needs them; it gets slots again with its next request")] = 10.0
     on_error: Annotated[str, opt("a sample that fails to decode: fail the client's epoch with the reason (raise) "
                                  "or deliver the batch without it (skip)", choices=ON_ERROR)] = "raise"
-    heartbeat_s: Annotated[float, opt("ZMTP heartbeat interval; silent peers are dropped after 3 intervals")] = 2.0
+    heartbeat_s: Annotated[float, opt(
+        "how often data-port connections are looked at for silence: one that has brought nothing (not even its "
+        "client's ZMTP PINGs) for 3 of its client's heartbeats, and never less than 3 of these, is cut")] = 2.0
     max_sessions: Annotated[int, opt(
         "sessions (connections that said Hello) at once; a Hello past it is refused with no_capacity naming this "
         "cap (each session costs a few KB, and while it streams one shared-memory segment and its descriptor)")] = 8192
@@ -74,6 +76,11 @@ class ServiceConfig:
     client_allowance_rate: Annotated[float, opt(
         "units a second each data-port connection's allowance earns back whatever it is sent (a stream's Hello "
         "and first Requests, a Describe)")] = 256.0
+    max_stranded_per_address: Annotated[int, opt(
+        "data-port connections from one address that libzmq never closed after they were cut (a peer that opened a "
+        "second connection under the identity of one still sending); past it that address is refused new "
+        "connections at the handshake until the service stops, as each keeps a descriptor till then (0: never "
+        "refuse)")] = 32
     max_waiting: Annotated[int, opt(
         "new streams waiting at once for batch slots that ending or quiet streams hold; a Hello past it is refused "
         "with no_capacity naming this cap (the client retries)")] = 256
@@ -209,6 +216,8 @@ class ServiceConfig:
             raise ValueError("max_sample_bytes, max_http_connections, max_http_body_bytes, http_receipt_s and "
                              f"loop_answer_s must be positive, got {self.max_sample_bytes}, {self.max_http_connections}, "
                              f"{self.max_http_body_bytes}, {self.http_receipt_s} and {self.loop_answer_s}")
+        if self.max_stranded_per_address < 0:
+            raise ValueError(f"max_stranded_per_address must be >= 0, got {self.max_stranded_per_address}")
         if self.client_allowance < 1 or self.client_allowance_rate < 0:
             raise ValueError(f"client_allowance must be >= 1 and client_allowance_rate >= 0, got "
                              f"{self.client_allowance} and {self.client_allowance_rate}")

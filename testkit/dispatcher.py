@@ -73,7 +73,12 @@ class Driven:
         self.sending: List[E.LetGo] = []  # batches libzmq has not let go of yet
         self.assigned: List[E.Assign] = []
         self.killed: List[int] = []
-        self.cut: List[int] = []  # fds of connections cut for flooding
+        self.cut: List[int] = []  # fds of connections cut (flooding, silence)
+        self.quiet: Dict[int, float] = {}  # fd -> how long its connection has brought no data (what a Probe reads; 0 if unset)
+        self.probes = 0
+        self.address = "10.0.0.1"  # every connection's peer address, as a Probe reads it
+        self.denied: List[str] = []  # addresses refused at the handshake (Deny)
+        self.stranding: Set[int] = set()  # fds whose connection libzmq never closes once cut (its reading stopped)
         self.cut_marks: List[Tuple[int, int, int, float]] = []  # (fd, len(sent), len(batches), now) at each cut
         self.unmapped: List[str] = []
         self.trims = 0
@@ -114,8 +119,13 @@ class Driven:
         elif isinstance(c, E.Cut):
             self.cut.append(c.fd)
             self.cut_marks.append((c.fd, len(self.sent), len(self.batches), self.now))
-            if self.state.sessions.serial(c.fd) == c.serial:
+            if self.state.sessions.serial(c.fd) == c.serial and c.fd not in self.stranding:
                 self.event(zmq.EVENT_DISCONNECTED, c.fd)  # libzmq closes it; the monitor says so
+        elif isinstance(c, E.Probe):
+            self.probes += 1
+            queue.append(E.Quiet(tuple((fd, serial, self.quiet.get(fd, 0.0), self.address) for fd, serial in c.connections)))
+        elif isinstance(c, E.Deny):
+            self.denied.append(c.address)
         elif isinstance(c, E.Unmap):
             self.unmapped.append(c.name)
         elif isinstance(c, E.TrimHeap):

@@ -1,7 +1,8 @@
 """Hostile peers and what to watch them by, shared by the tests and bench/reliability: a REST
 client that never finishes its headers (:func:`half_open`), a ZeroMQ peer whose frame claims a
 gigabyte (:class:`RoguePeer`), a ZeroMQ client made by hand that floods the data port and may
-reset its connection (:func:`zmtp_dealer`, :func:`flood_and_reset`), and a service's worker processes and zombies
+reset its connection (:func:`zmtp_dealer`, :func:`flood_and_reset`), or take its own identity over
+and reset (:func:`handover_and_reset`), and a service's worker processes and zombies
 (:func:`workers`, :func:`zombies`). Loopback only."""
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import socket
 import struct
 import threading
 
+import msgpack
 import psutil
+
+from wire import protocol as P
 
 HALF_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: "  # headers never end
 
@@ -88,7 +92,9 @@ def zmtp_dealer(port: int, identity: bytes = b"") -> socket.socket:
         _recv_exact(conn, 64)
         conn.sendall(_frame(b"\x05READY" + _prop(b"Socket-Type", b"DEALER")
                             + _prop(b"Identity", identity or os.urandom(8)), 0x04))
-        _recv_frame(conn)  # the service's READY
+        reply = _recv_frame(conn)  # the service's READY, or an ERROR (a ZAP handler refused it)
+        if not reply.startswith(b"\x05READY"):
+            raise ConnectionError(f"the service refused the handshake: {reply[7:].decode(errors='replace')}")
     except BaseException:
         conn.close()
         raise
@@ -116,8 +122,47 @@ def flood_and_reset(port: int, messages: int = 200, ping_every: int = 10, body: 
     try:
         conn.sendall(zmtp_burst(messages, body, ping_every))
     finally:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        conn.close()  # a reset, not a FIN
+        _reset(conn)
+
+
+def _reset(conn: socket.socket) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.close()  # a reset, not a FIN
+
+
+def handover_and_reset(port: int, messages: int = 200, identity: bytes = b"") -> None:
+    """Two hand-made connections under one identity: the second takes the identity over
+    (``ROUTER_HANDOVER`` ends the first's pipe; the answers to their Describes say the ROUTER has
+    attached the first, then the second), then the first sends ``messages`` (libzmq stops reading it at the first, which it cannot deliver, for
+    good), and both reset. libzmq 4.3.5 aborted a ROUTER that sent heartbeats once its timer met
+    the first's reset (docs/reliability.md, Known limits)."""
+    identity = identity or os.urandom(8)
+    first = zmtp_dealer(port, identity)
+    try:
+        _described(first)  # the ROUTER has attached it: the identity is the first's
+        second = zmtp_dealer(port, identity)
+        try:
+            _described(second)  # and now the second's
+            first.sendall(zmtp_burst(messages))
+        finally:
+            _reset(second)
+    finally:
+        _reset(first)
+
+
+def _described(conn: socket.socket) -> None:
+    """Send a Describe and read up to its answer: once it comes, the ROUTER reads this connection."""
+    conn.sendall(_frame(P.encode(P.Describe())[0]))
+    while not _is_type(_recv_frame(conn), P.MsgType.DATASET_INFO):
+        pass
+
+
+def _is_type(body: bytes, t: int) -> bool:
+    try:
+        header = msgpack.unpackb(body)
+    except Exception:  # not a header: a data frame
+        return False
+    return isinstance(header, dict) and header.get("t") == t
 
 
 class RoguePeer:

@@ -156,6 +156,10 @@ class ServiceProcess:
             if READY_RE.search(line):
                 return line
 
+    def assert_alive(self) -> None:
+        """Fail with the exit code and the log's tail if the process has exited."""
+        assert self.proc.poll() is None, f"the service exited {self.proc.returncode}:\n" + "\n".join(self.stderr_tail)
+
     def status(self) -> dict:
         with urllib.request.urlopen(f"{self.url}/v1/status", timeout=10) as r:
             return json.loads(r.read())

@@ -34,6 +34,10 @@ from wire.jobspec import JobSpec, check_pipeline
 PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
+# how often a client sends ZMTP PINGs unless it says otherwise (Hello.heartbeat): the service cuts
+# a connection that brings nothing for 3 of them (loader_service.dispatch.silence)
+DEFAULT_HEARTBEAT_S = 2.0
+MAX_HEARTBEAT_S = 3600.0
 MAX_WINDOW = 1 << 14  # the most batches a stream may have asked and not yet been sent (Hello.window)
 MAX_ERROR_MESSAGE = 2048  # characters of an Error's message (its traceback is the worker's own, kept whole)
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, zmq copying is cheaper than tracking a buffer
@@ -114,10 +118,17 @@ class Hello(Message):
     # co-located (the client reached DatasetInfo.probe): batches are handed over in the service's shared
     # memory (Batch.local) and handed back with Release, instead of crossing the socket
     local: bool = False
+    # how often this client's socket sends ZMTP PINGs, seconds: the service cuts its connection when
+    # nothing (not even a PING) came for 3 of them. Sent only when not the default, so a default Hello
+    # is what a service without the field reads
+    heartbeat: float = DEFAULT_HEARTBEAT_S
 
     def check(self) -> None:
         _range(self, "stream", 0)
         _range(self, "window", 0, MAX_WINDOW)
+        if not 0 < self.heartbeat <= MAX_HEARTBEAT_S:
+            raise ProtocolError(f"Hello.heartbeat must be in (0, {MAX_HEARTBEAT_S:g}] seconds, got {self.heartbeat}",
+                                ErrorCode.BAD_JOB)
         self.spec.check()
         _check_batches(self.batches)
         _range(self, "epoch", 0, (1 << 31) - 1)

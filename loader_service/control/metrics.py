@@ -31,6 +31,10 @@ class StatusCollector(Collector):
             ("loader_streams", "streams", "Client streams (rank-epochs) started."),
             ("loader_floods_cut", "floods_cut",
              "Data-port connections cut for sending past their allowance (--client-allowance)."),
+            ("loader_silent_connections_cut", "silent_cut",
+             "Data-port connections cut for bringing nothing (not even a ZMTP PING) for 3 of their client's heartbeats."),
+            ("loader_denied_addresses", "denied_addresses",
+             "Peer addresses refused new data-port connections for their stranded ones (--max-stranded-per-address)."),
             ("loader_flooded_messages", "flooded_messages",
              "Client messages dropped unread: past a connection's allowance, or from one cut lately."),
             ("loader_refused_handshakes", "refused_handshakes",
@@ -44,6 +48,11 @@ class StatusCollector(Collector):
             g.add_metric([state], w["counts"].get(state, 0))
         yield g
         yield CounterMetricFamily("loader_worker_deaths", "Workers that died unexpectedly.", value=w["deaths"])
+        conns = GaugeMetricFamily("loader_connections", "Data-port connections (/v1/status connections): open, "
+                                  "sessions, pending, waiting, stranded.", labels=["kind"])
+        for kind, n in s.get("connections", {}).items():
+            conns.add_metric([kind], n)
+        yield conns
         stage = CounterMetricFamily("loader_stage_seconds", "Seconds spent per stage (workers and clients).",
                                     labels=["stage"])
         for k, v in s["stage_s"].items():

@@ -55,7 +55,8 @@ def snapshot(d: "Dispatcher", autoscaler: Optional[Autoscaler] = None) -> Servic
         decode_path=decode_path(),
         shm_limit_bytes=st.memory.max_bytes, skipped_recent=list(st.recent_skips),
         connections={"open": st.sessions.connections, "sessions": len(st.sessions),
-                     "pending": st.sessions.pending, "waiting": len(st.memory.waiting)},
+                     "pending": st.sessions.pending, "waiting": len(st.memory.waiting),
+                     "stranded": st.silence.stranded},
     )
 
 

@@ -129,16 +129,23 @@ class RefusalLog:
 
 
 class DataPortGuard:
-    """What secures the data port: the ZAP authenticator (with keys) and the count of refused
-    handshakes. Lives on the dispatcher thread; :meth:`close` before the context's ``term``."""
+    """What secures the data port: the ZAP authenticator (client keys with CURVE; refused peer
+    addresses in any case) and the count of refused handshakes. Lives on the dispatcher thread;
+    :meth:`close` before the context's ``term``."""
 
-    def __init__(self, auth=None, clients: Optional[ClientKeyDirectory] = None):
+    def __init__(self, auth, clients: Optional[ClientKeyDirectory] = None):
         self.auth, self.clients = auth, clients
         self._log = RefusalLog()
 
     @property
     def curve(self) -> bool:
-        return self.auth is not None
+        return self.clients is not None
+
+    def deny(self, address: str) -> None:
+        """Refuse new connections from ``address`` at the handshake, from now on (the
+        authenticator's thread reads the set; adding to it is atomic)."""
+        if self.auth is not None:
+            self.auth.deny(address)
 
     def authorized(self, user_id: str, now: float) -> bool:
         """Whether the client whose messages carry ZAP ``user_id`` (its z85 public key) may still
@@ -172,11 +179,19 @@ class DataPortGuard:
 
 def secure_router(ctx: zmq.Context, sock: zmq.Socket, keys_dir: str) -> DataPortGuard:
     """Make ``sock`` (not bound yet) a CURVE server that admits the client keys in
-    ``keys_dir``; with no ``keys_dir``, plain ZMTP (handshake failures still counted)."""
-    if not keys_dir:
-        return DataPortGuard()
+    ``keys_dir``; with no ``keys_dir``, plain ZMTP (handshake failures still counted). Either
+    way a ZAP handler runs, which refuses the addresses :meth:`DataPortGuard.deny` names."""
     from zmq.auth.thread import ThreadAuthenticator
 
+    if not keys_dir:
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("loader_service.zap"))
+        auth.start()  # NULL mechanism: every address not denied is admitted
+        # The ZAP domain makes libzmq ask the handler (without one, nothing), and refuse peers that
+        # speak ZMTP 1.0 or 2.0 (zmtp_engine.cpp), as CURVE does: their messages carry no metadata,
+        # so no fd (SRCFD) to tie them to a connection, and five bytes of such a handshake used to
+        # stop the loop. With CURVE it stays unset: the key check answers domain "*" only.
+        sock.setsockopt(zmq.ZAP_DOMAIN, b"loader-data")
+        return DataPortGuard(auth)
     directory = Path(keys_dir)
     if not directory.is_dir():
         raise FileNotFoundError(f"--curve-keys {keys_dir}: no such directory (make one with: loader-service keys DIR)")

@@ -95,6 +95,15 @@ class CommandFailed:
 
 
 @dataclass(frozen=True)
+class Quiet:
+    """How long each connection asked about by a :class:`Probe` has brought no data (the kernel's
+    ``TCP_INFO``), and its peer's address: (fd, serial, seconds, address). A connection the
+    shell could not read is left out."""
+
+    readings: Tuple[Tuple[int, int, float, str], ...]
+
+
+@dataclass(frozen=True)
 class Tick:
     """The end of a round of events: deadlines, slots to lend or give back, idle workers to fill."""
 
@@ -124,7 +133,7 @@ class Closed:
 
 
 Event = Union[Accepted, Disconnected, HandshakeRefused, ClientMessage, WorkerDone, WorkerLost, LetGo, Unreachable,
-              CommandFailed, Tick, HeapTrimmed, StopAsked, Closing, Closed]
+              CommandFailed, Quiet, Tick, HeapTrimmed, StopAsked, Closing, Closed]
 
 
 # ---------------------------------------------------------------------- commands (state -> shell)
@@ -180,10 +189,26 @@ class Kill:
 @dataclass(frozen=True)
 class Cut:
     """Shut down connection ``fd`` (serial ``serial`` in the sessions' table) if it is still that
-    one: it sent past its allowance (:mod:`.flood`)."""
+    one: it sent past its allowance (:mod:`.flood`), or brought nothing for too long (:mod:`.silence`)."""
 
     fd: int
     serial: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Read how long each connection (fd, serial) has brought no data; answered by :class:`Quiet`
+    (:mod:`.silence`)."""
+
+    connections: Tuple[Tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Deny:
+    """Refuse new data-port connections from ``address`` at the handshake (ZAP), from now on: it
+    has stranded connections (:mod:`.silence`)."""
+
+    address: str
 
 
 @dataclass(frozen=True)
@@ -203,8 +228,8 @@ class EndLoop:
     """Stop serving now (a stop asked, and what was in flight has gone out or its time is up)."""
 
 
-Command = Union[Send, SendData, Assign, Kill, Cut, Unmap, TrimHeap, EndLoop]
+Command = Union[Send, SendData, Assign, Kill, Cut, Probe, Deny, Unmap, TrimHeap, EndLoop]
 
-__all__ = ["Accepted", "Assign", "ClientMessage", "Closed", "Closing", "Command", "CommandFailed", "Cut", "Disconnected",
-           "EndLoop", "Event", "HandshakeRefused", "HeapTrimmed", "Kill", "LetGo", "Send", "SendData", "StopAsked",
-           "Tick", "TrimHeap", "Unmap", "Unreachable", "WorkerDone", "WorkerLost"]
+__all__ = ["Accepted", "Assign", "ClientMessage", "Closed", "Closing", "Command", "CommandFailed", "Cut", "Deny",
+           "Disconnected", "EndLoop", "Event", "HandshakeRefused", "HeapTrimmed", "Kill", "LetGo", "Probe", "Quiet",
+           "Send", "SendData", "StopAsked", "Tick", "TrimHeap", "Unmap", "Unreachable", "WorkerDone", "WorkerLost"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import signal
 import struct
@@ -34,7 +35,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import zmq
@@ -55,6 +56,13 @@ from loader_service.workers.pool import WorkerPool
 log = logging.getLogger("loader_service.dispatch.loop")
 
 CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued may take to leave
+# struct tcp_info (linux/tcp.h): __u8 tcpi_state at byte 0, __u32 tcpi_last_data_recv (ms since
+# data last came) at byte 52; the states of a connection its peer has closed or reset (net/tcp_states.h)
+TCP_INFO_LAST_DATA_RECV = 52
+TCP_PEER_CLOSED = (7, 8)  # TCP_CLOSE, TCP_CLOSE_WAIT
+TCP_INFO_BYTES = TCP_INFO_LAST_DATA_RECV + 4
+SO_PEERNAME = getattr(socket, "SO_PEERNAME", 28)  # Linux's number; the socket module may not name it
+SOCKADDR_IN_BYTES, SOCKADDR_IN6_BYTES = 16, 28
 MAX_LANES_TOTAL = 256  # bulk lanes of all clients together (a sender thread each); past it a lane is closed
 
 
@@ -163,6 +171,11 @@ class Dispatcher:
             self._guarded(c.ident, "handing its batch to a worker", self._assign, c)
         elif isinstance(c, E.Cut):
             self._cut(c)
+        elif isinstance(c, E.Probe):
+            self._events.append(E.Quiet(tuple((fd, serial, *reading) for fd, serial in c.connections
+                                              if (reading := quiet_s(fd)) is not None)))
+        elif isinstance(c, E.Deny):
+            self.guard.deny(c.address)
         elif isinstance(c, E.Unmap):
             self.pool.unmap(c.name)
         elif isinstance(c, E.Kill):
@@ -496,8 +509,10 @@ def _data_port(config: ServiceConfig):
         # a send to an identity whose connection is gone fails at once instead of vanishing: the
         # session is dropped then, even when the monitor's disconnect was read before its Hello
         (zmq.ROUTER_MANDATORY, 1),
-        (zmq.HEARTBEAT_IVL, int(config.heartbeat_s * 1000)),
-        (zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_s * 3000)),
+        # no ZMTP heartbeat of ours (HEARTBEAT_IVL 0, the default): ROUTER_HANDOVER stops libzmq
+        # reading the connection whose identity a new one took, and a reset on it then met our
+        # heartbeat timer: the abort above. The clients' PINGs (answered by libzmq) keep coming,
+        # and the loop cuts a connection that brings nothing for 3 of them (silence.py: E.Probe)
     ):
         front.setsockopt(opt, val)
     try:
@@ -506,12 +521,6 @@ def _data_port(config: ServiceConfig):
         front.close(0)
         ctx.term()
         raise
-    if not guard.curve:
-        # A ZAP domain makes libzmq refuse peers that speak ZMTP 1.0 or 2.0 (zmtp_engine.cpp), as
-        # CURVE does: their messages carry no metadata, so no fd (SRCFD) to tie them to a
-        # connection, and five bytes of such a handshake used to stop the loop. No ZAP handler
-        # runs without CURVE, so the domain asks nothing of anyone else.
-        front.setsockopt(zmq.ZAP_DOMAIN, b"loader-data")
     monitor = front.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
     try:
         if config.data_port == 0:
@@ -526,6 +535,52 @@ def _data_port(config: ServiceConfig):
         ctx.term()
         raise cannot_bind("data", config.host, config.data_port, exc.errno) from None
     return ctx, front, guard, monitor, port
+
+
+def quiet_s(fd: int) -> Optional[Tuple[float, str]]:
+    """How long TCP connection ``fd`` has brought no data, by the kernel's clock (``TCP_INFO``'s
+    ``last_data_recv``; infinity once its peer has closed or reset it: a connection libzmq reads
+    is closed within milliseconds then, so one still open is one it no longer reads), and its
+    peer's address (``SO_PEERNAME``, which a connection already reset still answers, unlike
+    getpeername; "" if unknown); None if ``fd`` is no TCP socket now (closed meanwhile). The fd
+    is read through a dup, so closing the dup leaves libzmq's. A number reused by a newer
+    connection reads as that one, quiet for a short while: never cut for it (the cut checks the
+    fd again: :meth:`Dispatcher._cut`)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        held = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+    with held:
+        try:
+            info = held.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+        except OSError:
+            return None
+        try:
+            # the kernel answers only a buffer no longer than the address: a sockaddr_in(6)'s size
+            size = SOCKADDR_IN6_BYTES if held.family == socket.AF_INET6 else SOCKADDR_IN_BYTES
+            address = peer_address(held.getsockopt(socket.SOL_SOCKET, SO_PEERNAME, size))
+        except OSError:
+            address = ""
+    if len(info) < TCP_INFO_BYTES:
+        return None
+    if info[0] in TCP_PEER_CLOSED:
+        return math.inf, address
+    return struct.unpack_from("=I", info, TCP_INFO_LAST_DATA_RECV)[0] / 1000.0, address
+
+
+def peer_address(raw: bytes) -> str:
+    """The IP address in a ``struct sockaddr`` (IPv4 or IPv6) as ZAP names it; "" for another family."""
+    family = struct.unpack_from("=H", raw)[0] if len(raw) >= 2 else -1
+    if family == socket.AF_INET and len(raw) >= 8:
+        return socket.inet_ntop(socket.AF_INET, raw[4:8])
+    if family == socket.AF_INET6 and len(raw) >= 24:
+        return socket.inet_ntop(socket.AF_INET6, raw[8:24])
+    return ""
 
 
 def cannot_bind(port: str, host: str, number: int, err: int) -> OSError:

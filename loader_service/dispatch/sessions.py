@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
+from wire import protocol as P
 from wire.jobspec import JobSpec
 
 from loader_service.dispatch import heap
@@ -43,6 +44,7 @@ class Session:
     fd_gen: int = 0  # the serial of the connection it is bound to (see :class:`Sessions`)
     job: str = ""
     client: str = ""  # the loader instance behind this connection (Hello.client)
+    heartbeat_s: float = P.DEFAULT_HEARTBEAT_S  # how often its client sends ZMTP PINGs (Hello.heartbeat)
     rank: int = -1
     spec: Optional[JobSpec] = None  # its job's spec (dataset resolved) while it holds a rank of a named job (jobs.py)
     run: Optional[Tuple[int, int]] = None  # (epoch, entry) of its rank's stream: ranks of a job resume alike
@@ -135,6 +137,10 @@ class Sessions:
                 break
             out.append(fd)
         return out
+
+    def confirmed(self) -> Iterator[Tuple[int, int]]:
+        """(fd, serial) of every open connection whose accept the monitor has reported."""
+        return ((fd, serial) for fd, serial in self._open.items() if fd not in self._early)
 
     def serial(self, fd: int) -> int:
         """The serial of the connection open on ``fd`` (0: none is)."""

@@ -16,7 +16,9 @@ Its parts, each pure:
 * :class:`~loader_service.dispatch.tasks.Tasks`: tasks on workers and their deadlines;
 * :class:`~loader_service.dispatch.scheduler.Scheduler`: which stream an idle worker serves;
 * :class:`~loader_service.dispatch.sessions.Sessions`: connections and their identities;
-* :class:`~loader_service.dispatch.flood.FloodGuard`: what each connection may still send.
+* :class:`~loader_service.dispatch.flood.FloodGuard`: what each connection may still send;
+* :class:`~loader_service.dispatch.silence.SilenceWatch`: when connections are looked at for silence,
+  which were cut for it, which of those libzmq will never close.
 
 The worker pool is read, never changed, here (which workers can take a task, what the one on a
 task is doing); the shell changes it by the commands.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import traceback
 from collections import deque
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
@@ -40,7 +43,7 @@ import numpy as np
 
 from wire import protocol as P
 from loader_service.config import ServiceConfig
-from loader_service.dispatch import door, flood, heap, local, sending, status
+from loader_service.dispatch import door, flood, heap, local, sending, silence, status
 from loader_service.dispatch.door import Life
 from loader_service.dispatch import events as E
 from loader_service.decode.pipelines import Registry
@@ -83,6 +86,7 @@ class DispatchState:
                                                                     max_skipped=config.max_skipped))
         self.sessions = Sessions()
         self.flood = flood.FloodGuard(config.client_allowance, config.client_allowance_rate)
+        self.silence = silence.SilenceWatch(config.heartbeat_s, config.max_stranded_per_address)
         cap, hint = slot_cap(config.max_shm_bytes)
         self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint)
         self.tasks = Tasks(TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s), config.on_error)
@@ -109,6 +113,8 @@ class DispatchState:
                                      traceback.format_exc())
         elif isinstance(event, E.Tick):
             self._on_tick()
+        elif isinstance(event, E.Quiet):
+            self._on_quiet(event)
         elif isinstance(event, E.LetGo):
             with self._for_client(event.stream.ident, "letting go of a sent batch"):
                 event.stream.state.send_complete(event.slot)
@@ -119,10 +125,12 @@ class DispatchState:
             self._on_worker_lost(event)
         elif isinstance(event, E.Accepted):
             self.flood.forget(event.fd)
+            self.silence.forget(event.fd)
             self.sessions.accepted(event.fd)
             self._trim_rule.connections(self.sessions.connections)
         elif isinstance(event, E.Disconnected):
             self.flood.forget(event.fd)
+            self.silence.forget(event.fd)
             ident = self.sessions.disconnected(event.fd)
             if ident is not None:
                 self._drop_client(ident, "disconnected")
@@ -158,9 +166,11 @@ class DispatchState:
 
     def next_deadline(self, now: float) -> Optional[float]:
         """The next time something is due without an event: a task deadline, the time a quiet
-        stream's slots may be lent, a connection's late accept, the end of a draining stop."""
+        stream's slots may be lent, a connection's late accept, the next look for silent
+        connections, the end of a draining stop."""
+        silence_at = self.silence.next_at if self.sessions.connections else None
         ends = [t for t in (self.tasks.next_deadline(), self.memory.next_lend_at(now), self.sessions.next_early_due(),
-                            self.stop_by) if t is not None]
+                            silence_at, self.silence.next_strand_at(), self.stop_by) if t is not None]
         return min(ends) if ends else None
 
     def drained(self, now: float) -> bool:
@@ -317,6 +327,7 @@ class DispatchState:
         if stale is not None:
             return self._refuse(session.ident, hello, stale)
         session.stream_id, session.job, session.client = hello.stream, hello.job, hello.client
+        session.heartbeat_s = hello.heartbeat
         self.memory.waiting.pop(session.ident, None)
         self.memory.moved_on(session.ident, session.stream)  # co-located: it reads nothing it borrowed any more
         if session.stream is not None:
@@ -543,11 +554,47 @@ class DispatchState:
         self._opened(self.memory.release_idle(self._now))  # retired streams nothing reads any more
         self._opened(self.memory.lend_if_due(self._now))  # a quiet stream's slots may be lent now
         self._schedule()
+        if self.sessions.connections and self.silence.due(self._now):
+            self.silence.looked(self._now)
+            self._out.append(E.Probe(tuple((fd, serial) for fd, serial in self.sessions.confirmed()
+                                           if not self.silence.is_cut(fd, serial))))
+        for address in self.silence.strand(self._now):
+            self.totals.denied_addresses += 1
+            log.error("refusing new connections from %s from now on: %d of its connections were cut and libzmq never "
+                      "closed them (a peer that opened a second connection under the identity of one still sending: "
+                      "libzmq stops reading the first for good); each keeps a descriptor until the service stops "
+                      "(--max-stranded-per-address %d)", address, self.silence.denied[address],
+                      self.silence.max_per_address)
+            self._out.append(E.Deny(address))
         if self._trim_due:
             self._trim_due = False
-            for part in (self.sessions, self.scheduler, self.tasks, self.memory, self.flood):
+            for part in (self.sessions, self.scheduler, self.tasks, self.memory, self.flood, self.silence):
                 part.compact()
             self._out.append(E.TrimHeap())
+
+    def _on_quiet(self, ev: E.Quiet) -> None:
+        """Cut each connection that has brought nothing for longer than its limit (:mod:`.silence`);
+        its session is dropped at once (its client reconnects and resumes if it was only frozen)."""
+        for fd, serial, quiet_s, address in ev.readings:
+            if self.sessions.serial(fd) != serial or self.sessions.is_early(fd):
+                continue  # gone, or its fd a newer connection's, since the probe was commanded
+            ident = self.sessions.owner(fd)
+            session = self.sessions.get(ident) if ident is not None else None
+            limit = self.silence.limit(session.heartbeat_s if session is not None else P.DEFAULT_HEARTBEAT_S)
+            if not self.silence.silent(fd, serial, quiet_s, limit, self._now, address):
+                continue
+            self.totals.silent_cut += 1
+            who = (f"the connection of client {ident.hex()[:12]}" if ident is not None
+                   else f"a connection that has not said Hello (fd {fd})")
+            if quiet_s == math.inf:
+                why = "its peer has closed it and libzmq has not (it may have stopped reading it)"
+            else:
+                why = (f"nothing came over it for {quiet_s:.1f} s (the limit: {limit:.1f} s, "
+                       f"{silence.SILENT_AFTER} of its heartbeats)")
+            refused_log.warning("cut %s from %s: %s", who, address or "an unknown address", why)
+            self._out.append(E.Cut(fd, serial))
+            if ident is not None:
+                self._drop_client(ident, f"was cut: {why}")
 
     def _expire_unreported(self) -> None:
         """Connections opened on a message whose accept never came were gone before it was read

@@ -113,6 +113,8 @@ class Totals:
     revoked: int = 0  # streams ended because their client's CURVE key was removed
     floods_cut: int = 0  # connections cut for sending past their allowance (dispatch/flood.py)
     flooded_messages: int = 0  # messages dropped unread: past an allowance, or from a connection or identity cut
+    silent_cut: int = 0  # connections cut for bringing nothing for 3 of their client's heartbeats (dispatch/silence.py)
+    denied_addresses: int = 0  # peer addresses refused new connections for their stranded ones (dispatch/silence.py)
     stale_messages: int = 0  # dropped unread: from an older connection on the fd number another client's now has
     heap_trims: int = 0  # free heap given back to the system after many sessions left (dispatch/heap.py)
     read_s: float = Field(0.0, exclude=True)  # workers' reading, summed over tasks
@@ -181,7 +183,8 @@ class ServiceStatus(_Frozen):
     shm_limit_bytes: int = 0  # the cap on shm_bytes (--max-shm-mb)
     skipped_recent: List[SkippedSample] = []  # the last SKIPS_SHOWN samples skipped (on_error=skip), oldest first
     # data-port connections: "open" (per the monitor), "sessions" (said Hello; ``clients`` lists
-    # them one per client), "pending" (open, no session), "waiting" (new streams waiting for slots)
+    # them one per client), "pending" (open, no session), "waiting" (new streams waiting for slots),
+    # "stranded" (open, of them: cut, and libzmq will not close them before the service stops: dispatch/silence.py)
     connections: Dict[str, int] = {}
     shard_cache: Dict[str, Dict[str, float]] = {}  # dataset in object storage -> its shard cache's counters
     # every client, of which ``clients`` lists ``clients_listed`` (at most CLIENTS_SHOWN, the

@@ -1,0 +1,321 @@
+"""Silent and stranded connections (loader_service/dispatch/silence.py): the rule on its own, then
+through the real dispatch state (testkit/dispatcher.py), where a Probe is answered with the
+quiet times the test sets, and a model with random interleavings of every event checked against
+a recount from each connection's history."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Dict
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from wire import protocol as P
+from wire.errors import ProtocolError
+from wire.jobspec import JobSpec
+from loader_service.config import ServiceConfig
+from loader_service.dispatch import events as E
+from loader_service.dispatch.silence import SILENT_AFTER, STRANDED_AFTER_S, SilenceWatch
+from testkit.dispatcher import close, deliver, loopless
+
+SPEC = JobSpec(batch_size=8, image_size=16, seed=1)
+
+
+# ------------------------------------------------------------------ the rule alone
+def test_the_limit_is_three_of_the_clients_heartbeats_and_never_less_than_three_of_the_services():
+    w = SilenceWatch(every_s=0.5, max_per_address=0)
+    assert SILENT_AFTER == 3
+    assert w.limit(2.0) == 6.0 and w.limit(30.0) == 90.0
+    assert w.limit(0.1) == 1.5  # a client that pings faster is still given 3 of the service's
+
+
+def test_a_connection_is_cut_once_and_a_new_one_on_its_fd_number_is_its_own():
+    w = SilenceWatch(every_s=1.0, max_per_address=0)
+    assert not w.silent(5, 1, 5.9, 6.0, now=0.0, address="a")
+    assert w.silent(5, 1, 6.0, 6.0, now=0.0, address="a")
+    assert not w.silent(5, 1, 60.0, 6.0, now=1.0, address="a") and w.is_cut(5, 1)
+    assert w.silent(5, 2, 6.0, 6.0, now=1.0, address="a")  # a later connection on fd 5, its report missed
+    w.forget(5)
+    assert not w.is_cut(5, 2) and w.next_strand_at() is None
+
+
+def test_a_cut_connection_never_reported_gone_is_stranded_and_its_address_refused_at_the_cap():
+    w = SilenceWatch(every_s=1.0, max_per_address=3)
+    for fd, t in ((5, 0.0), (6, 0.5), (7, 1.0), (8, 1.0)):
+        w.silent(fd, 1, math.inf, 6.0, now=t, address="10.0.0.9" if fd != 8 else "10.0.0.7")
+    assert w.next_strand_at() == STRANDED_AFTER_S
+    assert w.strand(STRANDED_AFTER_S - 0.01) == [] and w.stranded == 0
+    assert w.strand(STRANDED_AFTER_S + 0.5) == [] and w.stranded == 2  # fds 5 and 6
+    w.forget(6)  # closed after all (late): no longer counted
+    assert w.stranded == 1 and w.next_strand_at() == 1.0 + STRANDED_AFTER_S
+    assert w.strand(10.0) == [] and w.stranded == 3  # 10.0.0.9 has 2 (5, 7), 10.0.0.7 one
+    w.silent(9, 1, math.inf, 6.0, now=10.0, address="10.0.0.9")
+    assert w.strand(20.0) == ["10.0.0.9"] and w.denied == {"10.0.0.9": 3}
+    w.silent(10, 1, math.inf, 6.0, now=20.0, address="10.0.0.9")
+    assert w.strand(30.0) == []  # refused once
+
+
+def test_a_stranded_connection_reported_gone_late_no_longer_counts_towards_its_addresss_cap():
+    w = SilenceWatch(every_s=1.0, max_per_address=2)
+    w.silent(5, 1, 9.0, 6.0, now=0.0, address="10.0.0.9")
+    assert w.strand(10.0) == [] and w.stranded == 1
+    w.forget(5)
+    w.silent(6, 1, 9.0, 6.0, now=10.0, address="10.0.0.9")
+    assert w.strand(20.0) == [] and w.stranded == 1  # one at a time: never two
+    w.silent(7, 1, 9.0, 6.0, now=20.0, address="10.0.0.9")
+    assert w.strand(30.0) == ["10.0.0.9"]
+
+
+def test_no_cap_refuses_nobody_and_an_unknown_address_is_never_refused():
+    w = SilenceWatch(every_s=1.0, max_per_address=0)
+    for fd in range(10):
+        w.silent(fd, 1, 9.0, 6.0, now=0.0, address="10.0.0.9")
+    assert w.strand(10.0) == [] and w.stranded == 10
+    w = SilenceWatch(every_s=1.0, max_per_address=1)
+    w.silent(1, 1, 9.0, 6.0, now=0.0, address="")
+    assert w.strand(10.0) == [] and w.stranded == 1
+
+
+# ------------------------------------------------------------------ through the dispatch state
+@pytest.fixture(scope="module")
+def source():
+    from loader_service.sources.demo import ensure_demo
+
+    src = ensure_demo(64, quiet=True)
+    yield src
+    src.close()
+
+
+def _state(source, heartbeat: float = 0.5, max_stranded: int = 32):
+    return loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0,
+                                  heartbeat_s=heartbeat, max_stranded_per_address=max_stranded), source, workers=1)
+
+
+def _probe(d, quiet: Dict[int, float], after: float) -> None:
+    """``after`` seconds on, the shell's next round: each connection reads as quiet for ``quiet[fd]``."""
+    d.now += after
+    d.quiet.update(quiet)
+    d.tick()
+
+
+def test_probes_run_every_heartbeat_while_a_connection_is_open_and_never_without_one(source):
+    d = _state(source, heartbeat=0.5)
+    try:
+        assert d.state.next_deadline(d.now) is None
+        d.tick()
+        assert d.probes == 0
+        deliver(d, uuid.uuid4().bytes, P.Describe(), fd=30)
+        d.tick()
+        assert d.probes == 1 and d.state.next_deadline(d.now) == pytest.approx(d.now + 0.5)
+        _probe(d, {}, after=0.4)
+        assert d.probes == 1
+        _probe(d, {}, after=0.1)
+        assert d.probes == 2
+        d.event(zmq.EVENT_DISCONNECTED, 30)
+        d.read_monitor()
+        _probe(d, {}, after=5.0)
+        assert d.probes == 2 and d.state.next_deadline(d.now) is None
+    finally:
+        close(d)
+
+
+@pytest.mark.parametrize("heartbeat, client_heartbeat, limit", [(0.5, None, 6.0), (0.5, 30.0, 90.0), (5.0, None, 15.0),
+                                                               (0.5, 0.2, 1.5)])
+def test_a_session_is_cut_and_dropped_past_three_of_its_clients_heartbeats(source, heartbeat, client_heartbeat, limit):
+    d = _state(source, heartbeat=heartbeat)
+    try:
+        ident, other = uuid.uuid4().bytes, uuid.uuid4().bytes
+        extra = {} if client_heartbeat is None else {"heartbeat": client_heartbeat}
+        deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0], **extra), fd=30)
+        deliver(d, other, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=31)
+        _probe(d, {30: limit - 0.01, 31: 0.0}, after=heartbeat)
+        assert d.cut == [] and ident in d.sessions
+        _probe(d, {30: limit}, after=heartbeat)
+        assert d.cut == [30] and ident not in d.sessions and other in d.sessions
+        assert (d.totals.silent_cut, d.state.silence.stranded) == (1, 0)  # the shell's cut closed it
+        assert d.memory.waiting.get(ident) is None and d.totals.internal_errors == 0
+    finally:
+        close(d)
+
+
+def test_a_connection_that_never_said_hello_is_cut_past_three_default_heartbeats(source):
+    d = _state(source, heartbeat=0.1)
+    try:
+        deliver(d, uuid.uuid4().bytes, P.Describe(), fd=30)
+        _probe(d, {30: 3 * P.DEFAULT_HEARTBEAT_S - 0.01}, after=0.1)
+        assert d.cut == []
+        _probe(d, {30: 3 * P.DEFAULT_HEARTBEAT_S}, after=0.1)
+        d.read_monitor()
+        assert d.cut == [30] and d.sessions.connections == 0
+    finally:
+        close(d)
+
+
+def test_a_connection_its_peer_closed_is_cut_at_the_next_probe_whatever_its_limit(source):
+    d = _state(source, heartbeat=0.5)
+    try:
+        ident = uuid.uuid4().bytes
+        deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0], heartbeat=600.0), fd=30)
+        _probe(d, {30: math.inf}, after=0.5)
+        assert d.cut == [30] and ident not in d.sessions
+    finally:
+        close(d)
+
+
+def test_a_reading_of_a_connection_gone_since_the_probe_touches_the_next_one_on_its_fd_number(source):
+    d = _state(source, heartbeat=0.5)
+    try:
+        first, second = uuid.uuid4().bytes, uuid.uuid4().bytes
+        deliver(d, first, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=30)
+        serial = d.sessions.serial(30)
+        d.event(zmq.EVENT_DISCONNECTED, 30)
+        d.event(zmq.EVENT_ACCEPTED, 30)
+        d.read_monitor()
+        deliver(d, second, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=30)
+        d.handle(E.Quiet(((30, serial, 100.0, "10.0.0.1"),)))  # read for the first connection
+        assert d.cut == [] and second in d.sessions
+    finally:
+        close(d)
+
+
+def test_a_cut_connection_libzmq_never_closes_is_stranded_and_its_address_refused_once(source):
+    d = _state(source, heartbeat=0.5, max_stranded=2)
+    try:
+        d.stranding.update({30, 31, 32})
+        for fd in (30, 31, 32):
+            deliver(d, uuid.uuid4().bytes, P.Describe(), fd=fd)
+        _probe(d, {30: math.inf, 31: math.inf}, after=0.5)
+        assert sorted(d.cut) == [30, 31] and d.sessions.connections == 3
+        _probe(d, {}, after=STRANDED_AFTER_S - 0.1)
+        assert d.state.silence.stranded == 0 and d.denied == []
+        _probe(d, {}, after=0.1)
+        assert d.state.silence.stranded == 2 and d.denied == ["10.0.0.1"] and d.totals.denied_addresses == 1
+        probed = d.probes
+        _probe(d, {32: math.inf}, after=0.5)
+        assert d.probes == probed + 1 and sorted(d.cut) == [30, 31, 32]  # the stranded ones are not probed again
+        _probe(d, {}, after=STRANDED_AFTER_S)
+        assert d.state.silence.stranded == 3 and d.denied == ["10.0.0.1"]
+    finally:
+        close(d)
+
+
+def test_a_hello_says_its_heartbeat_only_when_not_the_default_and_a_bad_one_is_refused():
+    plain = msgpack.unpackb(P.encode(P.Hello(stream=1, spec=SPEC))[0])
+    assert "heartbeat" not in plain  # what a service without the field reads
+    assert msgpack.unpackb(P.encode(P.Hello(stream=1, spec=SPEC, heartbeat=0.5))[0])["heartbeat"] == 0.5
+    for bad in (0.0, -1.0, P.MAX_HEARTBEAT_S + 1):
+        with pytest.raises(ProtocolError, match="Hello.heartbeat must be in"):
+            P.Hello(stream=1, spec=SPEC, heartbeat=bad).check()
+
+
+# ------------------------------------------------------------------ the model
+class SilenceModel(RuleBasedStateMachine):
+    """Connections on four fd numbers open, say Hello (with a heartbeat of their own or not),
+    go quiet, have their peer close them, disconnect, reconnect on a reused number, or are
+    stranded (libzmq never closes them once cut); the clock moves; probes run. Every cut is
+    checked against a recount of the connection's history: cut exactly when a probe found it
+    past its limit, once; its session gone with it; stranded exactly when cut
+    ``STRANDED_AFTER_S`` ago and never reported gone; an address refused once, when its
+    stranded connections reach the cap."""
+
+    HEARTBEAT, CAP, FDS = 0.5, 2, (30, 31, 32, 33)
+
+    def __init__(self):
+        super().__init__()
+        from loader_service.sources.demo import ensure_demo
+
+        self.src = ensure_demo(64, quiet=True)
+        self.d = _state(self.src, heartbeat=self.HEARTBEAT, max_stranded=self.CAP)
+        self.d.address = "10.0.0.1"
+        self.ident: Dict[int, bytes] = {}  # fd -> the identity on its open connection
+        self.heartbeat: Dict[int, float] = {}  # fd -> its Hello's heartbeat (default before one)
+        self.cut_at: Dict[int, float] = {}  # fd -> when its open connection was cut
+        self.refused = False  # the address has had CAP stranded connections at once
+        self.streams = 0
+
+    def teardown(self):
+        close(self.d)
+        self.src.close()
+
+    @rule(fd=st.sampled_from(FDS), stranding=st.sampled_from([True, True, False]))
+    def connect(self, fd, stranding):
+        if fd in self.ident:
+            return
+        self.ident[fd] = uuid.uuid4().bytes
+        self.heartbeat[fd] = P.DEFAULT_HEARTBEAT_S
+        (self.d.stranding.add if stranding else self.d.stranding.discard)(fd)
+        self.d.quiet[fd] = 0.0
+        self.d.event(zmq.EVENT_ACCEPTED, fd)
+        deliver(self.d, self.ident[fd], P.Describe(), fd=fd, report=False)
+
+    @rule(fd=st.sampled_from(FDS), heartbeat=st.sampled_from([None, 0.2, 1.0, 5.0]))
+    def hello(self, fd, heartbeat):
+        if fd not in self.ident or fd in self.cut_at:
+            return
+        extra = {} if heartbeat is None else {"heartbeat": heartbeat}
+        self.streams += 1
+        deliver(self.d, self.ident[fd], P.Hello(stream=self.streams, spec=SPEC, slots=2, **extra), fd=fd)
+        self.heartbeat[fd] = heartbeat or P.DEFAULT_HEARTBEAT_S
+
+    @rule(fd=st.sampled_from(FDS), quiet=st.sampled_from([0.0, 1.4, 1.5, 5.9, 6.0, 14.9, 15.0, math.inf, math.inf]))
+    def goes_quiet(self, fd, quiet):
+        if fd in self.ident:
+            self.d.quiet[fd] = quiet
+
+    @rule(fd=st.sampled_from(FDS), late=st.sampled_from([False, False, False, True]))
+    def disconnect(self, fd, late):
+        """The connection ends; a stranded one's report comes only ``late`` (libzmq never sends it)."""
+        if fd not in self.ident or fd in self.cut_at and not late:
+            return
+        self.d.event(zmq.EVENT_DISCONNECTED, fd)
+        self.d.read_monitor()
+        self._gone(fd)
+
+    def _gone(self, fd):
+        del self.ident[fd]
+        self.cut_at.pop(fd, None)
+
+    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 2.0]))
+    def time_passes(self, dt):
+        before = dict(self.ident)
+        limits = {fd: 3 * max(self.HEARTBEAT, self.heartbeat[fd]) for fd in before}
+        quiet = {fd: self.d.quiet.get(fd, 0.0) for fd in before}
+        probes = self.d.probes
+        cuts = len(self.d.cut)
+        self.d.now += dt
+        self.d.tick()
+        self.d.read_monitor()  # the disconnects of the connections the shell cut
+        probed = self.d.probes > probes
+        new_cuts = self.d.cut[cuts:]
+        expected = sorted(fd for fd in before if probed and fd not in self.cut_at and quiet[fd] >= limits[fd])
+        assert sorted(new_cuts) == expected, (new_cuts, expected, quiet, limits)
+        for fd in new_cuts:
+            assert self.ident[fd] not in self.d.sessions
+            if fd in self.d.stranding:
+                self.cut_at[fd] = self.d.now
+            else:
+                self._gone(fd)  # the shell's cut closed it; the monitor said so
+        self.refused |= sum(now_s - t >= STRANDED_AFTER_S for t in self.cut_at.values()) >= self.CAP if (
+            now_s := self.d.now) else False
+
+    @invariant()
+    def stranded_and_refused_as_recounted(self):
+        now = self.d.now
+        stranded = [fd for fd, t in self.cut_at.items() if now - t >= STRANDED_AFTER_S]
+        assert self.d.state.silence.stranded == len(stranded)
+        assert self.d.denied == (["10.0.0.1"] if self.refused else [])
+        assert self.d.sessions.connections == len(self.ident)
+        for fd in self.cut_at:
+            assert self.ident[fd] not in self.d.sessions
+        assert self.d.totals.internal_errors == 0
+
+
+TestSilenceModel = SilenceModel.TestCase
+TestSilenceModel.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
