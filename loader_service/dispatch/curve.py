@@ -133,8 +133,8 @@ class DataPortGuard:
     addresses in any case) and the count of refused handshakes. Lives on the dispatcher thread;
     :meth:`close` before the context's ``term``."""
 
-    def __init__(self, auth, clients: Optional[ClientKeyDirectory] = None):
-        self.auth, self.clients = auth, clients
+    def __init__(self, ctx: zmq.Context, auth=None, clients: Optional[ClientKeyDirectory] = None):
+        self.ctx, self.auth, self.clients = ctx, auth, clients
         self._log = RefusalLog()
 
     @property
@@ -143,9 +143,13 @@ class DataPortGuard:
 
     def deny(self, address: str) -> None:
         """Refuse new connections from ``address`` at the handshake, from now on (the
-        authenticator's thread reads the set; adding to it is atomic)."""
-        if self.auth is not None:
-            self.auth.deny(address)
+        authenticator's thread reads the set; adding to it is atomic). Without CURVE the
+        authenticator starts with the first address refused: until then no handshake waits for
+        a ZAP answer (one for each of a flood's 10,000 connections starved every other handshake,
+        docs/benchmarks.md section 18), and libzmq admits every peer when no ZAP handler is bound."""
+        if self.auth is None:
+            self.auth = _authenticator(self.ctx)
+        self.auth.deny(address)
 
     def authorized(self, user_id: str, now: float) -> bool:
         """Whether the client whose messages carry ZAP ``user_id`` (its z85 public key) may still
@@ -179,19 +183,16 @@ class DataPortGuard:
 
 def secure_router(ctx: zmq.Context, sock: zmq.Socket, keys_dir: str) -> DataPortGuard:
     """Make ``sock`` (not bound yet) a CURVE server that admits the client keys in
-    ``keys_dir``; with no ``keys_dir``, plain ZMTP (handshake failures still counted). Either
-    way a ZAP handler runs, which refuses the addresses :meth:`DataPortGuard.deny` names."""
-    from zmq.auth.thread import ThreadAuthenticator
-
+    ``keys_dir``; with no ``keys_dir``, plain ZMTP (handshake failures still counted). The
+    addresses :meth:`DataPortGuard.deny` names are refused either way."""
     if not keys_dir:
-        auth = ThreadAuthenticator(ctx, log=logging.getLogger("loader_service.zap"))
-        auth.start()  # NULL mechanism: every address not denied is admitted
-        # The ZAP domain makes libzmq ask the handler (without one, nothing), and refuse peers that
-        # speak ZMTP 1.0 or 2.0 (zmtp_engine.cpp), as CURVE does: their messages carry no metadata,
-        # so no fd (SRCFD) to tie them to a connection, and five bytes of such a handshake used to
-        # stop the loop. With CURVE it stays unset: the key check answers domain "*" only.
+        # The ZAP domain makes libzmq refuse peers that speak ZMTP 1.0 or 2.0 (zmtp_engine.cpp), as
+        # CURVE does: their messages carry no metadata, so no fd (SRCFD) to tie them to a
+        # connection, and five bytes of such a handshake used to stop the loop. It asks the ZAP
+        # handler once one runs (DataPortGuard.deny); none does until an address is refused. With
+        # CURVE it stays unset: the key check answers domain "*" only.
         sock.setsockopt(zmq.ZAP_DOMAIN, b"loader-data")
-        return DataPortGuard(auth)
+        return DataPortGuard(ctx)
     directory = Path(keys_dir)
     if not directory.is_dir():
         raise FileNotFoundError(f"--curve-keys {keys_dir}: no such directory (make one with: loader-service keys DIR)")
@@ -200,14 +201,23 @@ def secure_router(ctx: zmq.Context, sock: zmq.Socket, keys_dir: str) -> DataPort
     if not clients._keys:
         log.warning("no client key in %s: every client is refused until one is added (loader-service keys %s "
                     "--client NAME)", directory, directory)
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("loader_service.zap"))
-    auth.start()
+    auth = _authenticator(ctx)
     auth.configure_curve_callback(domain="*", credentials_provider=clients)
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_server = True
     log.info("data port: CURVE on, client keys from %s", directory)
-    return DataPortGuard(auth, clients)
+    return DataPortGuard(ctx, auth, clients)
+
+
+def _authenticator(ctx: zmq.Context):
+    """pyzmq's ZAP handler, started: it admits NULL peers whose address is not denied, and CURVE
+    peers its credentials provider admits."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("loader_service.zap"))
+    auth.start()
+    return auth
 
 
 def _name(event: int) -> str:
