@@ -7,7 +7,7 @@ the side that sends PINGs. The data port reads every connection (no receive cap:
 but one stop cannot be avoided: when a second connection takes an identity over
 (``ROUTER_HANDOVER``), libzmq ends the old connection's pipe, and the old connection's next
 message stops its reading for good. Any peer can do that to itself. So the data port sends no
-PINGs. Its clients still do (the client's ZMTP heartbeat, ``ClientConfig.heartbeat_s``, which
+PINGs. Its clients still do (the client's ZMTP heartbeat, ``LoaderConfig.heartbeat_s``, which
 libzmq answers without the loop), and the kernel knows when each connection last brought data
 (``TCP_INFO``'s ``last_data_recv``). Every service heartbeat the shell reads that for every open
 connection (:class:`~.events.Probe`, answered by :class:`~.events.Quiet`), and a connection that
@@ -34,7 +34,10 @@ from typing import Dict, List, Optional, Tuple
 from loader_service.dispatch import heap
 
 SILENT_AFTER = 3  # heartbeats without a byte: the connection is cut
-STRANDED_AFTER_S = 2.0  # a cut connection not reported closed by then never will be (a close takes milliseconds)
+# a cut connection not reported closed by then never will be: one libzmq reads closes within milliseconds;
+# the rest is room for a loop or an I/O thread busy with thousands of cuts at once (a wrong count could
+# refuse an honest address)
+STRANDED_AFTER_S = 5.0
 
 
 class SilenceWatch:

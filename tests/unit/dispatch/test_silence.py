@@ -281,7 +281,7 @@ class SilenceModel(RuleBasedStateMachine):
         del self.ident[fd]
         self.cut_at.pop(fd, None)
 
-    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 2.0]))
+    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 2.0, 5.0]))
     def time_passes(self, dt):
         before = dict(self.ident)
         limits = {fd: 3 * max(self.HEARTBEAT, self.heartbeat[fd]) for fd in before}
