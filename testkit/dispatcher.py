@@ -74,7 +74,8 @@ class Driven:
         self.assigned: List[E.Assign] = []
         self.killed: List[int] = []
         self.cut: List[int] = []  # fds of connections cut (flooding, silence)
-        self.quiet: Dict[int, float] = {}  # fd -> how long its connection has brought no data (what a Probe reads; 0 if unset)
+        # fd -> how long its connection has brought no data (what a Probe reads; 0 if unset)
+        self.quiet: Dict[int, float] = {}
         self.probes = 0
         self.address = "10.0.0.1"  # every connection's peer address, as a Probe reads it
         self.denied: List[str] = []  # addresses refused at the handshake (Deny)
@@ -123,7 +124,8 @@ class Driven:
                 self.event(zmq.EVENT_DISCONNECTED, c.fd)  # libzmq closes it; the monitor says so
         elif isinstance(c, E.Probe):
             self.probes += 1
-            queue.append(E.Quiet(tuple((fd, serial, self.quiet.get(fd, 0.0), self.address) for fd, serial in c.connections)))
+            queue.append(E.Quiet(tuple((fd, serial, self.quiet.get(fd, 0.0), self.address)
+                                       for fd, serial in c.connections)))
         elif isinstance(c, E.Deny):
             self.denied.append(c.address)
         elif isinstance(c, E.Unmap):

@@ -12,7 +12,6 @@ import socket
 import struct
 import threading
 
-import msgpack
 import psutil
 
 from wire import protocol as P
@@ -133,8 +132,8 @@ def _reset(conn: socket.socket) -> None:
 def handover_and_reset(port: int, messages: int = 200, identity: bytes = b"") -> None:
     """Two hand-made connections under one identity: the second takes the identity over
     (``ROUTER_HANDOVER`` ends the first's pipe; the answers to their Describes say the ROUTER has
-    attached the first, then the second), then the first sends ``messages`` (libzmq stops reading it at the first, which it cannot deliver, for
-    good), and both reset. libzmq 4.3.5 aborted a ROUTER that sent heartbeats once its timer met
+    attached the first, then the second), then the first sends ``messages`` (libzmq stops
+    reading it at the first, which it cannot deliver, for good), and both reset. libzmq 4.3.5 aborted a ROUTER that sent heartbeats once its timer met
     the first's reset (docs/reliability.md, Known limits)."""
     identity = identity or os.urandom(8)
     first = zmtp_dealer(port, identity)
@@ -153,16 +152,16 @@ def handover_and_reset(port: int, messages: int = 200, identity: bytes = b"") ->
 def _described(conn: socket.socket) -> None:
     """Send a Describe and read up to its answer: once it comes, the ROUTER reads this connection."""
     conn.sendall(_frame(P.encode(P.Describe())[0]))
-    while not _is_type(_recv_frame(conn), P.MsgType.DATASET_INFO):
+    while not _is_answer(_recv_frame(conn)):
         pass
 
 
-def _is_type(body: bytes, t: int) -> bool:
+def _is_answer(body: bytes) -> bool:
+    """Whether ``body`` is a DatasetInfo header (anything else, a data frame too, is not)."""
     try:
-        header = msgpack.unpackb(body)
-    except Exception:  # not a header: a data frame
+        return isinstance(P.decode_header(body), P.DatasetInfo)
+    except P.ProtocolError:
         return False
-    return isinstance(header, dict) and header.get("t") == t
 
 
 class RoguePeer:

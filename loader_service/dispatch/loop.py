@@ -213,15 +213,9 @@ class Dispatcher:
         a number reused by a new connection is never the one shut down."""
         if self._reported_gone(c.fd):
             return
-        try:
-            dup = os.dup(c.fd)
-        except OSError:
+        held = held_socket(c.fd)
+        if held is None:
             return  # closed meanwhile
-        try:
-            held = socket.socket(fileno=dup)
-        except OSError:  # not a socket any more
-            os.close(dup)
-            return
         with held:
             if not self._reported_gone(c.fd):
                 try:
@@ -545,6 +539,20 @@ def _data_port(config: ServiceConfig):
     return ctx, front, guard, monitor, port
 
 
+def held_socket(fd: int) -> Optional[socket.socket]:
+    """A socket object over a dup of libzmq's ``fd`` (closing it leaves libzmq's fd open), or
+    None if ``fd`` is closed or no socket now."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
 def quiet_s(fd: int) -> Optional[Tuple[float, str]]:
     """How long TCP connection ``fd`` has brought no data, by the kernel's clock (``TCP_INFO``'s
     ``last_data_recv``; infinity once its peer has closed or reset it: a connection libzmq reads
@@ -554,14 +562,8 @@ def quiet_s(fd: int) -> Optional[Tuple[float, str]]:
     is read through a dup, so closing the dup leaves libzmq's. A number reused by a newer
     connection reads as that one, quiet for a short while: never cut for it (the cut checks the
     fd again: :meth:`Dispatcher._cut`)."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        held = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
+    held = held_socket(fd)
+    if held is None:
         return None
     with held:
         try:

@@ -576,7 +576,7 @@ class DispatchState:
         """Cut each connection that has brought nothing for longer than its limit (:mod:`.silence`);
         its session is dropped at once (its client reconnects and resumes if it was only frozen)."""
         for fd, serial, quiet_s, address in ev.readings:
-            if self.sessions.serial(fd) != serial or self.sessions.is_early(fd):
+            if self.sessions.serial(fd) != serial:
                 continue  # gone, or its fd a newer connection's, since the probe was commanded
             ident = self.sessions.owner(fd)
             session = self.sessions.get(ident) if ident is not None else None
