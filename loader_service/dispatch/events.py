@@ -220,7 +220,8 @@ class Unmap:
 
 @dataclass(frozen=True)
 class TrimHeap:
-    """Give the heap that departed sessions freed back to the system."""
+    """Give the heap that departed sessions freed back to the system (the shell does it once, at
+    the end of the chain of events that asked: a burst of disconnects may ask several times)."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,10 @@ from typing import Callable, Optional
 log = logging.getLogger("loader_service.dispatch.heap")
 
 MIN_GONE = 256  # connections closed since the last trim: fewer are not worth its pause
+# A trim's follow-up, this long after the last trim: libzmq frees a closed connection's pipes
+# after its disconnect is reported (once the socket has answered the I/O thread), so the trim
+# at a drain's end can come before the last connections' buffers are free (+20 MB after 3,000).
+SETTLE_S = 1.0
 
 
 class TrimRule:
@@ -34,14 +38,17 @@ class TrimRule:
     open, so a flood that drains is trimmed as it halves, and one client's coming and going once
     in ``min_gone`` departures. A drain goes on being trimmed as it halves below ``min_gone``, down
     to its end, while no connection opens above the count of the last trim: its last sessions' heap
-    is given back too, not only the first ones'. Pure."""
+    is given back too, not only the first ones'. The last trim it asks for has one follow-up,
+    ``settle_s`` later (:meth:`trimmed`, :meth:`settle_due`), for the buffers libzmq frees after
+    it reports a connection gone. Pure."""
 
-    def __init__(self, min_gone: int = MIN_GONE) -> None:
-        self.min_gone = min_gone
+    def __init__(self, min_gone: int = MIN_GONE, settle_s: float = SETTLE_S) -> None:
+        self.min_gone, self.settle_s = min_gone, settle_s
         self.open = 0
         self.gone = 0  # connections closed since the last trim
         self.draining = False  # a trim was made and the count has not risen above it since
         self.floor = 0  # the count at the last trim
+        self.settle_at: Optional[float] = None  # the follow-up of the last trim (None: none due)
 
     def connections(self, n: int) -> bool:
         """``n`` connections are open now: True when the heap should be trimmed now."""
@@ -53,6 +60,18 @@ class TrimRule:
             self.gone, self.draining, self.floor = 0, True, n
             return True
         return False
+
+    def trimmed(self, now: float) -> None:
+        """A trim the rule asked for was made at ``now``: one follow-up is due ``settle_s`` later
+        (the last of a drain's trims sets it)."""
+        self.settle_at = now + self.settle_s
+
+    def settle_due(self, now: float) -> bool:
+        """True once, when the follow-up trim is due."""
+        if self.settle_at is None or now < self.settle_at:
+            return False
+        self.settle_at = None
+        return True
 
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:

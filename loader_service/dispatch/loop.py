@@ -105,6 +105,7 @@ class Dispatcher:
         self._events: Deque[E.Event] = deque()  # events met while carrying out commands: handled next
         self._gone_queued: Counter = Counter()  # fd -> disconnects of it waiting in _events (see _reported_gone)
         self._handling = False
+        self._trim_owed = False  # a trim asked in the chain of events at hand (see handle)
         # dataset name -> DiskChange: written whole by the service's watch thread, read by snapshot
         self.disk_changes: Dict[str, DiskChange] = {}
         self.loop_thread: Optional[int] = None  # the thread running :meth:`run`
@@ -158,7 +159,11 @@ class Dispatcher:
             return
         self._handling = True
         try:
-            while self._events:
+            while self._events or self._trim_owed:
+                if not self._events:  # the chain's end: one trim for every departure it met
+                    self._trim_owed = False
+                    self._trim_heap()
+                    continue
                 event = self._events.popleft()
                 if isinstance(event, E.Disconnected):
                     self._gone_queued[event.fd] -= 1
@@ -166,8 +171,14 @@ class Dispatcher:
                     self._carry_out(command)
         finally:
             self._handling = False
+            self._trim_owed = False
             self._events.clear()
             self._gone_queued.clear()
+
+    def _trim_heap(self) -> None:
+        before = heap.rss_bytes()
+        if heap.trim():
+            self._events.append(E.HeapTrimmed(before - heap.rss_bytes()))
 
     def _carry_out(self, c: E.Command) -> None:
         if isinstance(c, E.Send):
@@ -191,9 +202,9 @@ class Dispatcher:
             except (ProcessLookupError, PermissionError):
                 pass  # already gone: its sentinel reports it
         elif isinstance(c, E.TrimHeap):
-            before = heap.rss_bytes()
-            if heap.trim():
-                self._events.append(E.HeapTrimmed(before - heap.rss_bytes()))
+            # at the chain's end: a burst of disconnects read at once (thousands, after a cut)
+            # may ask for several trims as it halves the count; one does for all of them
+            self._trim_owed = True
         elif isinstance(c, E.EndLoop):
             self._running_loop = False
         else:

@@ -96,7 +96,6 @@ class DispatchState:
         self.rate = status.Rate()  # samples delivered lately (the status reads it)
         self.stop_by: Optional[float] = None  # a draining stop: end by then
         self._trim_rule = heap.TrimRule()
-        self._trim_due = False  # many sessions left: give the heap back after this round of events
         self._out: List[E.Command] = []  # the commands of the event at hand
         self._now = 0.0  # the event at hand's time
 
@@ -134,7 +133,7 @@ class DispatchState:
             ident = self.sessions.disconnected(event.fd)
             if ident is not None:
                 self._drop_client(ident, "disconnected")
-            self._trim_due |= self._trim_rule.connections(self.sessions.connections)
+            self._connections_fell()
         elif isinstance(event, E.Unreachable):
             self._drop_client(event.ident, "is unreachable: its connection is gone")
         elif isinstance(event, E.CommandFailed):
@@ -167,10 +166,11 @@ class DispatchState:
     def next_deadline(self, now: float) -> Optional[float]:
         """The next time something is due without an event: a task deadline, the time a quiet
         stream's slots may be lent, a connection's late accept, the next look for silent
-        connections, the end of a draining stop."""
+        connections, a trim's follow-up, the end of a draining stop."""
         silence_at = self.silence.next_at if self.sessions.connections else None
         ends = [t for t in (self.tasks.next_deadline(), self.memory.next_lend_at(now), self.sessions.next_early_due(),
-                            silence_at, self.silence.next_strand_at(), self.stop_by) if t is not None]
+                            silence_at, self.silence.next_strand_at(), self._trim_rule.settle_at, self.stop_by)
+                if t is not None]
         return min(ends) if ends else None
 
     def drained(self, now: float) -> bool:
@@ -558,6 +558,8 @@ class DispatchState:
             self.silence.looked(self._now)
             self._out.append(E.Probe(tuple((fd, serial) for fd, serial in self.sessions.confirmed()
                                            if not self.silence.is_cut(fd, serial))))
+        if self._trim_rule.settle_due(self._now):
+            self._give_heap_back()
         for address in self.silence.strand(self._now):
             self.totals.denied_addresses += 1
             log.error("refusing new connections from %s from now on: %d of its connections were cut and libzmq never "
@@ -566,11 +568,6 @@ class DispatchState:
                       "(--max-stranded-per-address %d)", address, self.silence.denied[address],
                       self.silence.max_per_address)
             self._out.append(E.Deny(address))
-        if self._trim_due:
-            self._trim_due = False
-            for part in (self.sessions, self.scheduler, self.tasks, self.memory, self.flood, self.silence):
-                part.compact()
-            self._out.append(E.TrimHeap())
 
     def _on_quiet(self, ev: E.Quiet) -> None:
         """Cut each connection that has brought nothing for longer than its limit (:mod:`.silence`);
@@ -605,6 +602,21 @@ class DispatchState:
             self.totals.unreported_connections += 1
             self._drop_client(ident, "is gone: its connection closed before its first message was read")
         self.flood.keep_open(self.sessions.serial)
+        self._connections_fell()
+
+    def _connections_fell(self) -> None:
+        """Connections closed: once many have (:class:`~.heap.TrimRule`), the parts give their
+        tables back and the shell gives the heap back. Commanded here, not at the round's end: a
+        drain can end in events read after the round's tick (the disconnects of the silence look's
+        cuts), and a trim left to the next round would wait for the next event, maybe for good."""
+        if self._trim_rule.connections(self.sessions.connections):
+            self._trim_rule.trimmed(self._now)
+            self._give_heap_back()
+
+    def _give_heap_back(self) -> None:
+        for part in (self.sessions, self.scheduler, self.tasks, self.memory, self.flood, self.silence):
+            part.compact()
+        self._out.append(E.TrimHeap())
 
     def _on_stop(self, drain_s: float) -> None:
         if drain_s <= 0 or not self.tasks.running:
