@@ -23,13 +23,20 @@ new connections at the handshake (:class:`~.events.Deny`): so a peer cannot take
 descriptors one handover at a time. The project's client never strands a connection (it opens a
 new one only after its old one is closed).
 
+A look can find thousands of silent connections at once (a flood of peers that connected and
+never spoke). They are cut :data:`CUTS_PER_ROUND` per round of the loop, so that one look does
+not hold every client and ``/healthz`` for a second (each cut drops a session, and its
+disconnect comes back through the monitor).
+
 This module is the rule alone (pure): when to look, the limit for a connection, which
-connections are cut (each once), which are stranded, which addresses to refuse.
+connections are found silent and cut (each once, so many a round), which are stranded, which
+addresses to refuse.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from collections import deque
+from typing import Deque, Dict, List, Optional, Tuple
 
 from loader_service.dispatch import heap
 
@@ -38,6 +45,7 @@ SILENT_AFTER = 3  # heartbeats without a byte: the connection is cut
 # the rest is room for a loop or an I/O thread busy with thousands of cuts at once (a wrong count could
 # refuse an honest address)
 STRANDED_AFTER_S = 5.0
+CUTS_PER_ROUND = 256  # as many as the loop reads of one socket in a round
 
 
 class SilenceWatch:
@@ -54,6 +62,8 @@ class SilenceWatch:
         self._stranded: Dict[int, str] = {}  # fd -> peer address, of the cut ones found stranded
         self._per_address: Dict[str, int] = {}  # peer address -> its stranded connections
         self.denied: Dict[str, int] = {}  # peer address -> its stranded connections when it was refused
+        # found past their limit at a look, not cut yet: (fd, serial, quiet_s, limit_s, address), in look order
+        self._found: Deque[Tuple[int, int, float, float, str]] = deque()
 
     def due(self, now: float) -> bool:
         return now >= self.next_at
@@ -68,6 +78,22 @@ class SilenceWatch:
 
     def is_cut(self, fd: int, serial: int) -> bool:
         return self._cut.get(fd) == serial
+
+    def found(self, fd: int, serial: int, quiet_s: float, limit_s: float, address: str) -> None:
+        """A look read connection (``fd``, ``serial``) from ``address`` as quiet for ``quiet_s``:
+        queued to be cut if that is past ``limit_s`` (:meth:`to_cut`)."""
+        if quiet_s >= limit_s and not self.is_cut(fd, serial):
+            self._found.append((fd, serial, quiet_s, limit_s, address))
+
+    def to_cut(self, n: int = CUTS_PER_ROUND) -> List[Tuple[int, int, float, float, str]]:
+        """Up to ``n`` of the connections found silent, oldest first, to cut now (after checking
+        each is still open: :meth:`silent` marks it cut)."""
+        return [self._found.popleft() for _ in range(min(n, len(self._found)))]
+
+    @property
+    def waiting(self) -> int:
+        """Connections found silent and not cut yet (the next round cuts more of them)."""
+        return len(self._found)
 
     def silent(self, fd: int, serial: int, quiet_s: float, limit_s: float, now: float, address: str) -> bool:
         """Whether connection (``fd``, ``serial``) from ``address``, quiet for ``quiet_s``, is to be

@@ -65,6 +65,7 @@ log = logging.getLogger("loader_service.dispatch.loop")  # one logger for the di
 refused_log = logging.getLogger("loader_service.dispatch.refused")
 
 ACCEPT_REPORT_GRACE_S = 10.0  # how late a connection's accept may be reported after its first message
+CUTS_LOGGED = 5  # silent connections of one storm of cuts logged one line each (the rest in one line)
 CLIENT_MESSAGES = (P.Hello, P.Request, P.Release, P.Bye, P.Describe)
 
 
@@ -96,6 +97,7 @@ class DispatchState:
         self.rate = status.Rate()  # samples delivered lately (the status reads it)
         self.stop_by: Optional[float] = None  # a draining stop: end by then
         self._trim_rule = heap.TrimRule()
+        self._cuts_in_storm = 0  # silent connections cut since none were waiting to be (for the log)
         self._out: List[E.Command] = []  # the commands of the event at hand
         self._now = 0.0  # the event at hand's time
 
@@ -166,7 +168,10 @@ class DispatchState:
     def next_deadline(self, now: float) -> Optional[float]:
         """The next time something is due without an event: a task deadline, the time a quiet
         stream's slots may be lent, a connection's late accept, the next look for silent
-        connections, a trim's follow-up, the end of a draining stop."""
+        connections (now, while the last one's finds wait to be cut), a trim's follow-up, the end
+        of a draining stop."""
+        if self.silence.waiting:
+            return now  # more silent connections to cut: the next round, at once
         silence_at = self.silence.next_at if self.sessions.connections else None
         ends = [t for t in (self.tasks.next_deadline(), self.memory.next_lend_at(now), self.sessions.next_early_due(),
                             silence_at, self.silence.next_strand_at(), self._trim_rule.settle_at, self.stop_by)
@@ -554,6 +559,8 @@ class DispatchState:
         self._opened(self.memory.release_idle(self._now))  # retired streams nothing reads any more
         self._opened(self.memory.lend_if_due(self._now))  # a quiet stream's slots may be lent now
         self._schedule()
+        if self.silence.waiting:
+            self._cut_silent()  # what the last look found past the first rounds' share
         if self.sessions.connections and self.silence.due(self._now):
             self.silence.looked(self._now)
             self._out.append(E.Probe(tuple((fd, serial) for fd, serial in self.sessions.confirmed()
@@ -570,28 +577,46 @@ class DispatchState:
             self._out.append(E.Deny(address))
 
     def _on_quiet(self, ev: E.Quiet) -> None:
-        """Cut each connection that has brought nothing for longer than its limit (:mod:`.silence`);
-        its session is dropped at once (its client reconnects and resumes if it was only frozen)."""
+        """Find each connection that has brought nothing for longer than its limit (:mod:`.silence`),
+        and cut the first of them (:meth:`_cut_silent`)."""
         for fd, serial, quiet_s, address in ev.readings:
             if self.sessions.serial(fd) != serial:
                 continue  # gone, or its fd a newer connection's, since the probe was commanded
             ident = self.sessions.owner(fd)
             session = self.sessions.get(ident) if ident is not None else None
             limit = self.silence.limit(session.heartbeat_s if session is not None else P.DEFAULT_HEARTBEAT_S)
-            if not self.silence.silent(fd, serial, quiet_s, limit, self._now, address):
-                continue
+            self.silence.found(fd, serial, quiet_s, limit, address)
+        self._cut_silent()
+
+    def _cut_silent(self) -> None:
+        """Cut so many of the connections found silent, those still open; a session bound to one is
+        dropped at once (its client reconnects and resumes if it was only frozen). The first
+        :data:`CUTS_LOGGED` of a storm are logged one by one, the rest in one line at its end."""
+        for fd, serial, quiet_s, limit, address in self.silence.to_cut():
+            if self.sessions.serial(fd) != serial or not self.silence.silent(fd, serial, quiet_s, limit, self._now,
+                                                                             address):
+                continue  # gone since the look, or cut already
             self.totals.silent_cut += 1
-            who = (f"the connection of client {ident.hex()[:12]}" if ident is not None
-                   else f"a connection that has not said Hello (fd {fd})")
+            self._cuts_in_storm += 1
+            ident = self.sessions.owner(fd)
             if quiet_s == math.inf:
                 why = "its peer has closed it and libzmq has not (it may have stopped reading it)"
             else:
                 why = (f"nothing came over it for {quiet_s:.1f} s (the limit: {limit:.1f} s, "
                        f"{silence.SILENT_AFTER} of its heartbeats)")
-            refused_log.warning("cut %s from %s: %s", who, address or "an unknown address", why)
+            if self._cuts_in_storm <= CUTS_LOGGED:
+                who = (f"the connection of client {ident.hex()[:12]}" if ident is not None
+                       else f"a connection that has not said Hello (fd {fd})")
+                refused_log.warning("cut %s from %s: %s", who, address or "an unknown address", why)
             self._out.append(E.Cut(fd, serial))
             if ident is not None:
                 self._drop_client(ident, f"was cut: {why}")
+        if not self.silence.waiting:
+            if self._cuts_in_storm > CUTS_LOGGED:
+                refused_log.warning("cut %d more silent connections, not logged one by one (%d in all since the "
+                                    "service started: silent_cut in /v1/status)", self._cuts_in_storm - CUTS_LOGGED,
+                                    self.totals.silent_cut)
+            self._cuts_in_storm = 0
 
     def _expire_unreported(self) -> None:
         """Connections opened on a message whose accept never came were gone before it was read

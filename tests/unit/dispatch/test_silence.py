@@ -5,6 +5,7 @@ a recount from each connection's history."""
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 from typing import Dict
@@ -21,7 +22,8 @@ from wire.errors import ProtocolError
 from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
 from loader_service.dispatch import events as E
-from loader_service.dispatch.silence import SILENT_AFTER, STRANDED_AFTER_S, SilenceWatch
+from loader_service.dispatch.silence import CUTS_PER_ROUND, SILENT_AFTER, STRANDED_AFTER_S, SilenceWatch
+from loader_service.dispatch.state import CUTS_LOGGED
 from testkit.dispatcher import close, deliver, loopless
 
 SPEC = JobSpec(batch_size=8, image_size=16, seed=1)
@@ -70,6 +72,18 @@ def test_a_stranded_connection_reported_gone_late_no_longer_counts_towards_its_a
     assert w.strand(20.0) == [] and w.stranded == 1  # one at a time: never two
     w.silent(7, 1, 9.0, 6.0, now=20.0, address="10.0.0.9")
     assert w.strand(30.0) == ["10.0.0.9"]
+
+
+def test_connections_found_past_their_limit_wait_in_look_order_and_are_taken_so_many_at_a_time():
+    w = SilenceWatch(every_s=2.0, max_per_address=0)
+    w.found(5, 1, 5.9, 6.0, "a")  # not past its limit
+    w.found(6, 1, 6.0, 6.0, "a")
+    w.found(7, 3, math.inf, 6.0, "b")
+    w.found(8, 1, 7.0, 6.0, "c")
+    assert w.silent(8, 1, 7.0, 6.0, now=0.0, address="c")
+    w.found(8, 1, 9.0, 6.0, "c")  # cut already: not found again
+    assert w.waiting == 3 and w.to_cut(2) == [(6, 1, 6.0, 6.0, "a"), (7, 3, math.inf, 6.0, "b")]
+    assert w.to_cut(2) == [(8, 1, 7.0, 6.0, "c")] and w.waiting == 0 and w.to_cut(2) == []
 
 
 def test_no_cap_refuses_nobody_and_an_unknown_address_is_never_refused():
@@ -201,6 +215,37 @@ def test_a_cut_connection_libzmq_never_closes_is_stranded_and_its_address_refuse
         assert d.probes == probed + 1 and sorted(d.cut) == [30, 31, 32]  # the stranded ones are not probed again
         _probe(d, {}, after=STRANDED_AFTER_S)
         assert d.state.silence.stranded == 3 and d.denied == ["10.0.0.1"]
+    finally:
+        close(d)
+
+
+def test_a_storm_of_silent_connections_is_cut_so_many_a_round_and_logged_in_a_few_lines(source, caplog):
+    """10,000 silent connections cut in one round held /healthz and every client for a second
+    (bench.flood, docs/benchmarks.md 18); now a round cuts CUTS_PER_ROUND and the next comes at once."""
+    d = _state(source, heartbeat=0.5)
+    n = 2 * CUTS_PER_ROUND + 88
+    try:
+        fds = list(range(100, 100 + n))
+        for fd in fds:
+            deliver(d, uuid.uuid4().bytes, P.Hello(stream=1, spec=SPEC, slots=1, batches=[0]), fd=fd)
+        busy = uuid.uuid4().bytes
+        deliver(d, busy, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=50)
+        d.read_monitor()
+        d.event(zmq.EVENT_DISCONNECTED, fds[-1])  # gone before its turn: not cut
+        with caplog.at_level(logging.WARNING, logger="loader_service.dispatch.refused"):
+            _probe(d, {fd: 10.0 for fd in fds}, after=0.5)
+            rounds = [len(d.cut)]
+            while d.state.next_deadline(d.now) == d.now:
+                d.read_monitor()
+                d.tick()
+                rounds.append(len(d.cut) - sum(rounds))
+        assert rounds == [CUTS_PER_ROUND, CUTS_PER_ROUND, 87] and sorted(d.cut) == fds[:-1]
+        assert d.totals.silent_cut == n - 1 and [s.ident for s in d.sessions] == [busy]
+        lines = [r.getMessage() for r in caplog.records if r.name == "loader_service.dispatch.refused"]
+        assert len(lines) == CUTS_LOGGED + 1 and all(line.startswith("cut the connection of client") for line in lines[:-1])
+        assert lines[-1] == (f"cut {n - 1 - CUTS_LOGGED} more silent connections, not logged one by one "
+                             f"({n - 1} in all since the service started: silent_cut in /v1/status)")
+        assert d.state.next_deadline(d.now) == pytest.approx(d.state.silence.next_at)  # back to a look a heartbeat
     finally:
         close(d)
 
