@@ -464,14 +464,15 @@ class DispatchState:
             s.state.send_complete(slot)
         self._may_take_task(s)
 
-    def _drop_client(self, ident: bytes, why: str) -> None:
+    def _drop_client(self, ident: bytes, why: str, logged: bool = True) -> None:
         session = self.sessions.pop(ident)
         if session is None:
             return
         if session.stream is not None:
             self.scheduler.forget(session.stream)
         opened = self.memory.leave(ident, session.stream, self._now)
-        log.info("client %s %s", session.name, why)
+        if logged:
+            log.info("client %s %s", session.name, why)
         self._opened(opened)
 
     # ------------------------------------------------------------------ streams
@@ -604,13 +605,14 @@ class DispatchState:
             else:
                 why = (f"nothing came over it for {quiet_s:.1f} s (the limit: {limit:.1f} s, "
                        f"{silence.SILENT_AFTER} of its heartbeats)")
-            if self._cuts_in_storm <= CUTS_LOGGED:
+            logged = self._cuts_in_storm <= CUTS_LOGGED
+            if logged:
                 who = (f"the connection of client {ident.hex()[:12]}" if ident is not None
                        else f"a connection that has not said Hello (fd {fd})")
                 refused_log.warning("cut %s from %s: %s", who, address or "an unknown address", why)
             self._out.append(E.Cut(fd, serial))
             if ident is not None:
-                self._drop_client(ident, f"was cut: {why}")
+                self._drop_client(ident, f"was cut: {why}", logged)
         if not self.silence.waiting:
             if self._cuts_in_storm > CUTS_LOGGED:
                 refused_log.warning("cut %d more silent connections, not logged one by one (%d in all since the "
