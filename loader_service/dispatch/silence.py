@@ -52,9 +52,10 @@ class SilenceWatch:
     """When the open connections are looked at, which were cut for silence (by fd and serial),
     which of those are stranded, and the addresses refused for them."""
 
-    def __init__(self, every_s: float, max_per_address: int) -> None:
+    def __init__(self, every_s: float, max_per_address: int, cuts_per_round: int = CUTS_PER_ROUND) -> None:
         self.every_s = every_s  # the service's heartbeat (--heartbeat)
         self.max_per_address = max_per_address  # stranded connections an address may have (0: no limit)
+        self.cuts_per_round = cuts_per_round
         self.next_at = 0.0
         self._cut: Dict[int, int] = {}  # fd -> serial of the connection cut there, not reported gone
         # of those, the ones not stranded yet: fd -> (cut when, peer address), oldest first
@@ -85,10 +86,10 @@ class SilenceWatch:
         if quiet_s >= limit_s and not self.is_cut(fd, serial):
             self._found.append((fd, serial, quiet_s, limit_s, address))
 
-    def to_cut(self, n: int = CUTS_PER_ROUND) -> List[Tuple[int, int, float, float, str]]:
-        """Up to ``n`` of the connections found silent, oldest first, to cut now (after checking
-        each is still open: :meth:`silent` marks it cut)."""
-        return [self._found.popleft() for _ in range(min(n, len(self._found)))]
+    def to_cut(self) -> List[Tuple[int, int, float, float, str]]:
+        """A round's share (``cuts_per_round``) of the connections found silent, oldest first, to
+        cut now (after checking each is still open: :meth:`silent` marks it cut)."""
+        return [self._found.popleft() for _ in range(min(self.cuts_per_round, len(self._found)))]
 
     @property
     def waiting(self) -> int:

@@ -560,12 +560,12 @@ class DispatchState:
         self._opened(self.memory.release_idle(self._now))  # retired streams nothing reads any more
         self._opened(self.memory.lend_if_due(self._now))  # a quiet stream's slots may be lent now
         self._schedule()
-        if self.silence.waiting:
-            self._cut_silent()  # what the last look found past the first rounds' share
         if self.sessions.connections and self.silence.due(self._now):
-            self.silence.looked(self._now)
+            self.silence.looked(self._now)  # its answer cuts this round's share
             self._out.append(E.Probe(tuple((fd, serial) for fd, serial in self.sessions.confirmed()
                                            if not self.silence.is_cut(fd, serial))))
+        elif self.silence.waiting:
+            self._cut_silent()  # what the last look found past the first rounds' share
         if self._trim_rule.settle_due(self._now):
             self._give_heap_back()
         for address in self.silence.strand(self._now):

@@ -75,15 +75,15 @@ def test_a_stranded_connection_reported_gone_late_no_longer_counts_towards_its_a
 
 
 def test_connections_found_past_their_limit_wait_in_look_order_and_are_taken_so_many_at_a_time():
-    w = SilenceWatch(every_s=2.0, max_per_address=0)
+    w = SilenceWatch(every_s=2.0, max_per_address=0, cuts_per_round=2)
     w.found(5, 1, 5.9, 6.0, "a")  # not past its limit
     w.found(6, 1, 6.0, 6.0, "a")
     w.found(7, 3, math.inf, 6.0, "b")
     w.found(8, 1, 7.0, 6.0, "c")
     assert w.silent(8, 1, 7.0, 6.0, now=0.0, address="c")
     w.found(8, 1, 9.0, 6.0, "c")  # cut already: not found again
-    assert w.waiting == 3 and w.to_cut(2) == [(6, 1, 6.0, 6.0, "a"), (7, 3, math.inf, 6.0, "b")]
-    assert w.to_cut(2) == [(8, 1, 7.0, 6.0, "c")] and w.waiting == 0 and w.to_cut(2) == []
+    assert w.waiting == 3 and w.to_cut() == [(6, 1, 6.0, 6.0, "a"), (7, 3, math.inf, 6.0, "b")]
+    assert w.to_cut() == [(8, 1, 7.0, 6.0, "c")] and w.waiting == 0 and w.to_cut() == []
 
 
 def test_no_cap_refuses_nobody_and_an_unknown_address_is_never_refused():
@@ -270,9 +270,12 @@ class SilenceModel(RuleBasedStateMachine):
     checked against a recount of the connection's history: cut exactly when a probe found it
     past its limit, once; its session gone with it; stranded exactly when cut
     ``STRANDED_AFTER_S`` ago and never reported gone; an address refused once, when its
-    stranded connections reach the cap."""
+    stranded connections reach the cap. With ``SHARE`` set, a round cuts at most that many of
+    what a look found (:class:`SpreadSilenceModel`): each cut is then one a look found on that
+    very connection, and none is left uncut once the state has nothing waiting."""
 
     HEARTBEAT, CAP, FDS = 0.5, 2, (30, 31, 32, 33)
+    SHARE = 0  # cuts a round (0: the service's, more than FDS)
 
     def __init__(self):
         super().__init__()
@@ -281,7 +284,11 @@ class SilenceModel(RuleBasedStateMachine):
         self.src = ensure_demo(64, quiet=True)
         self.d = _state(self.src, heartbeat=self.HEARTBEAT, max_stranded=self.CAP)
         self.d.address = "10.0.0.1"
+        if self.SHARE:
+            self.d.state.silence.cuts_per_round = self.SHARE
         self.ident: Dict[int, bytes] = {}  # fd -> the identity on its open connection
+        self.gen: Dict[int, int] = {}  # fd -> how many connections it has had (the open one's number)
+        self.found: Dict[int, int] = {}  # fd -> the connection a look found silent there, not cut yet
         self.heartbeat: Dict[int, float] = {}  # fd -> its Hello's heartbeat (default before one)
         self.cut_at: Dict[int, float] = {}  # fd -> when its open connection was cut
         self.refused = False  # the address has had CAP stranded connections at once
@@ -296,6 +303,7 @@ class SilenceModel(RuleBasedStateMachine):
         if fd in self.ident:
             return
         self.ident[fd] = uuid.uuid4().bytes
+        self.gen[fd] = self.gen.get(fd, 0) + 1
         self.heartbeat[fd] = P.DEFAULT_HEARTBEAT_S
         (self.d.stranding.add if stranding else self.d.stranding.discard)(fd)
         self.d.quiet[fd] = 0.0
@@ -328,21 +336,30 @@ class SilenceModel(RuleBasedStateMachine):
     def _gone(self, fd):
         del self.ident[fd]
         self.cut_at.pop(fd, None)
+        self.found.pop(fd, None)
 
-    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 2.0, 5.0]))
+    @rule(dt=st.sampled_from([0.0, 0.1, 0.5, 1.0, 2.0, 5.0]))
     def time_passes(self, dt):
         before = dict(self.ident)
         limits = {fd: 3 * max(self.HEARTBEAT, self.heartbeat[fd]) for fd in before}
         quiet = {fd: self.d.quiet.get(fd, 0.0) for fd in before}
         probes = self.d.probes
         cuts = len(self.d.cut)
+        waiting = self.d.state.silence.waiting
         self.d.now += dt
         self.d.tick()
         self.d.read_monitor()  # the disconnects of the connections the shell cut
         probed = self.d.probes > probes
         new_cuts = self.d.cut[cuts:]
-        expected = sorted(fd for fd in before if probed and fd not in self.cut_at and quiet[fd] >= limits[fd])
-        assert sorted(new_cuts) == expected, (new_cuts, expected, quiet, limits)
+        silent = sorted(fd for fd in before if probed and fd not in self.cut_at and quiet[fd] >= limits[fd])
+        if not self.SHARE:
+            assert sorted(new_cuts) == silent, (new_cuts, silent, quiet, limits)
+        self.found.update((fd, self.gen[fd]) for fd in silent)
+        if not probed:  # a round with no look takes its share of what the last ones found
+            assert self.d.state.silence.waiting == max(0, waiting - (self.SHARE or 256))
+        assert len(new_cuts) <= (self.SHARE or len(self.FDS)) and len(set(new_cuts)) == len(new_cuts)
+        for fd in new_cuts:
+            assert self.found.pop(fd) == self.gen[fd], (fd, new_cuts)  # found by a look, on this very connection
         for fd in new_cuts:
             assert self.ident[fd] not in self.d.sessions
             if fd in self.d.stranding:
@@ -362,8 +379,18 @@ class SilenceModel(RuleBasedStateMachine):
         for fd in self.cut_at:
             assert self.ident[fd] not in self.d.sessions
         assert self.d.totals.internal_errors == 0
+        if self.found:  # found silent and not cut yet: the next round comes at once and cuts more
+            assert self.d.state.silence.waiting and self.d.state.next_deadline(self.d.now) == self.d.now
 
 
 TestSilenceModel = SilenceModel.TestCase
 TestSilenceModel.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+class SpreadSilenceModel(SilenceModel):
+    SHARE = 1
+
+
+TestSpreadSilenceModel = SpreadSilenceModel.TestCase
+TestSpreadSilenceModel.settings = TestSilenceModel.settings
