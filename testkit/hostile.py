@@ -133,8 +133,9 @@ def handover_and_reset(port: int, messages: int = 200, identity: bytes = b"") ->
     """Two hand-made connections under one identity: the second takes the identity over
     (``ROUTER_HANDOVER`` ends the first's pipe; the answers to their Describes say the ROUTER has
     attached the first, then the second), then the first sends ``messages`` (libzmq stops
-    reading it at the first, which it cannot deliver, for good), and both reset. libzmq 4.3.5 aborted a ROUTER that sent heartbeats once its timer met
-    the first's reset (docs/reliability.md, Known limits)."""
+    reading it at the first, which it cannot deliver, for good), and both reset. libzmq 4.3.5
+    aborted a ROUTER that sent heartbeats once its timer met the first's reset
+    (docs/reliability.md, Known limits)."""
     identity = identity or os.urandom(8)
     first = zmtp_dealer(port, identity)
     try:

@@ -61,8 +61,8 @@ print(made, flush=True)
 def test_a_loader_gets_its_whole_epoch_while_non_reading_connections_keep_saying_hello(make_service):
     svc = make_service(workers=1, max_sessions=HELD + 50)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    flood = subprocess.Popen([sys.executable, "-c", FLOOD, svc.endpoint, str(HELD), "20", str(IDLE_HEARTBEAT)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, env=env)
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, svc.endpoint, str(HELD), "20", str(IDLE_HEARTBEAT)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
         assert flood.stdout.readline().strip() == b"open"
         wait_for(lambda: status(svc)["connections"]["sessions"] >= HELD, what=f"{HELD} flood sessions")
@@ -124,8 +124,8 @@ def flood_and_leave(svc: ServiceProcess, n: int) -> None:
     """``n`` connections say Hello, are all served a session, then all close; returns once the
     service holds no session and no connection of theirs."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    flood = subprocess.Popen([sys.executable, "-c", HELLOS, svc.endpoint, str(n), str(IDLE_HEARTBEAT)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, env=env)
+    flood = subprocess.Popen([sys.executable, "-c", HELLOS, svc.endpoint, str(n), str(IDLE_HEARTBEAT)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
         assert flood.stdout.readline().strip() == b"open"
         wait_for(lambda: svc.status()["connections"]["sessions"] >= n, timeout=120, what=f"{n} flood sessions")
@@ -162,8 +162,8 @@ def test_a_flood_s_memory_goes_back_to_the_system_once_its_connections_are_gone(
         # follow-up a second later (heap.SETTLE_S), and that one must give them back
         after = [anonymous_resident_mb(svc.proc.pid)]
         try:
-            wait_for(lambda: after.append(anonymous_resident_mb(svc.proc.pid)) or after[-1] - before < 6, timeout=20,
-                     what="the flood's heap given back")
+            wait_for(lambda: after.append(anonymous_resident_mb(svc.proc.pid)) or after[-1] - before < 6,
+                     timeout=20, what="the flood's heap given back")
         except AssertionError as exc:
             raise AssertionError(f"{before:.1f} MB before the flood, {after[0]:.1f} MB once its connections were "
                                  f"closed, {after[-1]:.1f} MB 20 s later") from exc

@@ -7,7 +7,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader_service.dispatch.heap import TrimRule, rss_bytes, trim
+from loader_service.config import ServiceConfig
+from loader_service.dispatch.heap import SETTLE_S, TrimRule, rss_bytes, trim
+from testkit.dispatcher import close, loopless
 
 
 def counts(rule: TrimRule, seq) -> list:
@@ -68,27 +70,22 @@ def test_trim_gives_back_the_free_pages_between_blocks_still_in_use():
 
 
 # ------------------------------------------------------------------ through the dispatch state
-@pytest.fixture(scope="module")
-def source():
-    from loader_service.sources.demo import ensure_demo
+def _opened_state(demo_source, connections: int):
+    """The dispatch state driven by hand, ``connections`` opened on it (fds from 100); close with ``close``."""
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0), demo_source,
+                 workers=1)
+    for fd in range(100, 100 + connections):
+        d.event(zmq.EVENT_ACCEPTED, fd)
+    d.read_monitor()
+    return d
 
-    src = ensure_demo(64, quiet=True)
-    yield src
-    src.close()
 
-
-def test_a_drain_is_trimmed_in_the_event_that_ends_it_not_at_a_later_round(source):
+def test_a_drain_is_trimmed_in_the_event_that_ends_it_not_at_a_later_round(demo_source):
     """The disconnects of the silence look's cuts are read after the round's tick; before, the
     trim they asked for waited for the next round, which waits for the next event (maybe none:
     a status page then showed 0 connections beside the flood's heap, +90 MB)."""
-    from loader_service.config import ServiceConfig
-    from testkit.dispatcher import close, loopless
-
-    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0), source, workers=1)
+    d = _opened_state(demo_source, 300)
     try:
-        for fd in range(100, 400):
-            d.event(zmq.EVENT_ACCEPTED, fd)
-        d.read_monitor()
         d.tick()
         assert d.sessions.connections == 300 and d.trims == 0
         for fd in range(100, 400):
@@ -114,16 +111,9 @@ def test_the_last_trim_a_rule_asked_for_has_one_follow_up_settle_s_later():
     assert rule.settle_due(11.5) and not rule.settle_due(11.5) and not rule.settle_due(99.0)
 
 
-def test_a_drain_s_follow_up_trim_comes_at_the_tick_settle_s_after_its_last_trim(source):
-    from loader_service.config import ServiceConfig
-    from loader_service.dispatch.heap import SETTLE_S
-    from testkit.dispatcher import close, loopless
-
-    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0), source, workers=1)
+def test_a_drain_s_follow_up_trim_comes_at_the_tick_settle_s_after_its_last_trim(demo_source):
+    d = _opened_state(demo_source, 300)
     try:
-        for fd in range(100, 400):
-            d.event(zmq.EVENT_ACCEPTED, fd)
-        d.read_monitor()
         for fd in range(100, 400):
             d.event(zmq.EVENT_DISCONNECTED, fd)
         d.read_monitor()
