@@ -137,7 +137,7 @@ def measure(svc: ServiceProcess, phase: str, batches: int) -> list:
     sessions = svc.status()["connections"]["sessions"] if not fails or lat else -1
     status_ms = (time.perf_counter() - t0) * 1000  # /v1/status with every session of the phase
     return [phase, f"{rate:.0f}", f"{first[0]:.1f}" if first else "-", f"{med:.1f}", f"{p99:.1f}", len(fails),
-            f"{rss_mb(svc):.0f}", sessions, f"{status_ms:.0f}", *memory_by_kind(svc.proc.pid)]
+            f"{rss_mb(svc):.0f}", sessions, f"{status_ms:.0f}", svc.stderr_lines, *memory_by_kind(svc.proc.pid)]
 
 
 def wait_sessions(svc: ServiceProcess, deadline_s: float) -> float:
@@ -165,7 +165,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     raise_on_sigterm()
     svc = ServiceProcess(0, ["--demo", "--workers", str(args.workers), *args.service_args.split()], http_port=0,
                          drain=True, sweep=True, ready_timeout=180, nofile=SERVICE_NOFILE,
-                         env={"LOADER_AUTOSCALE": None})
+                         env={"LOADER_AUTOSCALE": None}, log_level="info")  # the service's default: its log counted
     rows, procs = [], []
     ctx = mp.get_context("spawn")
     try:
@@ -192,13 +192,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         svc.stop()
     print(f"{machine()}; {command('bench.flood', argv)}\n")
     print(table_head(["phase", "client img/s", "first batch s", "/healthz median ms", "p99 ms", "/healthz failed",
-                      "service RSS MB", "sessions", "/v1/status ms"], "lrrrrrrrr"))
-    for r in rows:
-        print(table_row(r[:9]))
+                      "service RSS MB", "sessions", "/v1/status ms", "log lines"], "lrrrrrrrrr"))
+    written = 0
+    for r in rows:  # the service's log lines (at its default level, info) since the row before
+        print(table_row([*r[:9], r[9] - written]))
+        written = r[9]
     print("\nThe service's resident memory by kind of mapping, MB (/proc/PID/smaps):\n")
     print(table_head(["phase", *MEMORY_KINDS], "l" + "r" * len(MEMORY_KINDS)))
     for r in rows:
-        print(table_row([r[0], *r[9:]]))
+        print(table_row([r[0], *r[10:]]))
     return 0
 
 

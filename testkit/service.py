@@ -88,6 +88,7 @@ class ServiceProcess:
         if own_shm_mb:
             self.cmd = own_shm(self.cmd, own_shm_mb)
         self.stderr_tail: "collections.deque[str]" = collections.deque(maxlen=100)
+        self.stderr_lines = 0  # how many lines the service wrote to stderr (its log), with drain
         self._lines: "queue.Queue[str]" = queue.Queue()
         self._threads: List[threading.Thread] = []
         child_env = dict(os.environ)
@@ -129,6 +130,7 @@ class ServiceProcess:
                 self._lines.put(line)
             else:
                 self.stderr_tail.append(line.rstrip("\n"))
+                self.stderr_lines += 1
 
     def _read_ready(self) -> str:
         """The ready line, read from the pipe (the service prints it, and nothing else, on stdout)."""

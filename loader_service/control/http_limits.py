@@ -27,10 +27,11 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Dict, Tuple
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from loader_service.log_budget import LineBudget
 
 log = logging.getLogger("loader_service.http")
 
@@ -42,24 +43,22 @@ TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json
 
 class RateLimitFilter(logging.Filter):
     """Lets the first record with a given message template through per ``interval_s``; the
-    next one that passes says how many were suppressed in between."""
+    next one that passes says how many were left out in between (a :class:`LineBudget` of one
+    line per kind, the kind being the logger and the template)."""
 
     def __init__(self, interval_s: float = LOG_INTERVAL_S):
         super().__init__()
         self.interval_s = interval_s
-        self._last: Dict[Tuple[str, str], Tuple[float, int]] = {}  # (logger, template) -> (time passed, suppressed)
-        self._lock = threading.Lock()
+        self._budget = LineBudget(1, interval_s)
+        self._lock = threading.Lock()  # records come from the REST thread and the dispatcher's
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key, now = (record.name, str(record.msg)), time.monotonic()
         with self._lock:
-            passed, suppressed = self._last.get(key, (-float("inf"), 0))
-            if now - passed < self.interval_s:
-                self._last[key] = (passed, suppressed + 1)
-                return False
-            self._last[key] = (now, 0)
-        if suppressed:
-            record.msg = f"{record.msg} [{suppressed} more like this in the last {now - passed:.0f}s]"
+            note = self._budget.take((record.name, str(record.msg)), time.monotonic())
+        if note is None:
+            return False
+        if note:
+            record.msg = f"{record.msg}{note}"
         return True
 
 

@@ -56,6 +56,7 @@ from loader_service.dispatch.status import SKIPS_SHOWN, SkippedSample, Totals
 from loader_service.dispatch.stream_state import Effect, Fail, Finish, SendBatch, StreamLimits
 from loader_service.dispatch.streams import Opening, Stream
 from loader_service.dispatch.tasks import Tasks
+from loader_service.log_budget import LineBudget
 from loader_service.sources import Source
 from loader_service.workers.pool import WorkerPool, describe_exit
 
@@ -66,6 +67,10 @@ refused_log = logging.getLogger("loader_service.dispatch.refused")
 
 ACCEPT_REPORT_GRACE_S = 10.0  # how late a connection's accept may be reported after its first message
 CUTS_LOGGED = 5  # silent connections of one storm of cuts logged one line each (the rest in one line)
+# the lines about one client's doing (a stream started, refused, failed; a client gone): each kind may write
+# this many at once and earns them back over CLIENT_LINES_S, so a flood of 10,000 Hellos writes a few hundred
+# lines and a count, not 20,000 lines (what is left out is counted in the next line of its kind, or a summary)
+CLIENT_LINES, CLIENT_LINES_S = 100, 10.0
 CLIENT_MESSAGES = (P.Hello, P.Request, P.Release, P.Bye, P.Describe)
 
 
@@ -98,6 +103,7 @@ class DispatchState:
         self.stop_by: Optional[float] = None  # a draining stop: end by then
         self._trim_rule = heap.TrimRule()
         self._cuts_in_storm = 0  # silent connections cut since none were waiting to be (for the log)
+        self.client_lines = LineBudget(CLIENT_LINES, CLIENT_LINES_S)  # kinds: (level, template)
         self._out: List[E.Command] = []  # the commands of the event at hand
         self._now = 0.0  # the event at hand's time
 
@@ -169,12 +175,13 @@ class DispatchState:
         """The next time something is due without an event: a task deadline, the time a quiet
         stream's slots may be lent, a connection's late accept, the next look for silent
         connections (now, while the last one's finds wait to be cut), a trim's follow-up, the end
-        of a draining stop."""
+        of a draining stop, the summary of the client lines left out of the log."""
         if self.silence.waiting:
             return now  # more silent connections to cut: the next round, at once
         silence_at = self.silence.next_at if self.sessions.connections else None
         ends = [t for t in (self.tasks.next_deadline(), self.memory.next_lend_at(now), self.sessions.next_early_due(),
-                            silence_at, self.silence.next_strand_at(), self._trim_rule.settle_at, self.stop_by)
+                            silence_at, self.silence.next_strand_at(), self._trim_rule.settle_at, self.stop_by,
+                            self.client_lines.next_due())
                 if t is not None]
         return min(ends) if ends else None
 
@@ -226,6 +233,12 @@ class DispatchState:
         self._out.append(E.Send(ident, msg))
 
     # ------------------------------------------------------------------ clients
+    def _client_line(self, level: int, template: str, *args) -> None:
+        """Log a line about one client's doing within its kind's budget (:data:`CLIENT_LINES`)."""
+        note = self.client_lines.take((level, template), self._now)
+        if note is not None:
+            log.log(level, template + note, *args)
+
     def _on_client(self, ev: E.ClientMessage) -> None:
         ident, fd, frames = ev.ident, ev.fd, ev.frames
         if fd < 0:  # libzmq named no connection for it: nothing to tie it to, answer or cut
@@ -311,7 +324,7 @@ class DispatchState:
         why = "this client's CURVE key is no longer authorized by the service (removed from its keys directory)"
         if session is not None and session.stream is not None:
             self.totals.revoked += 1
-            log.warning("client %s: %s; its stream ends", ident.hex()[:12], why)
+            self._client_line(logging.WARNING, "client %s: %s; its stream ends", ident.hex()[:12], why)
             self._end_stream(session.stream, Fail(P.ErrorCode.REVOKED, why))
         else:
             self._send(ident, P.Error(code=P.ErrorCode.REVOKED, stream=getattr(msg, "stream", -1), message=why))
@@ -339,7 +352,7 @@ class DispatchState:
             self._retire(session.stream)
         verdict = self.admission.admit(session, hello, self.sessions.of_job(hello.job), self.workers.broken)
         for t in verdict.takeovers:
-            log.warning("client %s: %s", t.session.name, t.why)
+            self._client_line(logging.WARNING, "client %s: %s", t.session.name, t.why)
             self.sessions.hold(t.session, None)
             if t.session.stream is not None:
                 self._end_stream(t.session.stream, Fail(P.ErrorCode.REPLACED, t.why))
@@ -358,8 +371,8 @@ class DispatchState:
                 f"{self.config.max_waiting}); try again later"), fatal=False))
         result = self.memory.open(opening, self._now)
         if result is None:
-            log.info("client %s stream %d waits for %.1f MiB of slots that ending streams still hold",
-                     session.name, hello.stream, opening.nbytes / 2**20)
+            self._client_line(logging.INFO, "client %s stream %d waits for %.1f MiB of slots that ending streams still "
+                              "hold", session.name, hello.stream, opening.nbytes / 2**20)
         self._opened([] if result is None else [(opening, result)])
 
     def _opened(self, results: List[Tuple[Opening, Union[Stream, NoSlots, Broke]]]) -> None:
@@ -395,9 +408,9 @@ class DispatchState:
                                            dataset=s.source.name, service=self.instance,
                                            fingerprint=s.source.fingerprint(), lanes=self.lane_port,
                                            probe=self.probe))
-        log.info("client %s job %r rank %d/%d epoch %d: stream %d asked at once for %d of %d batches%s", session.name,
-                 hello.job, hello.rank, hello.spec.world_size, hello.epoch, hello.stream, len(s.state.order),
-                 plan.num_batches, " (lookahead)" if hello.lookahead else "")
+        self._client_line(logging.INFO, "client %s job %r rank %d/%d epoch %d: stream %d asked at once for %d of %d "
+                          "batches%s", session.name, hello.job, hello.rank, hello.spec.world_size, hello.epoch,
+                          hello.stream, len(s.state.order), plan.num_batches, " (lookahead)" if hello.lookahead else "")
         self._apply(s, s.state.start())
 
     def _on_request(self, ident: bytes, session: Optional[Session], msg: P.Request) -> None:
@@ -418,8 +431,8 @@ class DispatchState:
         refusal = door.check_request(msg, target.asks())
         if refusal is not None:
             self.totals.refused_asks += 1
-            log.warning("client %s stream %d: refused %s: %s", session.name, msg.stream, type(msg).__name__,
-                        refusal.message)
+            self._client_line(logging.WARNING, "client %s stream %d: refused %s: %s", session.name, msg.stream,
+                              type(msg).__name__, refusal.message)
             return self._end_stream(target, Fail(refusal.code, refusal.message))
         # the stall figures are deltas since the connection's previous message: add, keep no baseline
         self.totals.wait_s += msg.wait_s
@@ -458,7 +471,8 @@ class DispatchState:
         slots = local.release(s, msg)
         if isinstance(slots, door.Refusal):
             self.totals.refused_asks += 1
-            log.warning("client %s stream %d: refused Release: %s", session.name, msg.stream, slots.message)
+            self._client_line(logging.WARNING, "client %s stream %d: refused Release: %s", session.name, msg.stream,
+                              slots.message)
             return self._end_stream(s, Fail(slots.code, slots.message))
         for slot in slots:
             s.state.send_complete(slot)
@@ -472,7 +486,7 @@ class DispatchState:
             self.scheduler.forget(session.stream)
         opened = self.memory.leave(ident, session.stream, self._now)
         if logged:
-            log.info("client %s %s", session.name, why)
+            self._client_line(logging.INFO, "client %s %s", session.name, why)
         self._opened(opened)
 
     # ------------------------------------------------------------------ streams
@@ -501,14 +515,14 @@ class DispatchState:
             assert isinstance(e, Fail)
             if self.memory.waiting.get(s.ident) is s:
                 del self.memory.waiting[s.ident]
-            log.error("stream %d of client %s failed while waiting for slots: %s", s.hello.stream, s.ident.hex()[:12],
-                      e.message)
+            self._client_line(logging.ERROR, "stream %d of client %s failed while waiting for slots: %s", s.hello.stream,
+                              s.ident.hex()[:12], e.message)
             self._send(s.ident, P.Error(code=e.code, message=e.message, stream=s.hello.stream, fatal=True))
             return
         if isinstance(e, Finish):
             self._send(s.ident, P.EndOfEpoch(stream=s.id, epoch=s.hello.epoch, num_batches=s.plan.num_batches))
         elif isinstance(e, Fail):
-            log.error("stream %d of client %s failed: %s", s.id, s.ident.hex()[:12], e.message)
+            self._client_line(logging.ERROR, "stream %d of client %s failed: %s", s.id, s.ident.hex()[:12], e.message)
             self._send(s.ident, P.Error(code=e.code, message=e.message, stream=s.id, fatal=True,
                                         traceback=e.traceback))
         self._retire(s)
@@ -568,6 +582,9 @@ class DispatchState:
             self._cut_silent()  # what the last look found past the first rounds' share
         if self._trim_rule.settle_due(self._now):
             self._give_heap_back()
+        for (level, template), n, over_s in self.client_lines.overdue(self._now):
+            log.log(level, "%d more lines like %r were left out of the log in the last %.0f s (at most %d of a "
+                    "kind are written per %.0f s)", n, template, over_s, CLIENT_LINES, CLIENT_LINES_S)
         for address in self.silence.strand(self._now):
             self.totals.denied_addresses += 1
             log.error("refusing new connections from %s from now on: %d of its connections were cut and libzmq never "

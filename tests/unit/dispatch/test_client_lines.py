@@ -1,0 +1,84 @@
+"""The dispatch state's lines about what one client does (a stream started, refused or failed; a
+client gone), within their budget (``state.CLIENT_LINES`` per ``CLIENT_LINES_S``, per kind): a
+flood of Hellos writes that many lines and a count, not one line each, and a line left out is
+always counted, in the next line of its kind or in a summary at the state's next deadline."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+import zmq
+
+from wire import protocol as P
+from wire.jobspec import JobSpec
+from loader_service.config import ServiceConfig
+from loader_service.dispatch.state import CLIENT_LINES, CLIENT_LINES_S
+from testkit.dispatcher import close, deliver, loopless
+
+SPEC = JobSpec(batch_size=8, image_size=16, seed=1)
+STARTED = "asked at once for"
+LOGGER = "loader_service.dispatch.loop"
+
+
+@pytest.fixture
+def d(demo_source):
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0,
+                               max_sessions=2000), demo_source, workers=1)
+    yield d
+    close(d)
+
+
+def _hellos(d, n: int, first_fd: int):
+    idents = [uuid.uuid4().bytes for _ in range(n)]
+    for k, ident in enumerate(idents):
+        deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=1, batches=[0]), fd=first_fd + k)
+    return idents
+
+
+def _lines(caplog, part: str):
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and part in r.getMessage()]
+
+
+def test_a_flood_of_hellos_writes_the_budget_then_one_summary_that_counts_the_rest(d, caplog):
+    n = 3 * CLIENT_LINES + 17
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        t0 = d.now
+        _hellos(d, n, 100)
+        assert d.totals.streams == n  # every one served: only the log is bounded
+        assert len(_lines(caplog, STARTED)) == CLIENT_LINES
+        due = t0 + CLIENT_LINES_S / CLIENT_LINES  # when the kind has earned a line back
+        d.tick()  # the first look for silent connections, due at once, is done (next: a heartbeat on)
+        assert not _lines(caplog, "were left out of the log")
+        assert d.state.next_deadline(d.now) == pytest.approx(due)
+        d.now = due
+        d.tick()
+        summary = _lines(caplog, "were left out of the log")
+        assert summary == [f"{n - CLIENT_LINES} more lines like 'client %s job %r rank %d/%d epoch %d: stream %d "
+                           f"asked at once for %d of %d batches%s' were left out of the log in the last 0 s (at most "
+                           f"{CLIENT_LINES} of a kind are written per {CLIENT_LINES_S:.0f} s)"]
+        assert d.state.client_lines.next_due() is None  # counted once
+        # the clients leaving are a kind of their own, with a budget of its own
+        for fd in range(100, 100 + n):
+            d.event(zmq.EVENT_DISCONNECTED, fd)
+        d.read_monitor()
+        assert len(_lines(caplog, " disconnected")) == CLIENT_LINES and not d.sessions.connections
+        # once the budget is earned back, lines are written one each again, with no note
+        d.now += CLIENT_LINES_S
+        d.tick()
+        caplog.clear()
+        _hellos(d, 5, 5000)
+        started = _lines(caplog, STARTED)
+        assert len(started) == 5 and not any("more like this" in s for s in started)
+
+
+def test_a_line_written_after_some_were_left_out_says_how_many(d, caplog):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        _hellos(d, CLIENT_LINES + 7, 100)
+        d.now += CLIENT_LINES_S / CLIENT_LINES  # one line earned back, and no tick before the next Hello
+        _hellos(d, 1, 1000)
+        started = _lines(caplog, STARTED)
+        assert len(started) == CLIENT_LINES + 1
+        assert started[-1].endswith(" [7 more like this in the last 0 s]")
+        assert d.state.client_lines.next_due() is None  # nothing left to summarize
