@@ -50,6 +50,10 @@ from loader_service.shm import NoSpace, Segment
 log = logging.getLogger("loader_service.dispatch.memory")
 
 
+def _write_line(level: int, template: str, *args) -> None:
+    log.log(level, template, *args)
+
+
 class NoCapacity(Exception):
     """A segment would take the slots past ``max_bytes``; the message says by how much."""
 
@@ -101,8 +105,13 @@ class BatchMemory:
 
     def __init__(self, max_bytes: int, reclaim_idle_s: float, live: Callable[[], Iterable[Stream]],
                  connected: Callable[[bytes], bool], hint: str = "raise --max-shm-mb",
-                 allocate: Callable[[int, str], Segment] = _new_segment):
+                 allocate: Callable[[int, str], Segment] = _new_segment,
+                 line: Optional[Callable[..., None]] = None):
         self.max_bytes = max_bytes
+        # how a line about one client's stream is written: ``line(level, template, *args)`` (the
+        # dispatch state's, within its budget per kind: a client that opens stream after stream
+        # cannot grow the log by a line each); by default straight to this module's log
+        self._line = line or _write_line
         self._allocate = allocate
         self._woken: List[Stream] = []  # streams that lent their slots and have slots again
         self._unlinked: List[str] = []  # names of segments unlinked since the last take_unlinked()
@@ -337,8 +346,8 @@ class BatchMemory:
             if s.life is not Life.STARVED:
                 self.starved.append(s)
                 self._moved(s)
-                log.info("client %s stream %d waits for %.1f MiB of slots (in use by other jobs)",
-                         s.ident.hex()[:12], s.id, s.nbytes / 2**20)
+                self._line(logging.INFO, "client %s stream %d waits for %.1f MiB of slots (in use by other jobs)",
+                           s.ident.hex()[:12], s.id, s.nbytes / 2**20)
             return
         if s.life is Life.STARVED:
             self.starved.remove(s)
@@ -591,8 +600,8 @@ class BatchMemory:
         self.release(s.segment, None)
         s.segment = None
         self._moved(s)
-        log.info("client %s stream %d has asked for nothing for %.0fs: its %.1f MiB of slots go to a job that "
-                 "needs them", s.ident.hex()[:12], s.id, now - s.asked_at, s.nbytes / 2**20)
+        self._line(logging.INFO, "client %s stream %d has asked for nothing for %.0fs: its %.1f MiB of slots go to a "
+                   "job that needs them", s.ident.hex()[:12], s.id, now - s.asked_at, s.nbytes / 2**20)
 
     def _will_fit(self, nbytes: int) -> bool:
         """Whether ``nbytes`` fit once the streams ending now and the quiet ones (when their quiet

@@ -94,7 +94,8 @@ class DispatchState:
         self.flood = flood.FloodGuard(config.client_allowance, config.client_allowance_rate)
         self.silence = silence.SilenceWatch(config.heartbeat_s, config.max_stranded_per_address)
         cap, hint = slot_cap(config.max_shm_bytes)
-        self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint)
+        self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint,
+                                  line=self._client_line)
         self.tasks = Tasks(TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s), config.on_error)
         self.scheduler: Scheduler[Stream] = Scheduler()
         self.totals = Totals()

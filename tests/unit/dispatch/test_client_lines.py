@@ -82,3 +82,34 @@ def test_a_line_written_after_some_were_left_out_says_how_many(d, caplog):
         assert len(started) == CLIENT_LINES + 1
         assert started[-1].endswith(" [7 more like this in the last 0 s]")
         assert d.state.client_lines.next_due() is None  # nothing left to summarize
+
+
+LENT = "has asked for nothing for"
+
+
+@pytest.fixture
+def tight(demo_source):
+    """Room for one stream's slots at a time, lent at once by a stream that asks for nothing."""
+    d = loopless(ServiceConfig(demo=True, host="127.0.0.1", data_port=0, http_port=0, workers=0,
+                               max_sessions=2000, max_shm_mb=1, reclaim_idle_s=0), demo_source, workers=1)
+    yield d
+    close(d)
+
+
+def test_streams_that_lend_their_slots_one_after_another_write_the_budget_and_a_count(tight, caplog):
+    """The batch memory's lines about one client's stream (its slots lent, its wait for them) are
+    the state's, within the same budget: a client that opens stream after stream asking for
+    nothing, each lending its slots to the next, cannot grow the log by a line each."""
+    d, n = tight, CLIENT_LINES + 9
+    spec = JobSpec(batch_size=8, image_size=128, seed=1)  # 384 KiB a slot: two slots, one stream in 1 MiB
+    with caplog.at_level(logging.INFO):  # whichever logger writes them
+        for k in range(n + 1):
+            deliver(d, uuid.uuid4().bytes, P.Hello(stream=1, spec=spec, slots=2, batches=[]), fd=100 + k)
+        assert d.totals.streams == n + 1
+        lent = [r.getMessage() for r in caplog.records if LENT in r.getMessage()]
+        assert len(lent) == CLIENT_LINES
+        d.now += CLIENT_LINES_S / CLIENT_LINES
+        d.tick()
+        summary = [s for s in _lines(caplog, "were left out of the log") if LENT in s]
+        assert len(summary) == 1 and summary[0].startswith(f"{n - CLIENT_LINES} more lines like 'client %s stream %d "
+                                                           f"{LENT}")
