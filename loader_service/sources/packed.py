@@ -53,6 +53,15 @@ def read_index(folder: str, data_size: Callable[[], int], where: str = "") -> Tu
     return meta, offsets, labels, names
 
 
+def closed_index() -> Tuple[np.ndarray, np.ndarray, PackedStrings]:
+    """The offsets, labels and names a closed source keeps in place of its index: empty ones. The
+    index's arrays map their files, and numpy keeps a descriptor with each mapping (five of them
+    for a packed source) until the last array over it goes: a source that only dropped them at
+    garbage collection held those open meanwhile (a test making a source per example reached
+    1,024)."""
+    return np.zeros(1, np.int64), np.zeros(0, np.int64), PackedStrings(np.zeros(0, np.uint8), np.zeros(1, np.int64))
+
+
 @register("packed")
 class PackedSource(Source):
     def __init__(self, path: str, name: str = ""):
@@ -84,6 +93,12 @@ class PackedSource(Source):
 
     def index_parts(self):
         return self.names.blob, self.names.offsets, self.offsets, self.labels
+
+    def close(self) -> None:
+        """Unmap the dataset now (the index and data.bin, and the descriptors kept with them); the
+        source is empty from then on. Idempotent."""
+        self.offsets, self.labels, self.names = closed_index()
+        self._data = np.zeros(0, np.uint8)
 
 
 def write_packed(

@@ -40,7 +40,7 @@ from typing import Dict, Optional
 
 from loader_service.sources.base import Source, SourceSpec, register
 from loader_service.sources.files import DEFAULT_MAX_SAMPLE_BYTES
-from loader_service.sources.packed import INDEX_FILES, read_index
+from loader_service.sources.packed import INDEX_FILES, closed_index, read_index
 from loader_service.sources.remote.store import Location, ObjectInfo, RemoteError, RemoteSettings, Store, read_retries
 from loader_service.sources.webdataset import save_folder
 
@@ -140,3 +140,4 @@ class RemotePackedSource(Source):
 
     def close(self) -> None:
         self._store = None  # its pooled connections close with it
+        self.offsets, self.labels, self.names = closed_index()  # the index's mappings go now
