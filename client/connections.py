@@ -217,8 +217,8 @@ class Connections:
                 if not r.borrowed.holds(msg.stream, msg.index):  # copied out: hand it back now
                     r.send(P.Release(stream=msg.stream, batches=[msg.index]))
             self._stats.bytes += msg.image_bytes
-        else:
-            r.drain()
+            return msg, payload  # (one per batch: none of the checks below is for a Batch)
+        r.drain()
         if isinstance(msg, P.EndOfEpoch):
             return None, None  # the stream we ended with a final Request is done
         if isinstance(msg, (P.Accept, P.DatasetInfo)) and not self._check_identity(r, msg):

@@ -222,10 +222,15 @@ class Borrowed:
         when this batch must be copied out instead (a read-only mapping, or ``limit`` reached)."""
         if not m.writable or len(self._held) >= self.limit or not blocks:
             return None
-        for offset, nbytes in blocks:
-            check_block(name, m, offset, nbytes)
-        lo = min(o for o, _ in blocks)
-        hi = max(o + n for o, n in blocks)
+        if len(blocks) == 1:  # one output, the common case: no generators
+            (lo, nbytes), = blocks
+            check_block(name, m, lo, nbytes)
+            hi = lo + nbytes
+        else:
+            for offset, nbytes in blocks:
+                check_block(name, m, offset, nbytes)
+            lo = min(o for o, _ in blocks)
+            hi = max(o + n for o, n in blocks)
         # every output is a slice of this one array, so it lives exactly as long as the batch's tensors
         whole = np.frombuffer(m.mm, dtype=np.uint8, count=hi - lo, offset=lo)
         key = (stream, batch)

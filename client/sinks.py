@@ -149,10 +149,15 @@ class _PerOutput:
 def _check_outputs(msg: P.Batch, outputs: Outputs) -> List[Tuple[str, Tuple[int, ...]]]:
     """The batch's (name, frame shape) list, if it is what the loader expects."""
     got = msg.output_shapes()
-    if [(n, tuple(s[1:])) for n, s in got] != [(n, tuple(s)) for n, s in outputs]:
+    if [(n, s[1:]) for n, s in got] != outputs:  # (each shape a tuple on both sides: _as_declared)
         raise LoaderError(P.ErrorCode.BAD_MESSAGE, f"batch outputs {[(n, list(s[1:])) for n, s in got]} differ from "
                           f"the pipeline's declaration {[(n, list(s)) for n, s in outputs]}")
     return got
+
+
+def _as_declared(outputs: Outputs) -> Outputs:
+    """``outputs`` as :func:`_check_outputs` compares a batch's with: a list of (name, tuple)."""
+    return [(name, tuple(shape)) for name, shape in outputs]
 
 
 def _build(msg: P.Batch, names: List[str], raw: List[torch.Tensor], labels: torch.Tensor,
@@ -265,7 +270,7 @@ class HostSink:
 
     def __init__(self, config: LoaderConfig, held: int = 0, outputs: Optional[Outputs] = None):
         self.config = config
-        self.outputs = outputs or legacy_outputs(config)
+        self.outputs = _as_declared(outputs or legacy_outputs(config))
         self.normalize = _normalizers(config, self.outputs)
         self.buffers = HostBuffers(held + 2)  # the window, the batch the trainer holds, the one arriving
         # the service's segments, read-write where allowed: batches lent in place (co-located)
@@ -345,7 +350,7 @@ class CudaSink:
         self.device = torch.device(config.device)
         if self.device.index is None:
             raise ValueError(f"CudaSink needs an explicit device index, got {config.device!r}")
-        self.outputs = outputs or legacy_outputs(config)
+        self.outputs = _as_declared(outputs or legacy_outputs(config))
         self.normalize = _normalizers(config, self.outputs)
         self._output_bytes = [config.spec.batch_size * math.prod(shape) for _, shape in self.outputs]
         with torch.cuda.device(self.device):

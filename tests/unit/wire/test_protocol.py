@@ -217,12 +217,51 @@ def test_a_lent_batch_names_one_block_per_output_of_its_size_and_carries_the_lab
     (["s", [[0, 24], [24, 24]]], "for each of 1 outputs"),
     (["s", [[-1, 24]]], "for each of 1 outputs"),
     (["s", [[0, 2**60]]], "for each of 1 outputs"),
+    (["s", [[True, 24]]], "for each of 1 outputs"),
+    (["s", [[0.0, 24]]], "for each of 1 outputs"),
+    (["s", [[0, 24, 0]]], "for each of 1 outputs"),
+    (["s", [{"0": 24}]], "for each of 1 outputs"),
+    (["s", [[2**48, 24]]], "for each of 1 outputs"),
     (["s", [[0, 23]]], "blocks are \\[23\\] bytes, the outputs \\[24\\]"),
 ])
 def test_a_lent_batch_that_names_blocks_amiss_is_refused(local, match):
     with pytest.raises(P.ProtocolError, match=match):
         P.decode([header(t=int(P.MsgType.BATCH), stream=1, epoch=0, index=0, indices=[3, 4], shape=[2, 2, 2, 3],
                          local=local), bytes(16)])
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(lanes=P.MAX_LANES + 1), f"Batch.lanes must be \\[0, {P.MAX_LANES}\\], got {P.MAX_LANES + 1}"),
+    (dict(lanes=-1), "Batch.lanes must be"),
+    (dict(lane_set=1 << 32), "Batch.lane_set must be \\[0, 4294967295\\]"),
+    (dict(lane_set=-1), "Batch.lane_set must be"),
+    (dict(padding=-1), "Batch.padding must be \\[0, 2\\], got -1"),
+])
+def test_a_batch_s_lanes_and_padding_out_of_range_are_refused(fields, match):
+    with pytest.raises(P.ProtocolError, match=match):
+        P.decode([header(t=int(P.MsgType.BATCH), stream=1, epoch=0, index=0, indices=[3, 4], shape=[2, 2, 2, 3],
+                         **fields), bytes(36), bytes(16)])
+
+
+@pytest.mark.parametrize("remembered", [False, True])
+def test_a_decoded_message_is_the_constructor_s_with_defaults_of_its_own(remembered):
+    """Decode builds a message without its generated __init__: the same fields, in the same order,
+    each list default a fresh one (mutating one message's leaves the next's alone)."""
+    P._layout(P.Batch).passed.clear()
+    msg = P.Batch(stream=1, epoch=0, index=0, indices=[3, 4], shape=[2, 2, 2, 3])
+    frames = P.encode(msg, bytes(24), bytes(16))
+    if remembered:
+        P.decode(frames)
+    got, _ = P.decode(frames)
+    assert got == msg and list(vars(got)) == list(vars(msg)) == [f.name for f in dataclasses.fields(P.Batch)]
+    got.skipped.append([3, "x"])
+    again, _ = P.decode(frames)
+    assert again.skipped == [] and again.outputs == [] and again.local == []
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        again.index = 1
+    err, _ = P.decode([header(t=int(P.MsgType.ERROR), code=P.ErrorCode.BAD_JOB,
+                              message="m" * (P.MAX_ERROR_MESSAGE + 10))])
+    assert len(err.message) <= P.MAX_ERROR_MESSAGE  # a class with a __post_init__ still runs it
 
 
 @pytest.mark.parametrize("batches, code", [([1, 1], P.ErrorCode.BAD_JOB), ([-1], P.ErrorCode.BAD_JOB),
