@@ -53,8 +53,9 @@ class Service:
     """Run with ``with Service(cfg) as svc:`` (background thread) or ``Service(cfg).run()``."""
 
     def __init__(self, config: ServiceConfig, sources: Optional[Dict[str, Source]] = None):
-        """``sources``: datasets already open (tests pass a fault-injecting double here); by
-        default they are opened from ``config``. The service closes them when it stops."""
+        """``sources``: datasets already open (tests pass a fault-injecting double here), which stay
+        the caller's to close (one may serve several services in turn); by default they are opened
+        from ``config``, and the service closes them when it stops."""
         self.config = config
         self.dispatcher: Optional[Dispatcher] = None
         self.autoscaler: Optional[Autoscaler] = None  # owns the worker count when --autoscale is set
@@ -277,8 +278,9 @@ class Service:
                 self._join(self._http_thread, max(deadline, time.monotonic() + 1.0))
         if self._http_sock is not None:
             self._http_sock.close()
-        for src in self.sources.values():
-            src.close()
+        if self._given_sources is None:  # what it opened; given ones are the caller's
+            for src in self.sources.values():
+                src.close()
         if self._token_file and self.http_port:  # not when another service holds the port (and the file)
             try:
                 os.unlink(self._token_file)
