@@ -138,7 +138,13 @@ class WorkerPool:
             if w.state == "leaving":
                 w.state = "busy" if w.task is not None else "starting"
                 live.append(w)
-        for _ in range(self.target - len(live)):
+        # At most twice the target processes at once (2 for a target of 0 or 1), those on their way
+        # out counted: a storm of scale requests alternating small and large targets would start a
+        # new set each time while the last is still exiting (their number then depends on how fast
+        # processes exit). The rest start as those exit (reap converges again); where none is live,
+        # one starts whatever is exiting.
+        room = max(2 * max(self.target, 1) - len(self.workers), 0 if live else 1)
+        for _ in range(min(self.target - len(live), room)):
             self._spawn()
         surplus = len(live) - self.target
         if surplus > 0:
