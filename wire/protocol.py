@@ -296,7 +296,7 @@ class Batch(Message):
         """Frames after the header: each output's (several when chunked, none when handed over in place), then the labels'."""
         if self.local or self.lanes:
             return 1
-        return sum(frame_count(math.prod(s), self.chunk) for _, s in self.output_shapes()) + 1
+        return sum(frame_count(n, self.chunk) for n in self.output_bytes()) + 1
 
     def output_shapes(self) -> list:
         """[(name, full shape of its frame), ...]; the unnamed single output is ``image``."""
@@ -304,12 +304,16 @@ class Batch(Message):
             return [("image", tuple(self.shape))]
         return [(name, (self.shape[0], *shape)) for name, shape in self.outputs]
 
+    def output_bytes(self) -> list:
+        """Each output's bytes, in order (the unnamed single output: the whole shape's)."""
+        if not self.outputs:
+            return [math.prod(self.shape)]
+        return [math.prod(s) for _, s in self.output_shapes()]
+
     @property
     def image_bytes(self) -> int:
         """All output frames together."""
-        if not self.outputs:
-            return math.prod(self.shape)
-        return sum(math.prod(s) for _, s in self.output_shapes())
+        return sum(self.output_bytes())
 
 
 @dataclass(frozen=True)
@@ -594,7 +598,7 @@ def check_data_sizes(msg: Message, sizes: Sequence[int]) -> None:
     if len(sizes) != msg.data_frames():
         raise ProtocolError(f"{type(msg).__name__} takes {msg.data_frames()} data frames, got {len(sizes)}")
     if isinstance(msg, Batch):  # the count matched, so these lists are as long as what came
-        want = [] if msg.local or msg.lanes else [n for _, s in msg.output_shapes() for n in frame_sizes(math.prod(s), msg.chunk)]
+        want = [] if msg.local or msg.lanes else [n for nbytes in msg.output_bytes() for n in frame_sizes(nbytes, msg.chunk)]
         want.append(8 * len(msg.indices))
         if list(sizes) != want:
             raise ProtocolError(f"Batch frames are {list(sizes)} bytes, header says {want}")
@@ -765,7 +769,7 @@ def _check_local(msg: Batch) -> None:
     if (len(local) != 2 or not isinstance(local[0], str) or not 0 < len(local[0]) <= 255 or "/" in local[0]
             or not isinstance(local[1], list)):
         raise ProtocolError(f"Batch.local must be [segment name, [[offset, bytes], ...]], got {brief(local)}")
-    sizes = [math.prod(msg.shape)] if not msg.outputs else [math.prod(s) for _, s in msg.output_shapes()]
+    sizes = msg.output_bytes()
     blocks = local[1]
     if len(blocks) != len(sizes) or not all(map(_is_block, blocks)):
         raise ProtocolError(f"Batch.local must list [offset, bytes] for each of {len(sizes)} outputs, got "
@@ -783,8 +787,7 @@ def _is_block(b: Any) -> bool:
     if not isinstance(b, list) or len(b) != 2:
         return False
     offset, nbytes = b
-    return ((type(offset) is int or _is_int(offset)) and (type(nbytes) is int or _is_int(nbytes))
-            and 0 <= offset < _MAX_OFFSET and 0 <= nbytes < _MAX_OFFSET)
+    return _is_int(offset) and _is_int(nbytes) and 0 <= offset < _MAX_OFFSET and 0 <= nbytes < _MAX_OFFSET
 
 
 def _check_outputs(outputs: list) -> None:
@@ -798,7 +801,7 @@ def _check_outputs(outputs: list) -> None:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return type(x) is int or (isinstance(x, int) and not isinstance(x, bool))  # (msgpack's ints: the first test)
 
 
 def _non_negative_ints(xs: list) -> bool:
