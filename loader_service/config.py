@@ -98,6 +98,8 @@ class ServiceConfig:
     worker_start_s: Annotated[float, opt("a decode process that has not said it is ready within this many seconds "
                                          "(hung opening a dataset or importing a pipeline) is killed and counts "
                                          "as a failed start")] = 120.0
+    worker_stop_s: Annotated[float, opt("a decode process told to stop (scaled down) that has not exited within "
+                                        "this many seconds (a dataset whose close never returns) is killed")] = 10.0
     max_skipped: Annotated[int, opt("with --on-error skip: samples one stream may skip before it fails with the "
                                     "list (0: no cap)")] = 1000
     start_method: Annotated[str, opt("how worker processes start", choices=START_METHODS)] = "spawn"
@@ -206,8 +208,9 @@ class ServiceConfig:
             raise ValueError("max_shm_mb, demo_size, heartbeat_s, stop_timeout_s and stop_deadline_s must be positive")
         if self.reclaim_idle_s < 0:
             raise ValueError(f"reclaim_idle_s must be >= 0, got {self.reclaim_idle_s}")
-        if self.worker_start_s <= 0:
-            raise ValueError(f"worker_start_s must be positive, got {self.worker_start_s}")
+        if self.worker_start_s <= 0 or self.worker_stop_s <= 0:
+            raise ValueError(f"worker_start_s and worker_stop_s must be positive, got {self.worker_start_s} and "
+                             f"{self.worker_stop_s}")
         if self.task_deadline_s < 0 or self.task_deadline_floor_s <= 0:
             raise ValueError("task_deadline_s must be >= 0 (0: derived from measured task times) and "
                              f"task_deadline_floor_s > 0, got {self.task_deadline_s} and {self.task_deadline_floor_s}")

@@ -4,7 +4,8 @@ Reading a sample listed in ``crash`` kills the worker (SIGKILL, as a decoder seg
 reading one listed in ``hang`` never returns (as an NFS read that never answers, or a decoder
 stuck in a loop); ``read_delay_s`` makes every read that slow (remote storage: the benchmark of
 replicas whose speed is set by their worker count, not by cores they share); ``hang_open``
-makes a worker's opening of it never return (a dataset on a mount that stopped answering). The
+makes a worker's opening of it never return (a dataset on a mount that stopped answering);
+``hang_close`` makes its closing never return (a worker told to stop that never exits). The
 fault lives here, in the data, so the worker's code path is the real one.
 A service gets it only when a test or a benchmark builds it: ``Service(config, sources=...)``.
 Not part of the product: the kind "fault" exists only in a process that imported this module;
@@ -25,10 +26,10 @@ from loader_service.sources.base import Sample, Source, SourceSpec, open_source,
 @register("fault")
 class FaultSource(Source):
     def __init__(self, inner: Source, crash: Iterable[int] = (), hang: Iterable[int] = (), unopenable: bool = False,
-                 read_delay_s: float = 0.0, hang_open: bool = False):
+                 read_delay_s: float = 0.0, hang_open: bool = False, hang_close: bool = False):
         """``unopenable``: a worker cannot open it (as a dataset path unreadable inside a container)."""
         self.inner, self.unopenable, self.read_delay_s = inner, unopenable, float(read_delay_s)
-        self.hang_open = hang_open
+        self.hang_open, self.hang_close = hang_open, hang_close
         self.name, self.labels = inner.name, inner.labels
         self.crash, self.hang = frozenset(int(i) for i in crash), frozenset(int(i) for i in hang)
 
@@ -56,7 +57,8 @@ class FaultSource(Source):
         return SourceSpec(name=s.name, kind="fault", path=s.path, index=s.index, options=(
             ("inner_kind", s.kind), ("inner_options", s.options),
             ("crash", tuple(sorted(self.crash))), ("hang", tuple(sorted(self.hang))), ("unopenable", self.unopenable),
-            ("read_delay_s", self.read_delay_s), ("hang_open", self.hang_open)))
+            ("read_delay_s", self.read_delay_s), ("hang_open", self.hang_open),
+            ("hang_close", self.hang_close)))
 
     @classmethod
     def from_spec(cls, spec: SourceSpec) -> "FaultSource":
@@ -67,7 +69,11 @@ class FaultSource(Source):
             raise PermissionError(f"[fault double] cannot open dataset {spec.name!r} at {spec.path}")
         inner = open_source(SourceSpec(name=spec.name, kind=spec.option("inner_kind"), path=spec.path,
                                        index=spec.index, options=tuple(tuple(kv) for kv in spec.option("inner_options"))))
-        return cls(inner, spec.option("crash", ()), spec.option("hang", ()), read_delay_s=spec.option("read_delay_s", 0.0))
+        return cls(inner, spec.option("crash", ()), spec.option("hang", ()), read_delay_s=spec.option("read_delay_s", 0.0),
+                   hang_close=spec.option("hang_close", False))
 
     def close(self) -> None:
+        if self.hang_close:
+            while True:  # only a signal ends this: the stop deadline's SIGKILL
+                signal.pause()
         self.inner.close()

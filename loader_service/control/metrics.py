@@ -48,6 +48,8 @@ class StatusCollector(Collector):
             g.add_metric([state], w["counts"].get(state, 0))
         yield g
         yield CounterMetricFamily("loader_worker_deaths", "Workers that died unexpectedly.", value=w["deaths"])
+        yield CounterMetricFamily("loader_worker_stop_kills", "Workers killed for not exiting in time after a stop.",
+                                  value=w["stop_kills"])
         conns = GaugeMetricFamily("loader_connections", "Data-port connections (/v1/status connections): open, "
                                   "sessions, pending, waiting, stranded.", labels=["kind"])
         for kind, n in s.get("connections", {}).items():

@@ -96,7 +96,8 @@ class Dispatcher:
         # docs/benchmarks.md section 12), and one-image tasks ran at ~90/s with the workers idle.
         self.pool_ctx = zmq.Context(1)
         self.pool = WorkerPool(self.pool_ctx, [s.spec() for s in sources.values()], config.start_method,
-                               config.decode_options, config.worker_start_s, config.worker_nice)
+                               config.decode_options, config.worker_start_s, config.worker_nice,
+                               config.worker_stop_s)
         self.mailbox = Mailbox()  # functions other threads hand to this one
         self.colocation = local.Colocation()  # the probe a co-located client reads (issue 41)
         self.state = DispatchState(config, sources, pipelines, self.pool, self.instance,
@@ -388,13 +389,13 @@ class Dispatcher:
         now = time.monotonic()
         if self.state.early_due(now):
             self._read_monitor()  # a report still queued confirms its connection
-        self.pool.expire_starts(now)
+        self.pool.expire(now)
         self.handle(E.Tick())
         if self.lane_sets:
             self._sweep_lanes(now)
 
     def _poll_timeout_ms(self) -> Optional[int]:
-        """Until the state's next deadline, a starting worker's deadline, or the end of a
+        """Until the state's next deadline, a starting or stopping worker's deadline, or the end of a
         draining stop (None: no deadline)."""
         now = time.monotonic()
         if self.state.drained(now):
@@ -402,7 +403,7 @@ class Dispatcher:
             return 0
         # the sweep ran in the tick just before (after any lane was adopted): its due time is current
         lanes_due = self._lanes_due if self.lane_sets else None
-        ends = [t for t in (self.state.next_deadline(now), self.pool.next_start_deadline(), lanes_due) if t is not None]
+        ends = [t for t in (self.state.next_deadline(now), self.pool.next_deadline(), lanes_due) if t is not None]
         if not ends:
             return None
         return max(1, int((min(ends) - now) * 1000) + 1)

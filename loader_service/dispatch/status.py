@@ -46,6 +46,7 @@ class WorkersStatus(_Frozen):
     counts: Dict[str, int]
     deaths: int
     hung: int  # workers killed because a task outlived its deadline
+    stop_kills: int  # workers killed because they had not exited within worker_stop_s of being told to stop
     broken: str  # why no worker can start ("" when fine)
     live: int  # starting, idle or busy
     busy_s_total: float  # seconds spent on tasks by every worker so far, running tasks included
@@ -225,7 +226,8 @@ def workers(pool: "WorkerPool", hung: int, now: float) -> WorkersStatus:
                            uptime_s=round(now - w.started_at, 1),
                            task_s=round(now - w.task_started, 3) if w.task is not None else None)
               for w in pool.workers.values()]
-    return WorkersStatus(target=pool.target, counts=pool.counts(), deaths=pool.deaths, hung=hung, broken=pool.broken,
+    return WorkersStatus(target=pool.target, counts=pool.counts(), deaths=pool.deaths, hung=hung,
+                         stop_kills=pool.stop_kills, broken=pool.broken,
                          live=pool.live_count(), busy_s_total=round(pool.busy_seconds(), 3), list=listed)
 
 

@@ -69,6 +69,8 @@ class WorkerRecord:
     started_at: float = 0.0
     ready: bool = False  # said Ready (without an error)
     start_hung: bool = False  # killed for not saying Ready within the start deadline
+    stop_sent: float = 0.0  # when it was told Stop (0: not told)
+    stop_hung: bool = False  # killed for not exiting within the stop deadline
     task_started: float = 0.0  # when its running task started (the previous one's Done, or its assignment)
     # Shared with the worker: [position in its task of the sample it is on (-1: none), when that
     # sample began (time.monotonic, one clock for all processes), the task it runs (-1: none)]. Tells a waiting client which
@@ -91,9 +93,11 @@ class WorkerRecord:
 
 class WorkerPool:
     def __init__(self, ctx: zmq.Context, specs: List[SourceSpec], start_method: str = "spawn",
-                 decode: DecodeOptions = DEFAULT_OPTIONS, start_s: float = 120.0, nice: int = 0):
+                 decode: DecodeOptions = DEFAULT_OPTIONS, start_s: float = 120.0, nice: int = 0,
+                 stop_s: float = 10.0):
         self._mp = mp.get_context(start_method)
         self.start_s = start_s  # a worker not Ready this long after its start is killed
+        self.stop_s = stop_s  # a worker not exited this long after its Stop is killed
         self.nice = nice  # each worker runs this much nicer than this process
         self._specs = specs
         self._kind_modules = kind_modules(specs)  # a kind registered outside loader_service works in workers too
@@ -111,6 +115,7 @@ class WorkerPool:
         self._next_id = 0
         self.version = 0  # bumped whenever the set of processes changes (re-register sentinels)
         self.deaths = 0
+        self.stop_kills = 0  # workers killed for not exiting within stop_s of their Stop
         self.start_failures = 0  # consecutive workers that died or failed before Ready
         self.broken = ""  # why workers cannot start; set after MAX_START_FAILURES in a row
         self._busy_gone = 0.0  # busy seconds of workers that have exited
@@ -177,6 +182,7 @@ class WorkerPool:
 
     def _send_stop(self, w: WorkerRecord) -> None:
         w.state = "stopping"
+        w.stop_sent = time.monotonic()
         self.sock.send_multipart([_ident(w.id), *P.encode(P.Stop())])
 
     # ------------------------------------------------------------------ events
@@ -267,23 +273,30 @@ class WorkerPool:
         """Started and not Ready yet (a worker dismissed while starting included)."""
         return not w.ready and w.state not in ("stopping", "failed")
 
-    def next_start_deadline(self) -> Optional[float]:
-        """When the earliest starting worker runs out of time (None: none is starting)."""
-        return min((w.started_at + self.start_s for w in self.workers.values() if self._starting(w) and not w.start_hung),
-                   default=None)
+    def next_deadline(self) -> Optional[float]:
+        """When the earliest starting worker, or the earliest one told to stop, runs out of time
+        (None: none is starting or stopping)."""
+        ends = [w.started_at + self.start_s for w in self.workers.values() if self._starting(w) and not w.start_hung]
+        ends += [w.stop_sent + self.stop_s for w in self.workers.values() if w.stop_sent and not w.stop_hung]
+        return min(ends, default=None)
 
-    def expire_starts(self, now: float) -> None:
-        """SIGKILL every worker that has not said Ready within ``start_s``; its sentinel then
-        reports it, and :meth:`reap` counts a failed start."""
+    def expire(self, now: float) -> None:
+        """SIGKILL every worker that has not said Ready within ``start_s`` (:meth:`reap` then counts
+        a failed start), and every one still alive ``stop_s`` after its Stop (a source whose close
+        never returns, a thread the interpreter waits for at exit): it would hold its place among
+        the processes the pool allows forever. Their sentinels then report them."""
         for w in self.workers.values():
             if self._starting(w) and not w.start_hung and now - w.started_at >= self.start_s:
                 w.start_hung = True
                 log.error("worker %d (pid %s) has not said it is ready after %.0fs; killing it", w.id, w.pid,
                           now - w.started_at)
-                try:
-                    os.kill(w.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass  # already gone: its sentinel reports it
+                _kill(w.pid)
+            elif w.stop_sent and not w.stop_hung and now - w.stop_sent >= self.stop_s:
+                w.stop_hung = True
+                self.stop_kills += 1
+                log.error("worker %d (pid %s) was told to stop %.0fs ago and has not exited; killing it", w.id, w.pid,
+                          now - w.stop_sent)
+                _kill(w.pid)
 
     def _start_failed(self, why: str) -> None:
         self.start_failures += 1
@@ -370,6 +383,13 @@ class WorkerPool:
         self._unreaped.clear()
         self._death_r.close()
         self.sock.close(0)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone: its sentinel reports it
 
 
 def _ident(wid: int) -> bytes:

@@ -5,6 +5,8 @@
 * a sample whose read hangs every time: isolated like a poison sample, then ``on_error``;
 * a pool whose workers cannot start, or hang while starting: ``/healthz`` answers 503 with the
   reason;
+* a worker told to stop whose exit hangs: killed at its stop deadline, counted, replaced in the
+  pool's allowance;
 * a dispatcher loop that dies: ``/healthz`` answers 503 and ``serve`` exits 1;
 * a dispatcher loop that is stuck: ``/healthz`` and REST reads answer 503 in time, the log
   shows where the loop is, and all is well again once it moves.
@@ -94,6 +96,33 @@ def test_workers_that_hang_while_starting_are_killed_and_healthz_says_so(make_se
         with pytest.raises(LoaderError, match="did not become ready within 1s and was killed"):
             collect(ld)
     assert not [w for w in status(svc)["workers"]["list"] if w["state"] == "starting"]
+
+def test_workers_whose_exit_hangs_are_killed_at_their_stop_deadline(make_service, demo_source, caplog):
+    token = "t"
+    svc = make_service(workers=2, worker_stop_s=1.0, api_token=token,
+                       sources={"demo": FaultSource(demo_source, hang_close=True)})
+    wait_for(lambda: status(svc)["workers"]["counts"] == {"idle": 2}, what="two idle workers")
+
+    def scale(n: int) -> None:
+        r = httpx.put(f"{svc.http_url}/v1/workers", json={"count": n}, headers={"Authorization": f"Bearer {token}"},
+                      timeout=10)
+        assert r.status_code == 200, r.text
+
+    scale(1)  # the dismissed worker's source never closes: only the stop deadline ends it
+    wait_for(lambda: status(svc)["workers"]["stop_kills"] == 1 and status(svc)["workers"]["counts"] == {"idle": 1},
+             what="the worker that did not exit to be killed")
+    with RemoteLoader(svc.endpoint, **KW) as ld:
+        assert sorted(indices_of(collect(ld))) == list(range(DEMO_SIZE))
+    scale(0)
+    wait_for(lambda: status(svc)["workers"]["stop_kills"] == 2 and status(svc)["workers"]["counts"] == {},
+             what="the last worker to be killed")
+    st = status(svc)["workers"]
+    assert st["deaths"] == 0 and st["hung"] == 0  # told to stop: not a death
+    killed = [r.getMessage() for r in caplog.records if "was told to stop" in r.getMessage()]
+    assert len(killed) == 2 and all(re.fullmatch(r"worker \d \(pid \d+\) was told to stop 1s ago and has not exited; "
+                                                 r"killing it", m) for m in killed), killed
+    assert "loader_worker_stop_kills_total 2.0" in httpx.get(f"{svc.http_url}/metrics", timeout=10).text
+
 
 def test_a_rest_server_that_stopped_is_a_problem_serve_exits_on(make_service):
     svc = make_service()

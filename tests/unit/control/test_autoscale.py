@@ -51,7 +51,7 @@ class Service:
                     for i in range(self.idle_clients)]
         return ServiceStatus(
             instance="test", uptime_s=1.0, healthy=True, problem="", data_port=1, datasets={},
-            workers=WorkersStatus(target=self.workers, counts={}, deaths=0, hung=0, broken="", live=self.workers,
+            workers=WorkersStatus(target=self.workers, counts={}, deaths=0, hung=0, stop_kills=0, broken="", live=self.workers,
                                   busy_s_total=self.busy, list=[]),
             clients=clients, clients_total=len(clients), clients_listed=len(clients), clients_streaming=self.clients,
             throughput={}, totals=Totals(samples=self.samples),
