@@ -234,8 +234,8 @@ class Service:
             return "the dispatcher thread has exited"
         if self._http_thread is not None and not self._http_thread.is_alive() and not stopping:
             return "the REST server has stopped (no /healthz, /v1/status or scaling); see the log"
-        if d.pool.broken:
-            return d.pool.broken
+        if d.pool.state.broken:
+            return d.pool.state.broken
         return ""
 
     def wait_ready(self, timeout: float) -> bool:
@@ -306,7 +306,7 @@ class Service:
         d = self.dispatcher
         if d is None:
             return
-        for pid in d.pool.pids():
+        for pid in d.pool.state.pids():
             try:
                 os.kill(pid, signal.SIGKILL)  # works on a stopped (SIGSTOP) process too
             except (ProcessLookupError, PermissionError):

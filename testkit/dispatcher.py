@@ -21,7 +21,7 @@ from loader_service.config import ServiceConfig
 from loader_service.decode.pipelines import Registry
 from loader_service.dispatch import events as E
 from loader_service.dispatch.state import DispatchState
-from loader_service.workers.pool import WorkerPool, WorkerRecord
+from loader_service.workers.pool_state import PoolState, Spawn
 
 FD = 17  # any number: these connections only exist in the events fed to the state
 
@@ -33,26 +33,19 @@ class Frame:
         self.bytes, self.buffer = data, memoryview(data)
 
 
-class Workers:
-    """The worker pool as the dispatch state reads it (the real pool's readers over records the
-    test moves by hand: :meth:`Driven.finish`, :meth:`Driven.lose`)."""
-
-    places = WorkerPool.places
-    counts = WorkerPool.counts
-    live_count = WorkerPool.live_count
+class Workers(PoolState):
+    """The pool's real bookkeeping, its processes played by the test: workers start ready at once
+    (pid 10,000 + their id), and finish or die when the test says (:meth:`Driven.finish`,
+    :meth:`Driven.lose`)."""
 
     def __init__(self, n: int):
-        self.workers: Dict[int, WorkerRecord] = {}
-        self._started = 0
-        for _ in range(n):
-            self.start_one()
-        self.broken = ""
+        super().__init__()
+        self.carry_out(self.scale(n, time.monotonic()))
 
-    def start_one(self) -> WorkerRecord:
-        """A new worker, idle and ready, under an id never used before (pid 10,000 + its id)."""
-        wid, self._started = self._started, self._started + 1
-        w = self.workers[wid] = WorkerRecord(id=wid, process=None, state="idle", pid=10_000 + wid, ready=True)
-        return w
+    def carry_out(self, actions) -> None:
+        for a in actions:
+            assert isinstance(a, Spawn), a  # the tests here never scale down or let deadlines pass
+            self.ready(a.wid, 10_000 + a.wid, "", time.monotonic())
 
 
 class Driven:
@@ -110,10 +103,7 @@ class Driven:
             if c.let_go:  # else the co-located client borrows the slot until its Release
                 self.sending.append(E.LetGo(c.stream, c.slot))
         elif isinstance(c, E.Assign):
-            w = c.worker
-            assert w.state in ("idle", "busy") and len(w.tasks) < 2, w
-            w.state = "busy"
-            w.tasks.append(c.task.task)
+            self.pool.assign(c.worker, c.task.task, c.task.shm, self.now)
             self.assigned.append(c)
         elif isinstance(c, E.Kill):
             self.killed.append(c.pid)
@@ -161,18 +151,18 @@ class Driven:
     # ------------------------------------------------------------------ workers
     def finish(self, wid: int, ok: bool = True, error: str = "", skipped=()) -> int:
         """Worker ``wid`` finishes the task it runs (its queued one runs next); the task's id."""
-        w = self.pool.workers[wid]
-        task = w.tasks.popleft()
-        w.state = "busy" if w.tasks else "idle"
+        task = self.pool.workers[wid].task
+        w, taken, actions = self.pool.done(wid, task, self.now)
+        assert taken and not actions, (w, actions)
         self.handle(E.WorkerDone(P.Done(task=task, worker=wid, ok=ok, error=error, skipped=list(skipped)), w.task))
         return task
 
     def lose(self, wid: int, died_on_first: bool = True, exitcode: int = -9) -> None:
         """Worker ``wid`` dies holding its tasks (on the first, or between tasks); a new one takes its place."""
-        w = self.pool.workers.pop(wid)
-        held = tuple(w.tasks)
-        self.handle(E.WorkerLost(held, held[0] if held and died_on_first else None, exitcode))
-        self.pool.start_one()
+        held = tuple(self.pool.workers[wid].tasks)
+        lost = self.pool.exited(wid, exitcode, held[0] if held and died_on_first else -1, self.now)
+        self.handle(E.WorkerLost(tuple(lost.held), lost.died_on, exitcode))
+        self.pool.carry_out(lost.actions)
 
     def close(self) -> None:
         self.handle(E.Closing())

@@ -172,10 +172,10 @@ def make_app(d: "Dispatcher", token: Callable[[], str], problem: Callable[[], st
              responses={503: {"model": Readiness, "description": "not ready"}})
     async def readyz():
         """Readiness: the data port is bound and at least one worker is up."""
-        counts = await on_dispatcher(d.pool.counts)
+        counts = await on_dispatcher(d.pool.state.counts)
         reason = ""
-        if d.pool.broken:
-            reason = d.pool.broken
+        if d.pool.state.broken:
+            reason = d.pool.state.broken
         elif counts.get("idle", 0) + counts.get("busy", 0) == 0:
             reason = "no worker is up"
         body = Readiness(ready=not reason, reason=reason, workers=counts, data_port=d.data_port)

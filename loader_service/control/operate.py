@@ -31,7 +31,7 @@ class AutoscaleConflict(RuntimeError):
 def snapshot(d: "Dispatcher", autoscaler: Optional[Autoscaler] = None) -> ServiceStatus:
     """A consistent, typed snapshot of ``d`` (on its thread)."""
     now = time.monotonic()
-    st, pool = d.state, d.pool
+    st, pool = d.state, d.pool.state
     t = st.totals
     problem = d.failure or pool.broken
     sizes = [s.hello.spec.batch_size for s in st.sessions.streams()] or [1]
@@ -73,10 +73,10 @@ def scale(d: "Dispatcher", n: int, autoscaler: Optional[Autoscaler] = None) -> d
                                 "restart without --autoscale to set it by hand")
     if not 0 <= n <= d.config.max_workers:
         raise ValueError(f"worker count must be in [0, {d.config.max_workers}], got {n}")
-    before = d.pool.target
+    before = d.pool.state.target
     d.pool.scale(n)
     log.info("worker pool scaled %d -> %d by request", before, n)
-    return {"previous": before, "target": n, "workers": d.pool.counts()}
+    return {"previous": before, "target": n, "workers": d.pool.state.counts()}
 
 
 def autoscale_step(d: "Dispatcher", autoscaler: Autoscaler) -> Optional[dict]:

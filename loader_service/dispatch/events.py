@@ -17,7 +17,7 @@ from wire import protocol as P
 if TYPE_CHECKING:  # pragma: no cover
     from loader_service.dispatch.streams import Stream
     from loader_service.shm import Segment
-    from loader_service.workers.pool import WorkerRecord
+    from loader_service.workers.pool_state import WorkerRecord
 
 
 # ---------------------------------------------------------------------- events (shell -> state)

@@ -100,7 +100,7 @@ class Dispatcher:
                                config.worker_stop_s)
         self.mailbox = Mailbox()  # functions other threads hand to this one
         self.colocation = local.Colocation()  # the probe a co-located client reads (issue 41)
-        self.state = DispatchState(config, sources, pipelines, self.pool, self.instance,
+        self.state = DispatchState(config, sources, pipelines, self.pool.state, self.instance,
                                    self.guard.authorized if self.guard.curve else None, self.colocation.name,
                                    self.lanes.port if self.lanes is not None else 0)
         self._events: Deque[E.Event] = deque()  # events met while carrying out commands: handled next
@@ -353,13 +353,13 @@ class Dispatcher:
         try:
             self.pool.scale(self.first_workers)
             while self._running_loop:
-                if pool_version != self.pool.version:
+                if pool_version != self.pool.state.version:
                     for fd in sentinels:
                         poller.unregister(fd)
                     sentinels = self.pool.sentinels()
                     for fd in sentinels:
                         poller.register(fd, zmq.POLLIN)
-                    pool_version = self.pool.version
+                    pool_version = self.pool.state.version
                 timeout = self._poll_timeout_ms()
                 if not self._running_loop:
                     break
@@ -403,7 +403,7 @@ class Dispatcher:
             return 0
         # the sweep ran in the tick just before (after any lane was adopted): its due time is current
         lanes_due = self._lanes_due if self.lane_sets else None
-        ends = [t for t in (self.state.next_deadline(now), self.pool.next_deadline(), lanes_due) if t is not None]
+        ends = [t for t in (self.state.next_deadline(now), self.pool.state.next_deadline(), lanes_due) if t is not None]
         if not ends:
             return None
         return max(1, int((min(ends) - now) * 1000) + 1)

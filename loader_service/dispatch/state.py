@@ -58,7 +58,7 @@ from loader_service.dispatch.streams import Opening, Stream
 from loader_service.dispatch.tasks import Tasks
 from loader_service.log_budget import LineBudget
 from loader_service.sources import Source
-from loader_service.workers.pool import WorkerPool, describe_exit
+from loader_service.workers.pool_state import PoolState, describe_exit
 
 log = logging.getLogger("loader_service.dispatch.loop")  # one logger for the dispatcher, whichever half
 # a client's malformed messages: rate-limited (control.http_limits.limit_logs), so a flood of them
@@ -83,7 +83,7 @@ class DispatchState:
     (:mod:`.local`; "": none); ``lane_port``:
     the bulk-lane port every Accept names (:mod:`.lanes`; 0: none)."""
 
-    def __init__(self, config: ServiceConfig, sources: Dict[str, Source], pipelines: Registry, workers: WorkerPool,
+    def __init__(self, config: ServiceConfig, sources: Dict[str, Source], pipelines: Registry, workers: PoolState,
                  instance: str, authorized: Optional[Callable[[str, float], bool]] = None, probe: str = "",
                  lane_port: int = 0):
         self.config, self.workers, self.instance, self.authorized = config, workers, instance, authorized

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from loader_service.dispatch.streams import Stream
     from loader_service.dispatch.tasks import Tasks
     from loader_service.sources.base import DiskChange, Source
-    from loader_service.workers.pool import WorkerPool
+    from loader_service.workers.pool_state import PoolState
 
 
 class _Frozen(BaseModel):
@@ -221,7 +221,7 @@ def dataset(source: "Source", change: Optional["DiskChange"]) -> DatasetStatus:
                              examples=list(change.examples), message=change.describe()))
 
 
-def workers(pool: "WorkerPool", hung: int, now: float) -> WorkersStatus:
+def workers(pool: "PoolState", hung: int, now: float) -> WorkersStatus:
     listed = [WorkerStatus(id=w.id, pid=w.pid, state=w.state, tasks_done=w.tasks_done, busy_s=round(w.busy_s, 3),
                            uptime_s=round(now - w.started_at, 1),
                            task_s=round(now - w.task_started, 3) if w.task is not None else None)
@@ -293,7 +293,7 @@ def _client(c: "Session", now: float, slots: str, slot_bytes: int, delivery: str
                         delivery=delivery)
 
 
-def progress(pool: "WorkerPool", tasks: "Tasks", stream_id: int, s: Optional["Stream"], not_started: int,
+def progress(pool: "PoolState", tasks: "Tasks", stream_id: int, s: Optional["Stream"], not_started: int,
              no_slots: bool, now: float) -> P.Progress:
     """What the service does for stream ``s`` now (None: not yet opened), for a client that
     has waited a while: its longest-running task, and the sample that task's worker is on."""
