@@ -171,8 +171,12 @@ class WorkerPool:
                 p.join(1.0)
             if p.is_alive():
                 p.kill()
-                p.join()
-            p.close()
+                p.join(timeout)
+            if p.is_alive():  # in uninterruptible sleep (a read from storage that never answers)
+                log.error("worker %d (pid %s) is still alive after SIGKILL (in uninterruptible sleep?); "
+                          "leaving it", wid, p.pid)
+            else:
+                p.close()
         self._processes.clear()
         self.state.workers.clear()
         for p in self._unreaped:
