@@ -95,8 +95,6 @@ class WorkerPool:
         msg, _ = P.decode(body, expect=(P.Ready, P.Done))
         wid, now = _worker_id(ident), time.monotonic()
         if isinstance(msg, P.Ready):
-            if msg.error:
-                log.error("worker %d could not start: %s\n%s", wid, msg.error, msg.traceback)
             w, actions = self.state.ready(wid, msg.pid, f"{msg.error}\n{msg.traceback}" if msg.error else "", now)
             self._carry_out(actions)
             return None, w

@@ -1,6 +1,5 @@
 """The worker pool's bookkeeping: which workers exist, in which state, holding which tasks, and
-what to start, stop and kill. No processes, no sockets, no clock of its own: each method takes
-``now`` and returns the actions for :class:`~loader_service.workers.pool.WorkerPool` (the I/O
+what to start, stop and kill. No processes, no sockets: each decision takes ``now`` and returns the actions for :class:`~loader_service.workers.pool.WorkerPool` (the I/O
 edge) to carry out, so every interleaving of scaling, readiness, finished tasks, exits and
 deadlines can be driven by hand (tests/unit/workers/test_pool_state.py).
 
@@ -23,6 +22,7 @@ log = logging.getLogger("loader_service.workers.pool")
 
 MAX_START_FAILURES = 3
 QUEUE_DEPTH = 2  # tasks a worker holds at most: the one it runs and the next
+LIVE = ("starting", "idle", "busy")  # the states of workers that are, or will be, taking tasks
 
 # What usually sends these signals to a decode worker: the words an operator needs first.
 _SIGNAL_CAUSES = {
@@ -146,7 +146,7 @@ class PoolState:
             return []
         out: List[Action] = []
         # A failed worker is exiting (its Ready said why it could not start): replaced at its exit.
-        live = [w for w in self.workers.values() if w.state not in ("leaving", "stopping", "failed")]
+        live = [w for w in self.workers.values() if w.state in LIVE]
         # Coalesce: a worker asked to leave but not yet told Stop (starting, or busy) stays
         # instead of a new one starting, so a burst of scale requests converges to the latest
         # target without starting processes it would stop a moment later.
@@ -195,6 +195,7 @@ class PoolState:
             return w, []  # not one that waits for its Ready: a repeat is ignored
         w.pid = pid
         if error:
+            log.error("worker %d could not start: %s", wid, error)
             w.state = "failed"
             self._start_failed(f"worker could not start: {error}")
             return w, []
@@ -335,7 +336,7 @@ class PoolState:
 
     def live_count(self) -> int:
         """Workers that are, or will be, taking tasks."""
-        return sum(1 for w in self.workers.values() if w.state in ("starting", "idle", "busy"))
+        return sum(1 for w in self.workers.values() if w.state in LIVE)
 
     def counts(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
