@@ -400,6 +400,10 @@ class Faults:
         self.gets: Dict[str, int] = {}  # name -> GETs served (whole or ranged)
         self.bytes_per_s = 0  # each response's body paced to this rate (0: as fast as it goes): a distant store
         self.down = False  # an outage (RangeHTTPServer.go_down): a kept-alive connection is dropped unanswered
+        self.oversize: Dict[str, int] = {}  # name -> bytes of zeros claimed and sent after the body (a lying server)
+        self.redirect: Dict[str, bool] = {}  # name -> answer 302 to the same URL, forever
+        self.etags = "md5"  # md5 | mtime-size: nginx's "<mtime hex>-<size hex>" | none (python -m http.server)
+        self.sent: Dict[str, int] = {}  # name -> body bytes written to clients
 
     def take_throttle(self) -> bool:
         with self.lock:
@@ -417,9 +421,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def _file(self) -> Optional[str]:
-        rel = self.path.split("?", 1)[0].lstrip("/")
-        if ".." in rel.split("/"):
+        rel = self.path.split("?", 1)[0]
+        if "//" in rel or ".." in rel.split("/"):  # S3- and GCS-style endpoints: "a//b" is another key
             return None
+        rel = rel.lstrip("/")
         return os.path.join(self.server.root, rel)
 
     def do_HEAD(self) -> None:
@@ -456,19 +461,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._answer(200, f"<html><body>\n{listing}</body></html>")
         if body and faults.take_throttle():
             return self._answer(503, "SlowDown")
+        if faults.redirect.get(name):
+            self.send_response(302)
+            self.send_header("Location", self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             data = f.read()
-        etag = '"%s"' % hashlib.md5(data).hexdigest()
+        etag = {"md5": '"%s"' % hashlib.md5(data).hexdigest(), "none": "",
+                "mtime-size": '"%x-%x"' % (int(os.path.getmtime(path)), size)}[faults.etags]
         start, end, code = 0, size, 200
         m = _RANGE.match(self.headers.get("Range", ""))
         if m:
             start = int(m.group(1))
             end = min(size, int(m.group(2)) + 1) if m.group(2) else size
             code = 206
+        extra = faults.oversize.get(name, 0) if body else 0  # a HEAD tells the truth
         self.send_response(code)
-        self.send_header("Content-Length", str(end - start))
-        self.send_header("ETag", etag)
+        self.send_header("Content-Length", str(end - start + extra))
+        if etag:
+            self.send_header("ETag", etag)
         self.send_header("Accept-Ranges", "bytes")
         if code == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
@@ -480,19 +494,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             short = faults.short.get(name)
         chunk = data[start:end]
         if short is not None:
-            self.wfile.write(chunk[:short])
+            self._write(name, chunk[:short])
             self.wfile.flush()
             self.close_connection = True
             return
-        self._write_paced(chunk, faults.bytes_per_s)
+        self._write_paced(name, chunk, faults.bytes_per_s)
+        zeros = bytes(PACE)
+        try:
+            while extra > 0:  # until the client hangs up (or takes it all)
+                self._write(name, zeros[:extra])
+                extra -= PACE
+        except OSError:
+            self.close_connection = True
 
-    def _write_paced(self, data: bytes, rate: int) -> None:
+    def _write(self, name: str, data: bytes) -> None:
+        self.wfile.write(data)
+        with self.server.faults.lock:
+            self.server.faults.sent[name] = self.server.faults.sent.get(name, 0) + len(data)
+
+    def _write_paced(self, name: str, data: bytes, rate: int) -> None:
         if not rate:
-            self.wfile.write(data)
+            self._write(name, data)
             return
         t0 = time.monotonic()
         for off in range(0, len(data), PACE):
-            self.wfile.write(data[off:off + PACE])
+            self._write(name, data[off:off + PACE])
             ahead = t0 + (off + PACE) / rate - time.monotonic()
             if ahead > 0:
                 time.sleep(ahead)
@@ -500,7 +526,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 class RangeHTTPServer:
     """Serves the files under ``root`` on 127.0.0.1:<free port> (GET, HEAD, ``Range: bytes=a-b``,
-    an MD5 ETag, a plain ``<a href>`` listing for folders), with :attr:`faults` to inject."""
+    an MD5 ETag, a plain ``<a href>`` listing for folders; ``a//b`` is not found, as on an S3- or
+    GCS-style endpoint), with :attr:`faults` to inject."""
 
     class _Server(http.server.ThreadingHTTPServer):
         daemon_threads = True

@@ -12,6 +12,7 @@ import pytest
 
 from loader_service.sources import open_path
 from loader_service.sources.remote.store import RemoteError, RemoteSettings
+from loader_service.sources.remote.webdataset import INDEX_FILE, write_index_file
 from testkit.service import free_port
 from testkit.stores import TEST_KEY, MotoServer, RangeHTTPServer, shard_set
 
@@ -102,3 +103,29 @@ def test_a_cap_below_one_shard_names_the_object_url(tmp_path, shards):
         del info  # its traceback holds the store's pooled connections
     assert said == (f"{http.url}/data/shard-000000.tar: a shard of {shards['size']} bytes cannot fit a "
                                f"cache of {shards['size'] - 1} bytes (--cache-max-gb)")
+
+
+def test_a_small_object_whose_body_claims_more_than_listed_is_refused_unread(tmp_path):
+    served = shard_set(str(tmp_path / "store"), 2, 4, 500)
+    write_index_file(served["data"])
+    size = os.path.getsize(os.path.join(served["data"], INDEX_FILE))
+    with RangeHTTPServer(served["root"]) as http:
+        http.faults.oversize[INDEX_FILE] = 256 << 20  # the HEAD says its size, the GET claims 256 MiB more
+        with pytest.raises(RemoteError) as info:
+            open_path(http.url + "/data/", remote=RemoteSettings(cache_dir=str(tmp_path / "cache"), retry_s=0))
+        said = str(info.value)
+        del info  # its traceback holds the response
+        assert said.startswith(f"{http.url}/data/{INDEX_FILE}: changed since the dataset was listed (size {size} -> "
+                               f"{size + (256 << 20)}, ")
+        assert http.faults.sent.get(INDEX_FILE, 0) < 32 << 20, "the claimed body was never read"
+
+
+def test_a_redirect_loop_is_named_as_one(tmp_path, shards):
+    with RangeHTTPServer(shards["root"]) as http:
+        http.faults.redirect["shard-000000.tar"] = True
+        with pytest.raises(RemoteError) as info:
+            open_path(http.url + "/data/shard-{000000..000001}.tar", remote=RemoteSettings(
+                cache_dir=str(tmp_path / "cache"), retry_s=0))
+        said = str(info.value)
+        del info
+    assert said == f"{http.url}/data/shard-000000.tar: HEAD failed: too many redirects"

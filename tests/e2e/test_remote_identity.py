@@ -88,3 +88,30 @@ def test_a_loader_mid_epoch_is_refused_by_a_service_restarted_on_a_shard_changed
         with pytest.raises(LoaderError) as info:
             next(iter(ld))
         assert info.value.code == "dataset_changed"
+
+
+@pytest.mark.parametrize("etags", ["mtime-size", "none", "md5"])
+def test_an_http_server_whose_etags_do_not_follow_the_content_is_named_at_start(tmp_path, caplog, etags):
+    """nginx's ETags are the modification time and size, python -m http.server sends none: a shard
+    rewritten at the same size and time cannot be told from the listing, and the start says so."""
+    from testkit.stores import RangeHTTPServer
+
+    write_shards(str(tmp_path / "store" / "data"), 2, 2, pad=100)
+    caplog.set_level(logging.WARNING, logger="loader_service.sources.remote")
+    with RangeHTTPServer(str(tmp_path / "store")) as http:
+        http.faults.etags = etags
+        src = open_path(http.url + "/data/", remote=RemoteSettings(cache_dir=str(tmp_path / "cache")))
+        src.close()
+    said = [r.getMessage() for r in caplog.records if "ETags are not made from the content" in r.getMessage()]
+    if etags == "md5":
+        assert said == []
+    else:
+        first = f"{http.url}/data/shard-000000.tar"
+        tag = "no ETag" if etags == "none" else '"%x-%x"' % (
+            int((tmp_path / "store" / "data" / "shard-000000.tar").stat().st_mtime),
+            (tmp_path / "store" / "data" / "shard-000000.tar").stat().st_size)
+        assert said == [f"{http.url}/data/: the server's ETags are not made from the content ({first}: {tag}; nginx "
+                        "and Apache make them from the modification time and size, python -m http.server sends none): "
+                        "an object rewritten at the same size (and modification time) is not seen as changed, "
+                        "neither as a new dataset nor in the shard cache, which serves its old copy. Serve the "
+                        "dataset where ETags are content hashes (S3, GCS, MinIO), or give a changed dataset a new URL"]

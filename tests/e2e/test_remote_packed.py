@@ -133,6 +133,25 @@ def test_over_http_a_short_range_response_fails_the_sample_naming_data_bin(tmp_p
         src.close()
 
 
+def test_over_http_a_range_body_longer_than_asked_is_refused_unread(tmp_path, tree):
+    claim = 256 << 20  # what a lying server adds to the span's Content-Length (zeros, until hung up on)
+    with RangeHTTPServer(tree["root"]) as http:
+        src = open_path(http.url + "/pk/", remote=_settings(tmp_path, max_retries=0))
+        http.faults.oversize["data.bin"] = claim
+        start, end = int(src.offsets[7]), int(src.offsets[8])
+        with pytest.raises(RemoteError) as info:
+            src.read(7)
+        said = str(info.value)
+        del info  # its traceback holds the response
+        assert said == (f"{http.url}/pk/data.bin: the store sent more than the {end - start} bytes of the "
+                        f"range {start}-{end} asked for")
+        assert http.faults.gets["data.bin"] == 1, "not retried: a server that lies about a length is not transient"
+        assert http.faults.sent["data.bin"] < 32 << 20, "the rest of the claimed body was never read"
+        del http.faults.oversize["data.bin"]
+        assert src.read(7) == tree["samples"][7][1]
+        src.close()
+
+
 # ---------------------------------------------------------------------------- detection
 def test_detection_picks_packed_beside_the_other_kinds(tmp_path, tree, s3):
     s3.upload_folder("bkt", tree["shards"], "shards/")

@@ -27,6 +27,8 @@ SCHEMES = ("s3://", "gs://", "http://", "https://")
 MAX_LISTING_BYTES = 4 << 20  # an HTML folder listing larger than this is refused
 _HREF = re.compile(r'href="([^"?#]+)"', re.IGNORECASE)
 _MD5 = re.compile(r"[0-9a-f]{32}")
+# an ETag made from the content: an MD5 (S3 single-part, MinIO, GCS), or S3's multipart "<md5>-<parts>"
+_CONTENT_ETAG = re.compile(r"[0-9a-f]{32}(-\d+)?")
 # obstore raises a GenericError for an S3 listing refused with 403: the status and code are in its text
 _DENIED = re.compile(r"\b(401 Unauthorized|403 Forbidden)\b|<Code>(AccessDenied|InvalidAccessKeyId|ExpiredToken|"
                      r"InvalidToken|SignatureDoesNotMatch)</Code>")
@@ -121,6 +123,15 @@ class RemoteSettings:
         except (OSError, ValueError, AttributeError, TypeError):
             before = None
         lines = [] if before is None else listing_changes(location, before, objects)
+        loose = sorted(n for n, (_, tag) in objects.items() if not _CONTENT_ETAG.fullmatch(etag_value(tag).lower()))
+        if location.scheme in ("http", "https") and loose:
+            tag = objects[loose[0]][1]
+            log.warning("%s: the server's ETags are not made from the content (%s: %s; nginx and Apache make them "
+                        "from the modification time and size, python -m http.server sends none): an object "
+                        "rewritten at the same size (and modification time) is not seen as changed, neither as a "
+                        "new dataset nor in the shard cache, which serves its old copy. Serve the dataset where "
+                        "ETags are content hashes (S3, GCS, MinIO), or give a changed dataset a new URL",
+                        location.where(), location.where(loose[0]), tag or "no ETag")
         if lines:
             more = f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""
             log.warning("%s changed since the service last listed it: %s%s. It is a new dataset (a new fingerprint): "
@@ -261,7 +272,14 @@ class Store:
             self.store = stores.GCSStore(bucket, client_options=client, retry_config=retry)
         else:
             client["allow_http"] = location.scheme == "http"
-            self.store = stores.HTTPStore.from_url(location.base, client_options=client, retry_config=retry)
+            # obstore appends "/" + the key to the base as given: a base ending in "/" would ask for
+            # <folder>//<name>, which S3- and GCS-style HTTPS endpoints take as another key (404).
+            # Objects are read from the folder without its slash, the listing from the folder with it
+            # (without, a server answers for the folder's name, or redirects)
+            self.store = stores.HTTPStore.from_url(location.base.rstrip("/"), client_options=client,
+                                                   retry_config=retry)
+            self._listing_store = stores.HTTPStore.from_url(location.base, client_options=client,
+                                                            retry_config=retry)
         self._top_listing: Optional[Tuple[Dict[str, Optional[ObjectInfo]], List[str]]] = None
 
     def _fail(self, exc: BaseException, what: str, name: str = "") -> RemoteError:
@@ -419,7 +437,7 @@ class Store:
         http.server``), subfolders ending in ``/``, bounded in size."""
         def get() -> bytearray:
             data = bytearray()
-            for chunk in self.obstore.get(self.store, ""):
+            for chunk in self.obstore.get(self._listing_store, ""):
                 data += chunk
                 if len(data) > MAX_LISTING_BYTES:
                     raise RemoteError(f"{self.location.url}: the folder listing is over {MAX_LISTING_BYTES} bytes")
@@ -504,7 +522,14 @@ class Store:
                 raise RemoteError(f"{where}: changed since the dataset was listed (size {info.size} -> "
                                   f"{meta['size']}, ETag {info.etag} -> {meta.get('e_tag')}); restart the service "
                                   "to take the new version as a new dataset")
-            data = bytes(res.bytes())
+            # streamed, each chunk counted: a body longer than its span (whatever its Content-Length
+            # claims) is refused after at most one chunk more, never read whole
+            data = bytearray()
+            for chunk in res.stream(min_chunk_size=min(CHUNK, end - start)):
+                if len(data) + len(chunk) > end - start:
+                    raise RemoteError(f"{where}: the store sent more than the {end - start} bytes of the range "
+                                      f"{start}-{end} asked for")
+                data += memoryview(chunk)
         except RemoteError:
             raise
         except Exception as exc:
@@ -515,19 +540,20 @@ class Store:
         if len(data) != end - start or tuple(res.range) != (start, end):
             raise TransientError(f"{where}: truncated range GET: {len(data)} bytes (range {tuple(res.range)}) for "
                               f"bytes {start}-{end}")
-        return data
+        return bytes(data)
 
     def read_small(self, info: ObjectInfo, limit: int) -> bytes:
-        """A small object whole (a label map), refused over ``limit`` bytes."""
+        """A small object whole (a label map, an index file), refused over ``limit`` bytes, checked
+        as :meth:`read_object` (a body longer than listed is refused, not read)."""
         if info.size > limit:
             raise RemoteError(f"{self.location.where(info.name)}: {info.size} bytes, over the {limit} allowed")
-        return self._retrying(lambda: self._call(
-            lambda: bytes(self.obstore.get(self.store, self.location.key(info.name)).bytes()), "GET", info.name))
+        return self.read_object(info)
 
 
 def _short(head: str) -> str:
-    """A transient failure in words, from the store's message (without its detail)."""
-    for pattern, words in (("ConnectionRefused|[Cc]onnection refused", "no answer (connection refused)"),
+    """A failure in words, from the store's message (without its detail)."""
+    for pattern, words in (("error following redirect|TooManyRedirects", "too many redirects"),
+                           ("ConnectionRefused|[Cc]onnection refused", "no answer (connection refused)"),
                            (r"timed out|TimedOut|kind: Timeout\b|operation timed", "timed out"),
                            ("body error|Interrupted|IncompleteMessage|unexpected EOF|reset", "the connection dropped"),
                            ("error sending request", "no answer")):
