@@ -693,7 +693,9 @@ def _checked_fields(cls: type, layout: "_Layout", header: dict) -> dict:
     for name, value in header.items():
         spec = types.get(name)
         if spec is None:
-            raise ProtocolError(f"{cls.__name__} has no field(s) {brief(sorted(header.keys() - types.keys()))}")
+            # repr: msgpack's keys may be text and bytes in one map, which do not sort together
+            raise ProtocolError(f"{cls.__name__} has no field(s) "
+                                f"{brief(sorted(header.keys() - types.keys(), key=repr))}")
         hint, optional, plain = spec
         if type(value) is plain:  # msgpack's own int, list, ...: nothing more to check (a bool is no int here)
             kwargs[name] = value
@@ -757,10 +759,15 @@ def _check_released(batches: list) -> None:
     _check_batches(batches)
 
 
+MAX_STALL_S = 86400.0  # a delta of stall seconds above a day is no trainer's: the service's sums stay finite
+
+
 def _check_stall(msg: Message) -> None:
     for name in ("wait_s", "h2d_s"):
-        if getattr(msg, name) < 0:
-            raise ProtocolError(f"{type(msg).__name__}.{name} is a delta and must be >= 0", ErrorCode.BAD_MESSAGE)
+        if not 0 <= getattr(msg, name) <= MAX_STALL_S:
+            raise ProtocolError(f"{type(msg).__name__}.{name} is a delta since the connection's previous message: "
+                                f"it must be within 0-{MAX_STALL_S:g} s, got {getattr(msg, name)!r}",
+                                ErrorCode.BAD_MESSAGE)
 
 
 def _check_local(msg: Batch) -> None:

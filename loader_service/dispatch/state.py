@@ -202,9 +202,12 @@ class DispatchState:
         tests assert it never happens). Acting for client ``ident``, it fails that client alone:
         its stream ends with ``[internal]`` and the traceback, and its session closes."""
         self.totals.internal_errors += 1
-        log.error("error while %s%s: %s\n%s", what, f" for client {ident.hex()[:12]}" if ident else "", error, tb)
         if ident is None:
+            log.error("error while %s: %s\n%s", what, error, tb)
             return
+        # within the clients' line budget: a client that finds a way to make this happen could
+        # otherwise write a traceback into the log with every message it sends
+        self._client_line(logging.ERROR, "error while %s for client %s: %s\n%s", what, ident.hex()[:12], error, tb)
         session = self.sessions.get(ident)
         msg = f"internal error in the service: {error}"
         try:

@@ -113,3 +113,26 @@ def test_streams_that_lend_their_slots_one_after_another_write_the_budget_and_a_
         summary = [s for s in _lines(caplog, "were left out of the log") if LENT in s]
         assert len(summary) == 1 and summary[0].startswith(f"{n - CLIENT_LINES} more lines like 'client %s stream %d "
                                                            f"{LENT}")
+
+
+def test_a_client_that_meets_a_bug_with_every_message_writes_its_traceback_within_the_budget(d, caplog,
+                                                                                           monkeypatch):
+    """A bug a client can reach (the last was a header with text and bytes keys, which did not sort)
+    fails that client each time; its traceback is logged within the clients' budget, not once per
+    message, and every one is counted."""
+    def bug(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(type(d.state), "_on_request", bug)
+    n = CLIENT_LINES + 40
+    ident = uuid.uuid4().bytes
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for _ in range(n):
+            deliver(d, ident, P.Request(stream=1), fd=100)
+        said = [r for r in caplog.records if r.levelno == logging.ERROR and "error while" in r.getMessage()]
+        assert d.totals.internal_errors == n
+        assert len(said) == CLIENT_LINES and "RuntimeError: a bug" in said[0].getMessage()
+        assert "Traceback" in said[0].getMessage()
+        d.now += CLIENT_LINES_S
+        d.tick()
+        assert _lines(caplog, "were left out of the log")[-1].startswith("40 more lines like 'error while %s for client")

@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import re
 
 import msgpack
 import pytest
@@ -114,7 +115,8 @@ def test_every_message_type_is_listed():
 json_like = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=20)
     | st.binary(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=10) | st.binary(max_size=4), children, max_size=4),  # msgpack allows both
     max_leaves=12,
 )
 
@@ -122,11 +124,12 @@ json_like = st.recursive(
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(t=st.sampled_from([int(x) for x in P.MsgType] + [0, 99]), fields=st.dictionaries(
     st.sampled_from(["stream", "batch_size", "image_size", "n", "indices", "shape", "scale", "ratio", "code",
-                     "message", "task", "worker", "rank", "world_size", "epoch", "dataset", "spec", "x"]), json_like,
+                     "message", "task", "worker", "rank", "world_size", "epoch", "dataset", "spec", "x",
+                     b"x", b"stream"]), json_like,  # a key as bytes beside keys as text: msgpack allows both
     max_size=8),
        extra=st.lists(st.binary(max_size=64), max_size=3))
 def test_fuzzed_headers_raise_protocol_error_or_decode(t, fields, extra):
-    frames = [header(t=t, **fields), *extra]
+    frames = [msgpack.packb({"v": P.PROTOCOL_VERSION, "t": t, **fields}), *extra]
     try:
         msg, data = P.decode(frames)
     except P.ProtocolError:
@@ -337,3 +340,16 @@ def test_the_fields_remembered_per_message_type_are_bounded():
         assert P.decode_header(header(t=int(P.MsgType.BATCH), **{k: _VALID_BATCH[k] for k in order})) \
             == P.Batch(**_VALID_BATCH)
     assert len(P._layout(P.Batch).passed) == P.MAX_PASSED
+
+
+@pytest.mark.parametrize("name", ["wait_s", "h2d_s"])
+@pytest.mark.parametrize("value, ok", [(0.0, True), (P.MAX_STALL_S, True), (-0.5, False), (P.MAX_STALL_S + 1, False),
+                                       (1e308, False)])
+def test_a_stall_delta_is_refused_outside_a_day_so_the_services_sums_stay_finite(name, value, ok):
+    frame = header(t=int(P.MsgType.REQUEST), stream=1, **{name: value})
+    if ok:
+        assert getattr(P.decode([frame])[0], name) == value
+    else:
+        with pytest.raises(P.ProtocolError, match=rf"^Request\.{name} is a delta since the connection's previous "
+                                                  rf"message: it must be within 0-86400 s, got {re.escape(repr(value))}$"):
+            P.decode([frame])
