@@ -265,23 +265,33 @@ class Connections:
         """``r`` may take this epoch's batches now (what :class:`~client.epoch.EpochRun` asks of)."""
         return not r.dead and not r.draining and not r.refused and r.down_since is None
 
-    def _stopping(self, r: Replica) -> None:
+    def _stopping(self, r: Replica, again: bool = False) -> None:
         """``r``'s service said it is shutting down (after the batches it was still sending, so
         every one of them is here): what it still owes is asked of the others at once, and it
         takes nothing new until its connection comes back (a new process restarts the stream). A
-        lone replica is waited for instead, up to the timeout."""
+        lone replica is waited for instead, up to the timeout, or until another can take them
+        (:meth:`drain_announced`; ``again``: that look, which says nothing when none can)."""
         flow = self.flow
         if r.dead or flow is None or r.index not in flow.outstanding:
             return
         others = [x for x in self.replicas if x is not r and self._usable(x)]
         if not others:
-            log.info("service replica %s is shutting down; no other replica takes its batches, so the loader "
-                     "waits for it to come back (up to its timeout)", r.endpoint)
+            if not again:
+                log.info("service replica %s is shutting down; no other replica takes its batches, so the loader "
+                         "waits for it to come back (up to its timeout)", r.endpoint)
             return
         orphans = flow.lose(r.index)
         r.dead = True
         log.warning("service replica %s is shutting down; it drains: its %d batches%s go to %s", r.endpoint,
                     len(orphans), _listed(orphans), ", ".join(x.endpoint for x in others))
+
+    def drain_announced(self) -> None:
+        """A replica can take batches again (it came back): those that said they shut down while
+        no other could take what they owe drain to it now. (Their notice and its return may be
+        read in either order, as when both came while the trainer did not iterate.)"""
+        for r in self.replicas:
+            if r.shutdown_at is not None:
+                self._stopping(r, again=True)
 
     def _check_identity(self, r: Replica, msg) -> bool:
         """Whether ``r``'s service serves the dataset this loader's epochs were planned on. One that

@@ -303,6 +303,7 @@ class EpochRun:
                 log.info("service replica %s is back; it takes batches again", r.endpoint)
                 r.dead = False
             self._restart(r)
+            self.conns.drain_announced()  # one that said it stops may have had nobody else to drain to
 
     def _fail_over_dead(self, now: float) -> None:
         """Give the outstanding batches of a replica that stayed down (or was cut) to the live ones."""

@@ -48,7 +48,7 @@ from loader_service.dispatch import heap, local, sending
 from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
 from loader_service.dispatch.lanes import LaneListener, LaneSet
 from loader_service.dispatch.mailbox import Mailbox
-from loader_service.dispatch.state import DispatchState
+from loader_service.dispatch.state import DispatchState, shutting_down
 from loader_service.sources import Source
 from loader_service.sources.base import DiskChange
 from loader_service.workers.pool import WorkerPool
@@ -408,6 +408,29 @@ class Dispatcher:
             return None
         return max(1, int((min(ends) - now) * 1000) + 1)
 
+    def _answer_while_closing(self) -> None:
+        """While the workers stop, the loop reads nothing, and the data port is open until they
+        have: a client that connected after the goodbyes (a validation loader starting as this
+        replica stops) would hear nothing until the process is gone, then wait out its
+        ``replica_timeout``. Its Hello is answered "shutting down" here instead, so it asks the
+        other replicas at once. Anything else is dropped unread; at most 256 messages a call."""
+        for _ in range(256):
+            try:
+                ident, header, *_ = self.front.recv_multipart(zmq.NOBLOCK)
+            except (zmq.Again, ValueError):  # ValueError: a message of one frame (no header)
+                return
+            except zmq.ZMQError:
+                return
+            try:
+                msg = P.decode_header(header)
+            except P.ProtocolError:
+                continue
+            if isinstance(msg, P.Hello):
+                try:
+                    self.front.send_multipart([ident, *P.encode(shutting_down(msg.stream))], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # gone already, or its queue full: it learns from the connection's end
+
     def _read_all(self, sock: zmq.Socket, handler: Callable, limit: int = 256) -> None:
         for _ in range(limit):  # bounded, so one busy socket cannot starve the others
             try:
@@ -481,7 +504,7 @@ class Dispatcher:
         except zmq.ZMQError:
             pass
         try:
-            self.pool.close(timeout=self.config.stop_timeout_s)
+            self.pool.close(timeout=self.config.stop_timeout_s, waiting=self._answer_while_closing)
         finally:
             self.handle(E.Closed())
             self._close_lanes()  # before the segments go: a sender may still read a slot

@@ -74,6 +74,13 @@ CLIENT_LINES, CLIENT_LINES_S = 100, 10.0
 CLIENT_MESSAGES = (P.Hello, P.Request, P.Release, P.Bye, P.Describe)
 
 
+
+def shutting_down(stream: int) -> P.Error:
+    """The answer to a Hello while the service stops (draining, then while its workers stop): the
+    client asks another replica, or this one once it is back."""
+    return P.Error(code=P.ErrorCode.SHUTTING_DOWN, stream=stream, fatal=False,
+                   message="the service is shutting down; reconnect and resume")
+
 class DispatchState:
     """What the dispatcher knows and decides, for ``sources`` served through ``pipelines``.
     ``workers``: the pool, read only (its places, counts and what each worker is on);
@@ -284,8 +291,7 @@ class DispatchState:
                 and not self.authorized(ev.user_id, self._now)):
             return self._revoked(ident, session, msg)
         if isinstance(msg, P.Hello) and self.stop_by is not None:
-            self._send(ident, P.Error(code=P.ErrorCode.SHUTTING_DOWN, stream=msg.stream, fatal=False,
-                                      message="the service is shutting down; reconnect and resume"))
+            self._send(ident, shutting_down(msg.stream))
             return
         if isinstance(msg, P.Hello):
             if session is None:

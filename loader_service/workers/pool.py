@@ -15,7 +15,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import zmq
 
@@ -32,6 +32,7 @@ __all__ = ["QUEUE_DEPTH", "WorkerPool", "WorkerRecord", "describe_exit"]
 log = logging.getLogger("loader_service.workers.pool")
 
 REAP_TIMEOUT_S = 2.0  # an exited worker's sentinel fires a moment before it can be waited for
+CLOSE_SLICE_S = 0.05  # the close's wait for the workers, in slices of this (its caller answers clients between)
 
 
 class WorkerPool:
@@ -148,8 +149,9 @@ class WorkerPool:
                 pass
 
     # ------------------------------------------------------------------ shutdown
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop every worker: ask, wait, terminate, kill. Idempotent."""
+    def close(self, timeout: float = 5.0, waiting: Optional[Callable[[], None]] = None) -> None:
+        """Stop every worker: ask, wait, terminate, kill. Idempotent. ``waiting`` is called every
+        :data:`CLOSE_SLICE_S` while the workers are waited for (the dispatcher answers its clients)."""
         if self._closed:
             return
         self._closed = True
@@ -161,7 +163,10 @@ class WorkerPool:
         self._death_w.close()  # any worker that missed Stop sees EOF and exits
         deadline = time.monotonic() + timeout
         for p in self._processes.values():
-            p.join(max(0.0, deadline - time.monotonic()))
+            while p.is_alive() and time.monotonic() < deadline:
+                if waiting is not None:
+                    waiting()
+                p.join(min(CLOSE_SLICE_S, max(0.0, deadline - time.monotonic())))
         for wid, p in self._processes.items():
             if p.is_alive():
                 log.warning("worker %d did not stop in %.1fs; terminating", wid, timeout)

@@ -222,3 +222,52 @@ def test_a_timeout_on_a_service_without_workers_says_so(make_service):
         with pytest.raises(LoaderTimeout, match=rf"no batch for 2s: the loader service at {re.escape(svc.endpoint)} "
                                                 r"is alive but has no workers \(its /healthz says why\)"):
             collect(ld)
+
+
+def test_a_hello_that_comes_while_the_workers_stop_is_answered_shutting_down(make_service, demo_source,
+                                                                             monkeypatch):
+    """After its goodbyes the dispatcher waits for its workers to exit, its data port still open: a
+    loader that connects then (a validation loader starting as a replica stops) is told the service
+    is shutting down, and takes its batches from the other replica at once. Before, it heard nothing
+    until the process was gone, then waited out its replica_timeout (here: past its timeout)."""
+    import zmq
+
+    from loader_service.workers.pool import WorkerPool
+    from testkit.helpers import collect, indices_of
+    from wire import protocol as P
+    from wire.jobspec import JobSpec
+
+    # one worker whose source never closes: the pool's close waits out its stop_timeout_s
+    stopping = make_service(workers=1, stop_timeout_s=20.0, sources={"demo": FaultSource(demo_source, hang_close=True)})
+    other = make_service(workers=1)
+    with RemoteLoader(other.endpoint, **KW) as ld:
+        want = collect(ld)
+    closing, real = threading.Event(), WorkerPool.close
+
+    def close(self, *args, **kw):
+        closing.set()
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(WorkerPool, "close", close)
+    stopper = threading.Thread(target=stopping.stop, name="stopping")
+    stopper.start()
+    try:
+        assert closing.wait(30), "the service never began to stop its workers"
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(stopping.endpoint)
+        s.send_multipart(P.encode(P.Hello(stream=7, spec=JobSpec(batch_size=4, image_size=16, seed=1), slots=1,
+                                          batches=[0])))
+        assert s.poll(15_000), "no answer to a Hello while the workers stop"
+        msg, _ = P.decode(s.recv_multipart())
+        s.close(0)
+        ctx.term()
+        assert isinstance(msg, P.Error) and msg.code == P.ErrorCode.SHUTTING_DOWN and msg.stream == 7, msg
+        with RemoteLoader([stopping.endpoint, other.endpoint], **{**KW, "timeout": 30}, replica_timeout=60) as ld:
+            got = collect(ld)
+        assert stopper.is_alive(), "the workers' stop ended before the loader's epoch: the test proves nothing"
+        assert sorted(indices_of(got)) == list(range(DEMO_SIZE)) and indices_of(got) == indices_of(want)
+        assert [b["images"] for b in got] == [b["images"] for b in want]
+    finally:
+        stopper.join(60)

@@ -297,3 +297,31 @@ def test_lane_sets_lost_are_counted_anew_only_for_a_new_service_over_a_new_conne
             time.sleep(0.05)
     s.receive(0)
     assert r.service == "third" and r.lanes_lost == 0 and not r.lanes_off
+
+
+def test_a_notice_read_while_the_other_replica_is_down_drains_once_that_one_is_back(services, caplog):
+    """Both replicas stopped in turn while the trainer did not iterate: a's notice may be read
+    before b's return (the set reads replicas in order). a is waited for only until b is back, then
+    drains to it at once: not after ``replica_timeout``, nor a timeout with a healthy replica up."""
+    caplog.set_level(logging.INFO, logger="client")
+    s = services(2)
+    flow = s.start_epoch()
+    a, b = s.conns.replicas
+    owed = sorted(flow.outstanding[a.index])
+    assert owed, "the first assignment gives both replicas batches"
+    b.down_since = time.monotonic()  # b restarts: its return not read yet
+    s.send(0, P.Error(code=P.ErrorCode.SHUTTING_DOWN, fatal=False, message="stopping"))
+    assert s.receive(0) == (None, None)
+    assert not a.dead and sorted(flow.outstanding[a.index]) == owed  # nobody to drain to: waited for
+    s.conns.drain_announced()
+    assert not a.dead, "b is still down: nothing changes"
+    b.down_since = None  # b's handshake succeeded (EpochRun._on_monitor calls drain_announced then)
+    s.conns.drain_announced()
+    assert a.dead and flow.outstanding[a.index] == set()
+    said = [r.getMessage() for r in caplog.records if "shutting down" in r.getMessage()]
+    assert said == [f"service replica {a.endpoint} is shutting down; no other replica takes its batches, so the loader "
+                    "waits for it to come back (up to its timeout)",
+                    f"service replica {a.endpoint} is shutting down; it drains: its {len(owed)} batches "
+                    f"({', '.join(map(str, owed))}) go to {b.endpoint}"]
+    s.conns.drain_announced()  # said once
+    assert len([r for r in caplog.records if "shutting down" in r.getMessage()]) == 2
