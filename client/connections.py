@@ -55,7 +55,8 @@ class Connections:
         have asked for or hold at once; ``stream_ids``: the loader's stream numbers, shared by
         its sets; ``stats``: where received bytes are counted."""
         self.config, self.frame_cap, self.window = config, frame_cap, window
-        self.identity: Optional[Tuple[int, str]] = None  # (length, fingerprint) of the dataset the loader follows
+        # (length, fingerprint, decoding): the dataset the loader follows, and how its samples become bytes
+        self.identity: Optional[Tuple[int, str, str]] = None
         self.origin = 0  # where the plan of the epoch streaming on this set begins (an elastic resume)
         self.entry = 0  # where the loader's run of that epoch began: what the job's ranks must agree on
         self._ctx, self._curve = ctx, curve
@@ -298,7 +299,7 @@ class Connections:
         serves another (restarted on a changed folder, another replica's copy) is never mixed in:
         it is quarantined while replicas that serve the loader's remain, else refused for good."""
         length = msg.dataset_length if isinstance(msg, P.Accept) else msg.length
-        got = (length, msg.fingerprint)
+        got = (length, msg.fingerprint, msg.decoding)
         if self.identity is None or got == self.identity:
             if r.refused:
                 log.warning("service replica %s serves this loader's dataset again; it takes batches again",
@@ -306,9 +307,18 @@ class Connections:
                 r.refused = ""
                 self.refused.pop(r.endpoint, None)
             return True
+        if got[:2] == self.identity[:2] and not [x for x in self.replicas if x is not r and not x.refused]:
+            # the same dataset decoded otherwise, and no replica decodes it the old way any more (a
+            # service restarted with other decode settings, the last of a rolling update): the plan
+            # holds, so the loader follows it, and says so
+            log.warning("service replica %s decodes the dataset otherwise now (decoding %s, was %s: other decode "
+                        "settings or pipeline code); the loader follows it", r.endpoint, got[2], self.identity[2])
+            self.identity = got
+            return True
         if len(self.replicas) == 1:  # the one service this loader had changed
             raise LoaderError(P.ErrorCode.DATASET_CHANGED, describe_change(
-                f"the service at {r.endpoint}", msg.dataset, got, self.identity, "this loader's epochs were planned on"))
+                f"the service at {r.endpoint}", msg.dataset, got[:2], self.identity[:2],
+                "this loader's epochs were planned on"))
         if self.ahead:  # the lookahead gives its epoch up (it starts plainly, where the replica is quarantined)
             raise LoaderError(P.ErrorCode.REPLICA_MISMATCH, f"{r.endpoint} serves {msg.dataset!r} with {length} "
                               f"samples (fingerprint {msg.fingerprint}), not this loader's dataset")
@@ -328,13 +338,10 @@ class Connections:
         r.stream, r.accepted, r.dead = -1, False, True  # what that stream still sends is stale
         return False
 
-    def _quarantine(self, r: Replica, dataset: str, got: Tuple[int, str], identity: Tuple[int, str]) -> None:
-        """Refuse ``r``, whose service serves ``got`` (length, fingerprint) instead of ``identity``:
+    def _quarantine(self, r: Replica, dataset: str, got: Tuple[int, str, str], identity: Tuple[int, str, str]) -> None:
+        """Refuse ``r``, whose service serves ``got`` (length, fingerprint, decoding) instead of ``identity``:
         its reason kept, and said once per (replica, dataset) with who serves on."""
-        (n, fp), (n0, fp0) = got, identity
-        r.refused = self.refused[r.endpoint] = (
-            f"serves {dataset!r} with {n} samples (fingerprint {fp}), not the dataset this loader's epochs were "
-            f"planned on ({n0} samples, fingerprint {fp0})")
+        r.refused = self.refused[r.endpoint] = refusal(dataset, got, identity)
         good = [x for x in self.replicas if not x.refused]
         if good and (r.endpoint, got) not in self._named:
             self._named.add((r.endpoint, got))
@@ -412,17 +419,18 @@ class Connections:
                         ", ".join(r.endpoint for r in answered))
 
     def _most_served(self, answers: List[Tuple[Replica, P.DatasetInfo]]) -> Tuple[str, P.DatasetInfo]:
-        groups: Dict[Tuple[int, str], List[Tuple[Replica, P.DatasetInfo]]] = {}
+        groups: Dict[Tuple[int, str, str], List[Tuple[Replica, P.DatasetInfo]]] = {}
         for r, info in answers:
-            groups.setdefault((info.length, info.fingerprint), []).append((r, info))
+            groups.setdefault((info.length, info.fingerprint, info.decoding), []).append((r, info))
         ranked = sorted(groups.items(), key=lambda g: -len(g[1]))
         if len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1]):
             raise LoaderError(P.ErrorCode.REPLICA_MISMATCH, (
                 "the replicas serve different data and none is served by most of them: "
                 + "; ".join(f"{r.endpoint} serves {info.dataset!r} with {info.length} samples (fingerprint "
-                            f"{info.fingerprint})" for r, info in answers)
-                + ". Samples would be missed or doubled, so none is used: do all replicas serve the same dataset? "
-                  "Deploy every replica on the same data"))
+                            f"{info.fingerprint}, decoding {info.decoding})" for r, info in answers)
+                + ". Samples would be missed or doubled, or decoded two ways, so none is used: do all replicas serve "
+                  "the same dataset? Deploy every replica on the same data, with the same --jpeg-fast-dct, "
+                  "--jpeg-fast-upsample, --max-image-pixels and --pipeline"))
         identity, chosen = ranked[0]
         for got, members in ranked[1:]:
             for r, info in members:
@@ -505,6 +513,17 @@ def _listed(batches: List[int], most: int = 16) -> str:
         return ""
     more = f", ... {len(batches) - most} more" if len(batches) > most else ""
     return f" ({', '.join(map(str, batches[:most]))}{more})"
+
+
+def refusal(dataset: str, got: Tuple[int, str, str], identity: Tuple[int, str, str]) -> str:
+    """Why a replica is not used: it serves another dataset, or decodes this one otherwise."""
+    (n, fp, dec), (n0, fp0, dec0) = got, identity
+    if (n, fp) == (n0, fp0):
+        return (f"decodes {dataset!r} otherwise than the replicas this loader follows (decoding {dec}, not {dec0}: "
+                "other --jpeg-fast-dct, --jpeg-fast-upsample, --max-image-pixels or --pipeline code), so its "
+                "batches' bytes would differ")
+    return (f"serves {dataset!r} with {n} samples (fingerprint {fp}), not the dataset this loader's epochs were "
+            f"planned on ({n0} samples, fingerprint {fp0})")
 
 
 def describe_change(who: str, dataset: str, now: Tuple[int, str], then: Tuple[int, str], planned: str) -> str:

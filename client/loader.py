@@ -383,7 +383,7 @@ class RemoteLoader:
         if self.config.spec.pipeline and self._sink is None:
             self._use_outputs(endpoint, info.outputs)
         self._dataset_length, self._fingerprint = info.length, info.fingerprint
-        self._conns.identity = (info.length, info.fingerprint)
+        self._conns.identity = (info.length, info.fingerprint, info.decoding)
         self._check_saved_identity()
 
     def _check_saved_identity(self) -> None:

@@ -33,7 +33,7 @@ from wire.jobspec import JobSpec, check_pipeline
 # Hello.start_batch removed; message type 2 stays unused); Hello.prefetch renamed slots (what it
 # is); Batch.chunk (an output larger than FRAME_MAX_BYTES crosses the wire in several frames); the
 # co-located mode: Hello.local, DatasetInfo.probe and Accept.probe, Batch.local, Release and Request.released
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_HEADER_BYTES = 1 << 20  # a header is small; anything bigger is refused before unpacking
 MAX_CLIENT_MESSAGE_BYTES = 4 << 20  # socket-level cap on what a client may send the service
 # how often a client sends ZMTP PINGs unless it says otherwise (Hello.heartbeat): the service cuts
@@ -224,6 +224,7 @@ class Accept(Message):
     dataset: str
     service: str = ""  # the service instance id (changes on restart)
     fingerprint: str = ""  # the dataset's identity beside its length (Source.fingerprint)
+    decoding: str = ""  # how its samples become bytes: decode settings, pipeline code (output_identity)
     # the service's bulk-lane port (see "Bulk lanes" below): a client may open lanes there and
     # receive its batches' outputs on them; 0: the service has none
     lanes: int = 0
@@ -353,6 +354,7 @@ class DatasetInfo(Message):
     length: int
     num_classes: int
     fingerprint: str = ""  # the dataset's identity beside its length (Source.fingerprint)
+    decoding: str = ""  # Accept.decoding for the pipeline asked (the built-in recipes when none)
     outputs: list = field(default_factory=list)  # the asked pipeline's [[name, per-sample shape], ...]
     # a shared-memory segment of the service holding its own name: a client that can read it shares
     # the service's /dev/shm (same host or a shared one) and may ask for Hello.local; "": none

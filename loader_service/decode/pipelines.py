@@ -21,7 +21,10 @@ plain msgpack arguments. The built-in recipes are pipelines too (``train``, ``ev
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
+import importlib.util
 import math
 import re
 from collections import OrderedDict
@@ -344,3 +347,26 @@ def named_pipeline(registry: Registry, pipeline: str, args: Mapping[str, Any]) -
     """A pipeline the service offers, by name (a job's, or a Describe's)."""
     args = dict(args)
     return JobPipeline(pipeline, registry.targets.get(pipeline, ""), args, registry.build(pipeline, args), True)
+
+
+@functools.lru_cache(maxsize=64)
+def _module_digest(module: str) -> str:
+    """A digest of a pipeline module's source file (its name alone where none is found)."""
+    try:
+        spec = importlib.util.find_spec(module)
+        with open(spec.origin, "rb") as f:  # type: ignore[union-attr, arg-type]
+            return hashlib.sha256(f.read()).hexdigest()
+    except (ImportError, ValueError, AttributeError, TypeError, OSError):
+        return module
+
+
+def output_identity(options: DecodeOptions, pipe: Optional["JobPipeline"]) -> str:
+    """What, besides the dataset, makes a stream's bytes: the decode settings, and for a pipeline
+    the service was given (``--pipeline``) its name, target and its module's source. Replicas whose
+    identities differ decode the same samples into other bytes (a loader does not mix them). The
+    built-in recipes are named as one (a Describe does not say which a job uses); a replica of
+    another version of the service is not told apart by this."""
+    parts = [options.max_pixels, options.fast_dct, options.fast_upsample]
+    if pipe is not None and pipe.named and pipe.name not in BUILTIN:
+        parts += [pipe.name, pipe.target, _module_digest(pipe.target.partition(":")[0])]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

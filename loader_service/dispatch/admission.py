@@ -25,7 +25,9 @@ from typing import Dict, Iterable, List, Optional, Union
 from wire import protocol as P
 from wire.jobspec import JobSpec
 from wire.plan import PlanSpec, RankPlan, make_plan
-from loader_service.decode.pipelines import PipelineError, Registry, job_pipeline, named_pipeline
+from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
+from loader_service.decode.pipelines import (JobPipeline, PipelineError, Registry, job_pipeline, named_pipeline,
+                                              output_identity)
 from loader_service.dispatch.door import past_the_end, window_of
 from loader_service.dispatch.jobs import rank_rules, taken_over
 from loader_service.dispatch.sending import BatchLayout
@@ -65,8 +67,9 @@ class Verdict:
 class Admission:
     """What the service serves (datasets, pipelines) and the rules a Hello must pass."""
 
-    def __init__(self, sources: Dict[str, Source], pipelines: Registry, limits: StreamLimits):
-        self.sources, self.pipelines, self.limits = sources, pipelines, limits
+    def __init__(self, sources: Dict[str, Source], pipelines: Registry, limits: StreamLimits,
+                 decode: DecodeOptions = DEFAULT_OPTIONS):
+        self.sources, self.pipelines, self.limits, self.decode = sources, pipelines, limits, decode
         self.default_dataset = next(iter(sources))
         # streams of one plan share it (its arrays cost 9 bytes per sample: a flood of 10,000 alike
         # Hellos made 10,000 copies); a plan no stream holds any more goes with its last stream
@@ -85,14 +88,19 @@ class Admission:
         source = self.source(msg.dataset)
         if isinstance(source, Refuse):
             return P.Error(code=source.code, stream=-1, message=source.message)
-        outputs = []
+        outputs, pipe = [], None
         if msg.pipeline:
             try:
-                outputs = named_pipeline(self.pipelines, msg.pipeline, msg.pipeline_args).outputs()
+                pipe = named_pipeline(self.pipelines, msg.pipeline, msg.pipeline_args)
             except PipelineError as exc:
                 return P.Error(code=P.ErrorCode.BAD_JOB, message=str(exc))
+            outputs = pipe.outputs()
         return P.DatasetInfo(dataset=source.name, length=len(source), num_classes=source.num_classes, outputs=outputs,
-                             fingerprint=source.fingerprint())
+                             fingerprint=source.fingerprint(), decoding=output_identity(self.decode, pipe))
+
+    def decoding(self, pipe: JobPipeline) -> str:
+        """Accept.decoding of a stream that runs ``pipe``."""
+        return output_identity(self.decode, pipe)
 
     def plan(self, spec: PlanSpec) -> RankPlan:
         """The plan of ``spec``, shared with the streams that have it already (read-only arrays)."""

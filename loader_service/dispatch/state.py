@@ -96,7 +96,8 @@ class DispatchState:
         self.config, self.workers, self.instance, self.authorized = config, workers, instance, authorized
         self.probe, self.lane_port = probe, lane_port
         self.admission = Admission(sources, pipelines, StreamLimits(on_error=config.on_error,
-                                                                    max_skipped=config.max_skipped))
+                                                                    max_skipped=config.max_skipped),
+                                   config.decode_options)
         self.sessions = Sessions()
         self.flood = flood.FloodGuard(config.client_allowance, config.client_allowance_rate)
         self.silence = silence.SilenceWatch(config.heartbeat_s, config.max_stranded_per_address)
@@ -416,7 +417,8 @@ class DispatchState:
         self._send(session.ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=plan.num_batches,
                                            num_samples=plan.num_samples, dataset_length=len(s.source),
                                            dataset=s.source.name, service=self.instance,
-                                           fingerprint=s.source.fingerprint(), lanes=self.lane_port,
+                                           fingerprint=s.source.fingerprint(),
+                                           decoding=self.admission.decoding(s.pipe), lanes=self.lane_port,
                                            probe=self.probe))
         self._client_line(logging.INFO, "client %s job %r rank %d/%d epoch %d: stream %d asked at once for %d of %d "
                           "batches%s", session.name, hello.job, hello.rank, hello.spec.world_size, hello.epoch,

@@ -21,7 +21,7 @@ from client.connections import Connections
 from client.errors import LoaderError, LoaderTimeout
 from client.stats import LoaderStats
 
-IDENTITY = (40, "fp-good")
+IDENTITY = (40, "fp-good", "dec-good")  # (length, fingerprint, decoding)
 DEADLINE_S = 10.0
 
 
@@ -76,7 +76,8 @@ class Services:
     def accept(self, i: int, identity=IDENTITY, total: int = 20) -> P.Accept:
         r = self.conns.replicas[i]
         return P.Accept(stream=r.stream, epoch=0, num_batches=total, num_samples=2 * total,
-                        dataset_length=identity[0], dataset="data", fingerprint=identity[1])
+                        dataset_length=identity[0], dataset="data", fingerprint=identity[1],
+                        decoding=identity[2] if len(identity) > 2 else IDENTITY[2])
 
     def close(self) -> None:
         self.conns.close()
@@ -325,3 +326,31 @@ def test_a_notice_read_while_the_other_replica_is_down_drains_once_that_one_is_b
                     f"({', '.join(map(str, owed))}) go to {b.endpoint}"]
     s.conns.drain_announced()  # said once
     assert len([r for r in caplog.records if "shutting down" in r.getMessage()]) == 2
+
+
+
+def test_a_replica_that_decodes_otherwise_is_quarantined_while_others_decode_the_loaders_way(services, caplog):
+    """The same dataset with other decode settings (--jpeg-fast-dct, say) gives other bytes: it is not
+    mixed in while a replica decodes it the loader's way; when none does any more (the last of a
+    rolling update), the loader follows the new way, the plan being the same."""
+    caplog.set_level(logging.INFO, logger="client")
+    s = services(2)
+    flow = s.start_epoch()
+    a, b = s.conns.replicas
+    s.send(0, s.accept(0))
+    s.receive(0)
+    s.send(1, s.accept(1, identity=(40, "fp-good", "dec-fast")))
+    assert s.receive(1) == (None, None)
+    assert b.refused == ("decodes 'data' otherwise than the replicas this loader follows (decoding dec-fast, not "
+                         "dec-good: other --jpeg-fast-dct, --jpeg-fast-upsample, --max-image-pixels or --pipeline "
+                         "code), so its batches' bytes would differ")
+    assert b.dead and flow.outstanding[b.index] == set() and not a.refused
+    assert s.conns.identity == IDENTITY
+    # a restarts with the new settings too: nobody decodes the old way, so the loader follows
+    s.conns.replicas[1].refused = s.conns.refused[b.endpoint]  # (still quarantined)
+    s.send(0, s.accept(0, identity=(40, "fp-good", "dec-fast")))
+    msg, _ = s.receive(0)
+    assert isinstance(msg, P.Accept) and s.conns.identity == (40, "fp-good", "dec-fast")
+    said = [r.getMessage() for r in caplog.records if "decodes the dataset otherwise now" in r.getMessage()]
+    assert said == [f"service replica {a.endpoint} decodes the dataset otherwise now (decoding dec-fast, was dec-good: "
+                    "other decode settings or pipeline code); the loader follows it"]

@@ -194,10 +194,21 @@ def test_a_clients_own_connections_and_other_jobs_are_left_alone(admission):
 
 # ---------------------------------------------------------------------------- describe
 def test_describe_answers_with_the_dataset_and_a_pipelines_outputs(admission):
+    from loader_service.decode.jpeg import DEFAULT_OPTIONS, DecodeOptions
+    from loader_service.decode.pipelines import output_identity
+
     assert admission.describe(P.Describe()) == P.DatasetInfo(dataset="demo", length=22, num_classes=3, outputs=[],
-                                                             fingerprint="fp-demo-22")
+                                                             fingerprint="fp-demo-22",
+                                                             decoding=output_identity(DEFAULT_OPTIONS, None))
     info = admission.describe(P.Describe(dataset="other", pipeline="views", pipeline_args={"size": 8}))
     assert info.dataset == "other" and info.outputs == [["big", [2, 8, 8, 3]], ["small", [8, 8]], ["stamp", [4]]]
+    # how the samples become bytes: the decode settings, and a --pipeline's name and code
+    decodings = {output_identity(DEFAULT_OPTIONS, None), info.decoding,
+                 output_identity(DecodeOptions(fast_dct=True), None),
+                 output_identity(DecodeOptions(fast_upsample=True), None),
+                 output_identity(DecodeOptions(max_pixels=1000), None)}
+    assert len(decodings) == 5
+    assert admission.describe(P.Describe(pipeline="views", pipeline_args={"size": 8})).decoding == info.decoding
     unknown = admission.describe(P.Describe(dataset="x"))
     assert (unknown.code, unknown.stream, unknown.message) == (
         P.ErrorCode.UNKNOWN_DATASET, -1, "unknown dataset 'x'; this service serves ['demo', 'other']")
