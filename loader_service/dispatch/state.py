@@ -74,12 +74,12 @@ CLIENT_LINES, CLIENT_LINES_S = 100, 10.0
 CLIENT_MESSAGES = (P.Hello, P.Request, P.Release, P.Bye, P.Describe)
 
 
-
 def shutting_down(stream: int) -> P.Error:
     """The answer to a Hello while the service stops (draining, then while its workers stop): the
     client asks another replica, or this one once it is back."""
     return P.Error(code=P.ErrorCode.SHUTTING_DOWN, stream=stream, fatal=False,
                    message="the service is shutting down; reconnect and resume")
+
 
 class DispatchState:
     """What the dispatcher knows and decides, for ``sources`` served through ``pipelines``.
