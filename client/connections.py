@@ -42,6 +42,8 @@ from client.stats import LoaderStats
 
 log = logging.getLogger("client")
 
+# (length, fingerprint, decoding): a dataset, and how a service makes its samples bytes
+Identity = Tuple[int, str, str]
 DESCRIBE_GRACE_S = 1.0  # after the first replica describes the dataset, how long the others may take
 
 class Connections:
@@ -56,7 +58,7 @@ class Connections:
         its sets; ``stats``: where received bytes are counted."""
         self.config, self.frame_cap, self.window = config, frame_cap, window
         # (length, fingerprint, decoding): the dataset the loader follows, and how its samples become bytes
-        self.identity: Optional[Tuple[int, str, str]] = None
+        self.identity: Optional[Identity] = None
         self.origin = 0  # where the plan of the epoch streaming on this set begins (an elastic resume)
         self.entry = 0  # where the loader's run of that epoch began: what the job's ranks must agree on
         self._ctx, self._curve = ctx, curve
@@ -307,7 +309,7 @@ class Connections:
                 r.refused = ""
                 self.refused.pop(r.endpoint, None)
             return True
-        if got[:2] == self.identity[:2] and not [x for x in self.replicas if x is not r and not x.refused]:
+        if got[:2] == self.identity[:2] and not any(x is not r and not x.refused for x in self.replicas):
             # the same dataset decoded otherwise, and no replica decodes it the old way any more (a
             # service restarted with other decode settings, the last of a rolling update): the plan
             # holds, so the loader follows it, and says so
@@ -338,7 +340,7 @@ class Connections:
         r.stream, r.accepted, r.dead = -1, False, True  # what that stream still sends is stale
         return False
 
-    def _quarantine(self, r: Replica, dataset: str, got: Tuple[int, str, str], identity: Tuple[int, str, str]) -> None:
+    def _quarantine(self, r: Replica, dataset: str, got: Identity, identity: Identity) -> None:
         """Refuse ``r``, whose service serves ``got`` (length, fingerprint, decoding) instead of ``identity``:
         its reason kept, and said once per (replica, dataset) with who serves on."""
         r.refused = self.refused[r.endpoint] = refusal(dataset, got, identity)
@@ -419,7 +421,7 @@ class Connections:
                         ", ".join(r.endpoint for r in answered))
 
     def _most_served(self, answers: List[Tuple[Replica, P.DatasetInfo]]) -> Tuple[str, P.DatasetInfo]:
-        groups: Dict[Tuple[int, str, str], List[Tuple[Replica, P.DatasetInfo]]] = {}
+        groups: Dict[Identity, List[Tuple[Replica, P.DatasetInfo]]] = {}
         for r, info in answers:
             groups.setdefault((info.length, info.fingerprint, info.decoding), []).append((r, info))
         ranked = sorted(groups.items(), key=lambda g: -len(g[1]))
@@ -515,7 +517,7 @@ def _listed(batches: List[int], most: int = 16) -> str:
     return f" ({', '.join(map(str, batches[:most]))}{more})"
 
 
-def refusal(dataset: str, got: Tuple[int, str, str], identity: Tuple[int, str, str]) -> str:
+def refusal(dataset: str, got: Identity, identity: Identity) -> str:
     """Why a replica is not used: it serves another dataset, or decodes this one otherwise."""
     (n, fp, dec), (n0, fp0, dec0) = got, identity
     if (n, fp) == (n0, fp0):
