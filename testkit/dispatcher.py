@@ -21,6 +21,7 @@ from loader_service.config import ServiceConfig
 from loader_service.decode.pipelines import Registry
 from loader_service.dispatch import events as E
 from loader_service.dispatch.state import DispatchState
+from loader_service.dispatch.unread import Sending
 from loader_service.workers.pool_state import PoolState, Spawn
 
 FD = 17  # any number: these connections only exist in the events fed to the state
@@ -69,6 +70,8 @@ class Driven:
         self.cut: List[int] = []  # fds of connections cut (flooding, silence)
         # fd -> how long its connection has brought no data (what a Probe reads; 0 if unset)
         self.quiet: Dict[int, float] = {}
+        # fd -> the send side of its connection and its lanes (what a Probe reads for unread.py; () if unset)
+        self.sockets: Dict[int, Tuple[Sending, ...]] = {}
         self.probes = 0
         self.address = "10.0.0.1"  # every connection's peer address, as a Probe reads it
         self.denied: List[str] = []  # addresses refused at the handshake (Deny)
@@ -114,8 +117,8 @@ class Driven:
                 self.event(zmq.EVENT_DISCONNECTED, c.fd)  # libzmq closes it; the monitor says so
         elif isinstance(c, E.Probe):
             self.probes += 1
-            queue.append(E.Quiet(tuple((fd, serial, self.quiet.get(fd, 0.0), self.address)
-                                       for fd, serial in c.connections)))
+            queue.append(E.Quiet(tuple((fd, serial, self.quiet.get(fd, 0.0), self.address, self.sockets.get(fd, ()))
+                                       for fd, serial, _ in c.connections)))
         elif isinstance(c, E.Deny):
             self.denied.append(c.address)
         elif isinstance(c, E.Unmap):

@@ -82,11 +82,16 @@ def _recv_frame(conn: socket.socket) -> bytes:
     return _recv_exact(conn, size)
 
 
-def zmtp_dealer(port: int, identity: bytes = b"") -> socket.socket:
+def zmtp_dealer(port: int, identity: bytes = b"", rcvbuf: int = 0) -> socket.socket:
     """A DEALER made by hand on a plain socket, its ZMTP 3.0 handshake done (NULL mechanism):
-    what it sends next are frames (:func:`zmtp_burst`); it never reconnects."""
-    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+    what it sends next are frames (:func:`zmtp_burst`); it never reconnects. ``rcvbuf``: its
+    kernel receive buffer, set before it connects (0: the kernel's)."""
+    conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
+        if rcvbuf:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        conn.settimeout(10)
+        conn.connect(("127.0.0.1", port))
         conn.sendall(GREETING)
         _recv_exact(conn, 64)
         conn.sendall(_frame(b"\x05READY" + _prop(b"Socket-Type", b"DEALER")

@@ -16,6 +16,7 @@ from wire import protocol as P
 
 if TYPE_CHECKING:  # pragma: no cover
     from loader_service.dispatch.streams import Stream
+    from loader_service.dispatch.unread import Sending
     from loader_service.shm import Segment
     from loader_service.workers.pool_state import WorkerRecord
 
@@ -97,10 +98,11 @@ class CommandFailed:
 @dataclass(frozen=True)
 class Quiet:
     """How long each connection asked about by a :class:`Probe` has brought no data (the kernel's
-    ``TCP_INFO``), and its peer's address: (fd, serial, seconds, address). A connection the
-    shell could not read is left out."""
+    ``TCP_INFO``), its peer's address, and the send side of its socket and of each of its bulk
+    lanes (:class:`~.unread.Sending`; none where the kernel does not count it): (fd, serial,
+    seconds, address, sockets). A connection the shell could not read is left out."""
 
-    readings: Tuple[Tuple[int, int, float, str], ...]
+    readings: Tuple[Tuple[int, int, float, str, Tuple[Sending, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -197,10 +199,11 @@ class Cut:
 
 @dataclass(frozen=True)
 class Probe:
-    """Read how long each connection (fd, serial) has brought no data; answered by :class:`Quiet`
-    (:mod:`.silence`)."""
+    """Read how long each connection (fd, serial, the identity of its session or b"") has brought no
+    data, and what waits unread on it and its lanes; answered by :class:`Quiet` (:mod:`.silence`,
+    :mod:`.unread`)."""
 
-    connections: Tuple[Tuple[int, int], ...]
+    connections: Tuple[Tuple[int, int, bytes], ...]
 
 
 @dataclass(frozen=True)

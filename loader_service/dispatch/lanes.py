@@ -23,9 +23,10 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from wire import protocol as P
+from loader_service.dispatch.unread import Sending
 
 log = logging.getLogger("loader_service.dispatch.lanes")
 
@@ -49,6 +50,10 @@ class LaneSet:
     @property
     def ready(self) -> bool:
         return not self.broken and not self._closed and all(s is not None for s in self._socks)
+
+    def sending(self) -> Tuple[Sending, ...]:
+        """The send side of each lane here, for :mod:`.unread` (a lane that cannot be read is left out)."""
+        return tuple(r for s in self._socks if s is not None and (r := Sending.read(s)) is not None)
 
     def has(self, lane: int) -> bool:
         return self._socks[lane] is not None

@@ -49,6 +49,7 @@ from loader_service.dispatch.curve import HANDSHAKE_FAILED, secure_router
 from loader_service.dispatch.lanes import LaneListener, LaneSet
 from loader_service.dispatch.mailbox import Mailbox
 from loader_service.dispatch.state import DispatchState, shutting_down
+from loader_service.dispatch.unread import SENDING_INFO_BYTES, Sending
 from loader_service.sources import Source
 from loader_service.sources.base import DiskChange
 from loader_service.workers.pool import WorkerPool
@@ -57,7 +58,8 @@ log = logging.getLogger("loader_service.dispatch.loop")
 
 CLOSE_LINGER_MS = 500  # on close, how long goodbyes and batches already queued may take to leave
 # struct tcp_info (linux/tcp.h): __u8 tcpi_state at byte 0, __u32 tcpi_last_data_recv (ms since
-# data last came) at byte 52; the states of a connection its peer has closed or reset (net/tcp_states.h)
+# data last came) at byte 52 (its send side: unread.Sending); the states of a connection its peer has
+# closed or reset (net/tcp_states.h)
 TCP_INFO_LAST_DATA_RECV = 52
 TCP_PEER_CLOSED = (7, 8)  # TCP_CLOSE, TCP_CLOSE_WAIT
 TCP_INFO_BYTES = TCP_INFO_LAST_DATA_RECV + 4
@@ -191,7 +193,8 @@ class Dispatcher:
         elif isinstance(c, E.Cut):
             self._cut(c)
         elif isinstance(c, E.Probe):
-            self._events.append(E.Quiet(tuple((fd, serial, *reading) for fd, serial in c.connections
+            self._events.append(E.Quiet(tuple((fd, serial, *reading[:2], self._sockets(ident, reading[2]))
+                                              for fd, serial, ident in c.connections
                                               if (reading := quiet_s(fd)) is not None)))
         elif isinstance(c, E.Deny):
             self.guard.deny(c.address)
@@ -234,6 +237,14 @@ class Dispatcher:
                     held.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass  # the peer is gone already
+
+    def _sockets(self, ident: bytes, own: Optional[Sending]) -> Tuple[Sending, ...]:
+        """The send side of a connection (``own``) and of its client's bulk lanes, for :mod:`.unread`
+        (none if the kernel does not count it)."""
+        if own is None:
+            return ()
+        lanes = self.lane_sets.get(ident) if ident and self.lane_sets else None
+        return (own, *lanes.sending()) if lanes is not None else (own,)
 
     def _reported_gone(self, fd: int) -> bool:
         """Whether the monitor has reported ``fd``'s connection gone since the event at hand
@@ -588,12 +599,13 @@ def held_socket(fd: int) -> Optional[socket.socket]:
         return None
 
 
-def quiet_s(fd: int) -> Optional[Tuple[float, str]]:
+def quiet_s(fd: int) -> Optional[Tuple[float, str, Optional[Sending]]]:
     """How long TCP connection ``fd`` has brought no data, by the kernel's clock (``TCP_INFO``'s
     ``last_data_recv``; infinity once its peer has closed or reset it: a connection libzmq reads
-    is closed within milliseconds then, so one still open is one it no longer reads), and its
-    peer's address (``SO_PEERNAME``, which a connection already reset still answers, unlike
-    getpeername; "" if unknown); None if ``fd`` is no TCP socket now (closed meanwhile). The fd
+    is closed within milliseconds then, so one still open is one it no longer reads), its peer's
+    address (``SO_PEERNAME``, which a connection already reset still answers, unlike getpeername;
+    "" if unknown), and its send side (:meth:`Sending.of`); None if ``fd`` is no TCP socket now
+    (closed meanwhile). The fd
     is read through a dup, so closing the dup leaves libzmq's. A number reused by a newer
     connection reads as that one, quiet for a short while: never cut for it (the cut checks the
     fd again: :meth:`Dispatcher._cut`)."""
@@ -602,7 +614,7 @@ def quiet_s(fd: int) -> Optional[Tuple[float, str]]:
         return None
     with held:
         try:
-            info = held.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+            info = held.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, SENDING_INFO_BYTES)
         except OSError:
             return None
         try:
@@ -614,8 +626,8 @@ def quiet_s(fd: int) -> Optional[Tuple[float, str]]:
     if len(info) < TCP_INFO_BYTES:
         return None
     if info[0] in TCP_PEER_CLOSED:
-        return math.inf, address
-    return struct.unpack_from("=I", info, TCP_INFO_LAST_DATA_RECV)[0] / 1000.0, address
+        return math.inf, address, Sending.of(info)
+    return struct.unpack_from("=I", info, TCP_INFO_LAST_DATA_RECV)[0] / 1000.0, address, Sending.of(info)
 
 
 def peer_address(raw: bytes) -> str:

@@ -1,6 +1,9 @@
 """Silent connections, timed by the kernel's clock instead of ZMTP heartbeats of the service's own;
 and the connections libzmq will never close.
 
+(A connection that reads nothing of what waits for it, :mod:`.unread`, is cut by the same
+limit and queue: "silent" below means either.)
+
 libzmq 4.3.5 aborts the process (``stream_engine_base.cpp:310``, libzmq issue 4841) when a
 connection whose reading has stopped ends in a TCP reset and then meets the heartbeat timer of
 the side that sends PINGs. The data port reads every connection (no receive cap: :mod:`.flood`),
@@ -63,8 +66,9 @@ class SilenceWatch:
         self._stranded: Dict[int, str] = {}  # fd -> peer address, of the cut ones found stranded
         self._per_address: Dict[str, int] = {}  # peer address -> its stranded connections
         self.denied: Dict[str, int] = {}  # peer address -> its stranded connections when it was refused
-        # found past their limit at a look, not cut yet: (fd, serial, quiet_s, limit_s, address), in look order
-        self._found: Deque[Tuple[int, int, float, float, str]] = deque()
+        # found past their limit at a look, not cut yet: (fd, serial, quiet_s, unread_s, limit_s, address), in
+        # look order
+        self._found: Deque[Tuple[int, int, float, float, float, str]] = deque()
 
     def due(self, now: float) -> bool:
         return now >= self.next_at
@@ -80,13 +84,14 @@ class SilenceWatch:
     def is_cut(self, fd: int, serial: int) -> bool:
         return self._cut.get(fd) == serial
 
-    def found(self, fd: int, serial: int, quiet_s: float, limit_s: float, address: str) -> None:
-        """A look read connection (``fd``, ``serial``) from ``address`` as quiet for ``quiet_s``:
-        queued to be cut if that is past ``limit_s`` (:meth:`to_cut`)."""
-        if quiet_s >= limit_s and not self.is_cut(fd, serial):
-            self._found.append((fd, serial, quiet_s, limit_s, address))
+    def found(self, fd: int, serial: int, quiet_s: float, limit_s: float, address: str, unread_s: float = 0.0) -> None:
+        """A look read connection (``fd``, ``serial``) from ``address`` as quiet for ``quiet_s`` and
+        unread for ``unread_s`` (:mod:`.unread`): queued to be cut if either is past ``limit_s``
+        (:meth:`to_cut`)."""
+        if max(quiet_s, unread_s) >= limit_s and not self.is_cut(fd, serial):
+            self._found.append((fd, serial, quiet_s, unread_s, limit_s, address))
 
-    def to_cut(self) -> List[Tuple[int, int, float, float, str]]:
+    def to_cut(self) -> List[Tuple[int, int, float, float, float, str]]:
         """A round's share (``cuts_per_round``) of the connections found silent, oldest first, to
         cut now (after checking each is still open: :meth:`silent` marks it cut)."""
         return [self._found.popleft() for _ in range(min(self.cuts_per_round, len(self._found)))]
@@ -96,10 +101,11 @@ class SilenceWatch:
         """Connections found silent and not cut yet (the next round cuts more of them)."""
         return len(self._found)
 
-    def silent(self, fd: int, serial: int, quiet_s: float, limit_s: float, now: float, address: str) -> bool:
-        """Whether connection (``fd``, ``serial``) from ``address``, quiet for ``quiet_s``, is to be
-        cut now: past ``limit_s`` and not cut already."""
-        if quiet_s < limit_s or self.is_cut(fd, serial):
+    def silent(self, fd: int, serial: int, quiet_s: float, limit_s: float, now: float, address: str,
+               unread_s: float = 0.0) -> bool:
+        """Whether connection (``fd``, ``serial``) from ``address``, quiet for ``quiet_s`` and unread
+        for ``unread_s``, is to be cut now: either past ``limit_s``, and not cut already."""
+        if max(quiet_s, unread_s) < limit_s or self.is_cut(fd, serial):
             return False
         self.forget(fd)  # an older connection's marks, had its report been missed
         self._cut[fd] = serial

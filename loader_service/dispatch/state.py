@@ -43,7 +43,7 @@ import numpy as np
 
 from wire import protocol as P
 from loader_service.config import ServiceConfig
-from loader_service.dispatch import door, flood, heap, local, sending, silence, status
+from loader_service.dispatch import door, flood, heap, local, sending, silence, status, unread
 from loader_service.dispatch.door import Life
 from loader_service.dispatch import events as E
 from loader_service.decode.pipelines import Registry
@@ -101,6 +101,7 @@ class DispatchState:
         self.sessions = Sessions()
         self.flood = flood.FloodGuard(config.client_allowance, config.client_allowance_rate)
         self.silence = silence.SilenceWatch(config.heartbeat_s, config.max_stranded_per_address)
+        self.unread = unread.UnreadWatch()
         cap, hint = slot_cap(config.max_shm_bytes)
         self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint,
                                   line=self._client_line)
@@ -142,11 +143,13 @@ class DispatchState:
         elif isinstance(event, E.Accepted):
             self.flood.forget(event.fd)
             self.silence.forget(event.fd)
+            self.unread.forget(event.fd)
             self.sessions.accepted(event.fd)
             self._trim_rule.connections(self.sessions.connections)
         elif isinstance(event, E.Disconnected):
             self.flood.forget(event.fd)
             self.silence.forget(event.fd)
+            self.unread.forget(event.fd)
             ident = self.sessions.disconnected(event.fd)
             if ident is not None:
                 self._drop_client(ident, "disconnected")
@@ -588,7 +591,8 @@ class DispatchState:
         self._schedule()
         if self.sessions.connections and self.silence.due(self._now):
             self.silence.looked(self._now)  # its answer cuts this round's share
-            self._out.append(E.Probe(tuple((fd, serial) for fd, serial in self.sessions.confirmed()
+            self._out.append(E.Probe(tuple((fd, serial, self.sessions.owner(fd) or b"")
+                                           for fd, serial in self.sessions.confirmed()
                                            if not self.silence.is_cut(fd, serial))))
         elif self.silence.waiting:
             self._cut_silent()  # what the last look found past the first rounds' share
@@ -607,33 +611,41 @@ class DispatchState:
             self._out.append(E.Deny(address))
 
     def _on_quiet(self, ev: E.Quiet) -> None:
-        """Find each connection that has brought nothing for longer than its limit (:mod:`.silence`),
-        and cut the first of them (:meth:`_cut_silent`)."""
-        for fd, serial, quiet_s, address in ev.readings:
+        """Find each connection that has brought nothing (:mod:`.silence`), or read nothing of what
+        waits for it (:mod:`.unread`), for longer than its limit, and cut the first of them
+        (:meth:`_cut_silent`)."""
+        for fd, serial, quiet_s, address, sockets in ev.readings:
             if self.sessions.serial(fd) != serial:
                 continue  # gone, or its fd a newer connection's, since the probe was commanded
             ident = self.sessions.owner(fd)
             session = self.sessions.get(ident) if ident is not None else None
             limit = self.silence.limit(session.heartbeat_s if session is not None else P.DEFAULT_HEARTBEAT_S)
-            self.silence.found(fd, serial, quiet_s, limit, address)
+            unread_s = self.unread.observe(fd, serial, sockets, self._now)
+            self.silence.found(fd, serial, quiet_s, limit, address, unread_s)
         self._cut_silent()
 
     def _cut_silent(self) -> None:
         """Cut so many of the connections found silent, those still open; a session bound to one is
         dropped at once (its client reconnects and resumes if it was only frozen). The first
         :data:`CUTS_LOGGED` of a storm are logged one by one, the rest in one line at its end."""
-        for fd, serial, quiet_s, limit, address in self.silence.to_cut():
+        for fd, serial, quiet_s, unread_s, limit, address in self.silence.to_cut():
             if self.sessions.serial(fd) != serial or not self.silence.silent(fd, serial, quiet_s, limit, self._now,
-                                                                             address):
+                                                                             address, unread_s):
                 continue  # gone since the look, or cut already
-            self.totals.silent_cut += 1
             self._cuts_in_storm += 1
             ident = self.sessions.owner(fd)
             if quiet_s == math.inf:
+                self.totals.silent_cut += 1
                 why = "its peer has closed it and libzmq has not (it may have stopped reading it)"
-            else:
+            elif quiet_s >= limit:
+                self.totals.silent_cut += 1
                 why = (f"nothing came over it for {quiet_s:.1f} s (the limit: {limit:.1f} s, "
                        f"{silence.SILENT_AFTER} of its heartbeats)")
+            else:
+                self.totals.unread_cut += 1
+                why = (f"its peer read nothing of what waits for it for {unread_s:.1f} s "
+                       f"({self.unread.unsent(fd):,} bytes unsent in the kernel, more in libzmq's queue; the limit: "
+                       f"{limit:.1f} s, {silence.SILENT_AFTER} of its heartbeats)")
             logged = self._cuts_in_storm <= CUTS_LOGGED
             if logged:
                 who = (f"the connection of client {ident.hex()[:12]}" if ident is not None
@@ -644,9 +656,9 @@ class DispatchState:
                 self._drop_client(ident, f"was cut: {why}", logged)
         if not self.silence.waiting:
             if self._cuts_in_storm > CUTS_LOGGED:
-                refused_log.warning("cut %d more silent connections, not logged one by one (%d in all since the "
-                                    "service started: silent_cut in /v1/status)", self._cuts_in_storm - CUTS_LOGGED,
-                                    self.totals.silent_cut)
+                refused_log.warning("cut %d more silent or unread connections, not logged one by one (%d and %d in "
+                                    "all since the service started: silent_cut and unread_cut in /v1/status)",
+                                    self._cuts_in_storm - CUTS_LOGGED, self.totals.silent_cut, self.totals.unread_cut)
             self._cuts_in_storm = 0
 
     def _expire_unreported(self) -> None:
@@ -670,7 +682,7 @@ class DispatchState:
             self._give_heap_back()
 
     def _give_heap_back(self) -> None:
-        for part in (self.sessions, self.scheduler, self.tasks, self.memory, self.flood, self.silence):
+        for part in (self.sessions, self.scheduler, self.tasks, self.memory, self.flood, self.silence, self.unread):
             part.compact()
         self._out.append(E.TrimHeap())
 

@@ -82,8 +82,8 @@ def test_connections_found_past_their_limit_wait_in_look_order_and_are_taken_so_
     w.found(8, 1, 7.0, 6.0, "c")
     assert w.silent(8, 1, 7.0, 6.0, now=0.0, address="c")
     w.found(8, 1, 9.0, 6.0, "c")  # cut already: not found again
-    assert w.waiting == 3 and w.to_cut() == [(6, 1, 6.0, 6.0, "a"), (7, 3, math.inf, 6.0, "b")]
-    assert w.to_cut() == [(8, 1, 7.0, 6.0, "c")] and w.waiting == 0 and w.to_cut() == []
+    assert w.waiting == 3 and w.to_cut() == [(6, 1, 6.0, 0.0, 6.0, "a"), (7, 3, math.inf, 0.0, 6.0, "b")]
+    assert w.to_cut() == [(8, 1, 7.0, 0.0, 6.0, "c")] and w.waiting == 0 and w.to_cut() == []
 
 
 def test_no_cap_refuses_nobody_and_an_unknown_address_is_never_refused():
@@ -192,7 +192,7 @@ def test_a_reading_of_a_connection_gone_since_the_probe_touches_the_next_one_on_
         d.event(zmq.EVENT_ACCEPTED, 30)
         d.read_monitor()
         deliver(d, second, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=30)
-        d.handle(E.Quiet(((30, serial, 100.0, "10.0.0.1"),)))  # read for the first connection
+        d.handle(E.Quiet(((30, serial, 100.0, "10.0.0.1", ()),)))  # read for the first connection
         assert d.cut == [] and second in d.sessions
     finally:
         close(d)
@@ -247,8 +247,9 @@ def test_a_storm_of_silent_connections_is_cut_so_many_a_round_and_logged_in_a_fe
         lines = [r.getMessage() for r in caplog.records if r.name == "loader_service.dispatch.refused"]
         assert len(lines) == CUTS_LOGGED + 1
         assert all(line.startswith("cut the connection of client") for line in lines[:-1])
-        assert lines[-1] == (f"cut {n - 1 - CUTS_LOGGED} more silent connections, not logged one by one "
-                             f"({n - 1} in all since the service started: silent_cut in /v1/status)")
+        assert lines[-1] == (f"cut {n - 1 - CUTS_LOGGED} more silent or unread connections, not logged one by one "
+                             f"({n - 1} and 0 in all since the service started: silent_cut and unread_cut in "
+                             f"/v1/status)")
         dropped = [r.getMessage() for r in caplog.records if r.name == "loader_service.dispatch.loop"
                    and " was cut: " in r.getMessage()]
         assert len(dropped) == CUTS_LOGGED  # the sessions' own lines, as few

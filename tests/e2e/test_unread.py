@@ -1,0 +1,109 @@
+"""A peer that asks for batches and never reads them is cut, as one that sends nothing is
+(loader_service/dispatch/unread.py), against a live service process.
+
+Before: such a peer kept its connection as long as it sent a ZMTP PING now and then, and what
+it asked for waited in libzmq's queue, which has no cap (a raw probe asking for whole epochs of
+small batches grew the service by 1.5-4.7 MB/s for as long as it ran), and the slots of the
+batches sent zero-copy stayed lent to libzmq, so other jobs could wait for memory.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+from client import RemoteLoader
+from wire import protocol as P
+from wire.jobspec import JobSpec
+
+from tests.conftest import DEMO_SIZE
+from testkit.helpers import collect, indices_of
+from testkit.hostile import _frame, zmtp_dealer
+
+PING = _frame(b"\x04PING" + struct.pack(">H", 0), 0x04)
+
+
+def _ask_and_never_read(port: int, heartbeat: float, deadline_s: float) -> float:
+    """A hand-made client with a small receive buffer: a Hello for every batch of an epoch, then
+    only PINGs, every ``heartbeat / 2`` (so that it is never silent), never reading. Returns how
+    long the service took to close its connection (a send fails)."""
+    conn = zmtp_dealer(port, rcvbuf=4096)
+    spec = JobSpec(batch_size=16, image_size=32, shuffle=False)
+    t0 = time.monotonic()
+    try:
+        stream = 0
+        while time.monotonic() - t0 < deadline_s:
+            stream += 1  # a new stream now and then: each asks for the whole epoch again
+            conn.sendall(_frame(P.encode(P.Hello(stream=stream, spec=spec, slots=8, batches=list(range(DEMO_SIZE // 16)),
+                                                 heartbeat=heartbeat))[0]))
+            for _ in range(10):
+                conn.sendall(PING)
+                time.sleep(heartbeat / 2)  # the rogue's pace (the scenario), not a wait for a result
+    except OSError:  # the service shut the connection down: what it should do
+        return time.monotonic() - t0
+    finally:
+        conn.close()
+    raise AssertionError(f"the connection of a peer that reads nothing was still open after {deadline_s} s")
+
+
+def test_a_peer_that_asks_and_never_reads_is_cut_and_a_loader_beside_it_is_served(serve_demo):
+    svc = serve_demo("--heartbeat", "0.2")
+    witness, errors = [], []
+
+    def run_witness() -> None:
+        try:
+            for _ in range(2):
+                with RemoteLoader(svc.endpoint, batch_size=16, image_size=32, epoch_lookahead=False, timeout=120,
+                                  heartbeat_s=0.2) as ld:
+                    witness.append(sorted(indices_of(collect(ld))))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=run_witness)
+    t.start()
+    took = _ask_and_never_read(svc.data_port, heartbeat=0.2, deadline_s=60)
+    t.join(180)
+    assert not errors and witness == [list(range(DEMO_SIZE))] * 2
+    st = svc.status()
+    assert (st["totals"]["unread_cut"], st["totals"]["silent_cut"]) == (1, 0), st["totals"]
+    assert st["connections"]["sessions"] == 0 and st["totals"]["internal_errors"] == 0
+    assert took < 60
+    svc.assert_alive()
+    lines = [line for line in svc.stderr_tail if "read nothing of what waits for it" in line]
+    assert len(lines) == 1 and "the limit: 0.6 s, 3 of its heartbeats" in lines[0], list(svc.stderr_tail)[-10:]
+
+
+def test_a_socket_its_peer_does_not_read_shows_data_waiting_and_nothing_acknowledged():
+    """What the look reads (unread.Sending.read) on a real loopback connection: a reader's
+    acknowledged count moves and its queue drains; a socket whose peer reads nothing keeps its
+    data waiting and its count still."""
+    from loader_service.dispatch.unread import Sending
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        peer = socket.socket()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        peer.connect(srv.getsockname())
+        conn, _ = srv.accept()
+        with peer, conn:
+            conn.setblocking(False)
+            sent = 0
+            try:
+                while True:
+                    sent += conn.send(bytes(1 << 16))
+            except BlockingIOError:
+                pass
+            time.sleep(0.3)  # what was in flight lands in the peer's buffer (the scenario)
+            first = Sending.read(conn)
+            assert first is not None and first.waiting and first.unsent > 0 and first.acked < sent
+            time.sleep(0.3)  # a quiet stretch for the kernel to count in
+            assert Sending.read(conn).acked == first.acked
+            got = 0
+            peer.settimeout(10)
+            while got < sent:
+                got += len(peer.recv(1 << 20))
+            deadline = time.monotonic() + 10
+            while (r := Sending.read(conn)).waiting and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not r.waiting and r.acked == sent
