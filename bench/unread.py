@@ -15,19 +15,15 @@ the end), the service's RSS and batch memory at the start, at the peak and after
 from __future__ import annotations
 
 import argparse
-import struct
 import time
 
 import psutil
 
 from bench.harness import command, machine, table_head, table_row
-from testkit.hostile import _frame, zmtp_dealer
+from testkit.hostile import PING, _frame, zmtp_dealer
 from testkit.service import ServiceProcess
 from wire import protocol as P
 from wire.jobspec import JobSpec
-
-PING = _frame(b"\x04PING" + struct.pack(">H", 0), 0x04)
-
 
 def _run(image: int, reads: bool, seconds: float) -> list:
     svc = ServiceProcess(args=["--demo", "--demo-size", "512", "--workers", "2"], drain=True)

@@ -82,6 +82,9 @@ def _recv_frame(conn: socket.socket) -> bytes:
     return _recv_exact(conn, size)
 
 
+PING = _frame(b"\x04PING" + struct.pack(">H", 0), 0x04)  # a ZMTP PING command (TTL 0, no context)
+
+
 def zmtp_dealer(port: int, identity: bytes = b"", rcvbuf: int = 0) -> socket.socket:
     """A DEALER made by hand on a plain socket, its ZMTP 3.0 handshake done (NULL mechanism):
     what it sends next are frames (:func:`zmtp_burst`); it never reconnects. ``rcvbuf``: its
@@ -108,12 +111,11 @@ def zmtp_dealer(port: int, identity: bytes = b"", rcvbuf: int = 0) -> socket.soc
 def zmtp_burst(messages: int, body: bytes = b"\xc1", ping_every: int = 0) -> bytes:
     """``messages`` one-frame messages (``body``; default a byte msgpack never uses), with a ZMTP
     PING after every ``ping_every`` of them (0: none), as one write."""
-    ping = _frame(b"\x04PING" + struct.pack(">H", 0), 0x04)
     burst = bytearray()
     for k in range(messages):
         burst += _frame(body)
         if ping_every and k % ping_every == ping_every - 1:
-            burst += ping
+            burst += PING
     return bytes(burst)
 
 

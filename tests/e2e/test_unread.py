@@ -10,7 +10,6 @@ batches sent zero-copy stayed lent to libzmq, so other jobs could wait for memor
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 
@@ -20,10 +19,7 @@ from wire.jobspec import JobSpec
 
 from tests.conftest import DEMO_SIZE
 from testkit.helpers import collect, indices_of
-from testkit.hostile import _frame, zmtp_dealer
-
-PING = _frame(b"\x04PING" + struct.pack(">H", 0), 0x04)
-
+from testkit.hostile import PING, _frame, zmtp_dealer
 
 def _ask_and_never_read(port: int, heartbeat: float, deadline_s: float) -> float:
     """A hand-made client with a small receive buffer: a Hello for every batch of an epoch, then
