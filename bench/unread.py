@@ -9,7 +9,8 @@ nothing; the other reads 512 bytes with every PING (slower than it asks). Each r
 own service at the defaults (``--heartbeat 2``: a connection is cut once it has read nothing for
 6 s), at 32 px (49 KB batches, copied into libzmq's queue) and 224 px (2.4 MB batches, sent
 zero-copy from their slots). Prints, per run, when the connection was cut (or "-": still open at
-the end), the service's RSS and batch memory at the start, at the peak and after, and the cuts.
+the end), the service's RSS and batch memory at the start, at the peak and after, the cuts, and how many
+of its new streams waited for it to read what its earlier ones were sent (``held_back``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from testkit.hostile import PING, _frame, zmtp_dealer
 from testkit.service import ServiceProcess
 from wire import protocol as P
 from wire.jobspec import JobSpec
+
 
 def _run(image: int, reads: bool, seconds: float) -> list:
     svc = ServiceProcess(args=["--demo", "--demo-size", "512", "--workers", "2"], drain=True)
@@ -55,7 +57,7 @@ def _run(image: int, reads: bool, seconds: float) -> list:
         return [image, "slowly" if reads else "nothing", "-" if cut_at is None else round(cut_at, 1),
                 f"{rss0 / mib:.1f} / {rss_peak / mib:.1f} / {proc.memory_info().rss / mib:.1f}",
                 f"{shm0 / mib:.1f} / {shm_peak / mib:.1f} / {st['shm_bytes'] / mib:.1f}",
-                st["totals"]["unread_cut"], st["totals"]["silent_cut"], st["healthy"]]
+                st["totals"]["unread_cut"], st["totals"]["silent_cut"], st["totals"]["held_back"], st["healthy"]]
     finally:
         svc.stop()
 
@@ -66,7 +68,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     print(command("bench.unread", argv), machine(), sep="\n")
     print(table_head(["px", "reads", "cut after s", "service RSS start / peak / after MiB",
-                      "batch memory start / peak / after MiB", "unread_cut", "silent_cut", "healthy"], "rlrllrrl"))
+                      "batch memory start / peak / after MiB", "unread_cut", "silent_cut", "held_back", "healthy"],
+                     "rlrllrrrl"))
     for image in (32, 224):
         for reads in (False, True):
             print(table_row(_run(image, reads, a.seconds)), flush=True)

@@ -65,6 +65,11 @@ class Driven:
         self.batches: List[Tuple[bytes, P.Batch]] = []
         self.data: List[E.SendData] = []  # every batch's send as commanded (its blocks, its labels)
         self.sending: List[E.LetGo] = []  # batches libzmq has not let go of yet
+        # Accepts libzmq has not let go of yet, each with the fd of its connection: only while
+        # ``reading`` is off (else let go of at once, as for a client that reads what it is sent);
+        # a connection's are let go of when it closes
+        self.flushing: List[Tuple[int, E.Flushed]] = []
+        self.reading = True
         self.assigned: List[E.Assign] = []
         self.killed: List[int] = []
         self.cut: List[int] = []  # fds of connections cut (flooding, silence)
@@ -93,11 +98,19 @@ class Driven:
     def _carry_out(self, c: E.Command, queue: Deque[E.Event]) -> None:
         if isinstance(c, (E.Send, E.SendData)) and c.ident in self.gone:
             queue.append(E.Unreachable(c.ident))
+            if isinstance(c, E.Send) and c.track:
+                queue.append(E.Flushed(c.ident, c.message.stream))  # dropped unsent: let go of all the same
             if isinstance(c, E.SendData):
                 if c.let_go:
                     queue.append(E.LetGo(c.stream, c.slot))  # unsent frames are let go of all the same
         elif isinstance(c, E.Send):
             self.sent.append((c.ident, c.message))
+            if c.track:
+                flushed = E.Flushed(c.ident, c.message.stream)
+                if self.reading:
+                    queue.append(flushed)
+                else:
+                    self.flushing.append((self.state.sessions.get(c.ident).fd, flushed))
         elif isinstance(c, E.SendData):
             header = P.decode_header(c.header)
             assert isinstance(header, P.Batch)
@@ -138,7 +151,10 @@ class Driven:
 
     def read_monitor(self) -> None:
         while self.monitor:
-            self.handle(self.monitor.popleft())
+            ev = self.monitor.popleft()
+            self.handle(ev)
+            if isinstance(ev, E.Disconnected):  # its queue is dropped: the Accepts in it are let go of
+                self.flush(fd=ev.fd)
 
     def tick(self) -> None:
         """The end of a round of events, as the loop does it after every poll."""
@@ -150,6 +166,16 @@ class Driven:
         """libzmq lets go of a sent batch (the ``i``-th still held; default: all of them)."""
         for ev in ([self.sending.pop(i)] if i is not None else [self.sending.pop(0) for _ in range(len(self.sending))]):
             self.handle(ev)
+
+    def flush(self, ident: Optional[bytes] = None, fd: Optional[int] = None) -> None:
+        """libzmq lets go of the Accepts held (``ident``'s alone, those on connection ``fd``, or all
+        of them): their clients read up to them, or their connection closed."""
+        held, self.flushing = self.flushing, []
+        for on, ev in held:
+            if (ident is None or ev.ident == ident) and (fd is None or on == fd):
+                self.handle(ev)
+            else:
+                self.flushing.append((on, ev))
 
     # ------------------------------------------------------------------ workers
     def finish(self, wid: int, ok: bool = True, error: str = "", skipped=()) -> int:

@@ -35,6 +35,8 @@ class StatusCollector(Collector):
              "Data-port connections cut for bringing nothing (not even a ZMTP PING) for 3 of their client's heartbeats."),
             ("loader_unread_connections_cut", "unread_cut",
              "Data-port connections cut for reading nothing of what waited for them for 3 of their client's heartbeats."),
+            ("loader_streams_held_back", "held_back",
+             "New streams that waited for their client to read what its earlier streams were sent."),
             ("loader_denied_addresses", "denied_addresses",
              "Peer addresses refused new data-port connections for their stranded ones (--max-stranded-per-address)."),
             ("loader_flooded_messages", "flooded_messages",

@@ -79,6 +79,15 @@ class LetGo:
 
 
 @dataclass(frozen=True)
+class Flushed:
+    """libzmq let go of the Accept of ``stream`` sent to ``ident`` (a :class:`Send` with ``track``):
+    all it had queued for that connection before it has gone to the kernel too."""
+
+    ident: bytes
+    stream: int
+
+
+@dataclass(frozen=True)
 class Unreachable:
     """A send to ``ident`` found its connection gone (ROUTER_MANDATORY)."""
 
@@ -134,17 +143,19 @@ class Closed:
     """The workers have stopped: drop every session and give every slot back."""
 
 
-Event = Union[Accepted, Disconnected, HandshakeRefused, ClientMessage, WorkerDone, WorkerLost, LetGo, Unreachable,
-              CommandFailed, Quiet, Tick, HeapTrimmed, StopAsked, Closing, Closed]
+Event = Union[Accepted, Disconnected, HandshakeRefused, ClientMessage, WorkerDone, WorkerLost, LetGo, Flushed,
+              Unreachable, CommandFailed, Quiet, Tick, HeapTrimmed, StopAsked, Closing, Closed]
 
 
 # ---------------------------------------------------------------------- commands (state -> shell)
 @dataclass(frozen=True)
 class Send:
-    """Send ``message`` to client ``ident``."""
+    """Send ``message`` to client ``ident``; with ``track`` (an Accept), :class:`Flushed` comes back
+    once libzmq lets go of it (sent to the kernel, or dropped with its connection)."""
 
     ident: bytes
     message: P.Message
+    track: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,5 +246,6 @@ class EndLoop:
 Command = Union[Send, SendData, Assign, Kill, Cut, Probe, Deny, Unmap, TrimHeap, EndLoop]
 
 __all__ = ["Accepted", "Assign", "ClientMessage", "Closed", "Closing", "Command", "CommandFailed", "Cut", "Deny",
-           "Disconnected", "EndLoop", "Event", "HandshakeRefused", "HeapTrimmed", "Kill", "LetGo", "Probe", "Quiet",
-           "Send", "SendData", "StopAsked", "Tick", "TrimHeap", "Unmap", "Unreachable", "WorkerDone", "WorkerLost"]
+           "Disconnected", "EndLoop", "Event", "Flushed", "HandshakeRefused", "HeapTrimmed", "Kill", "LetGo",
+           "Probe", "Quiet", "Send", "SendData", "StopAsked", "Tick", "TrimHeap", "Unmap", "Unreachable",
+           "WorkerDone", "WorkerLost"]

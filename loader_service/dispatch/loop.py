@@ -184,7 +184,9 @@ class Dispatcher:
             self._events.append(E.HeapTrimmed(before - heap.rss_bytes()))
 
     def _carry_out(self, c: E.Command) -> None:
-        if isinstance(c, E.Send):
+        if isinstance(c, E.Send) and c.track:
+            self._guarded(c.ident, "sending a message", self._send_tracked, c)
+        elif isinstance(c, E.Send):
             self._guarded(c.ident, "sending a message", self._send_frames, c.ident, P.encode(c.message))
         elif isinstance(c, E.SendData):
             self._guarded(c.ident, "sending a batch", self._send_data, c)
@@ -262,6 +264,14 @@ class Dispatcher:
             if exc.errno not in (zmq.EHOSTUNREACH, errno.EAGAIN):  # EAGAIN: a pipe being torn down (no HWM here)
                 raise
             self._events.append(E.Unreachable(ident))
+
+    def _send_tracked(self, c: E.Send) -> None:
+        """Send ``c.message`` with its first frame tracked: :class:`~.events.Flushed` once libzmq lets go of it."""
+        event = E.Flushed(c.ident, c.message.stream)
+        head, *rest = P.encode(c.message)
+        frame = sending.tracked(head, lambda: self.post(lambda: self.handle(event)))
+        self._send_frames(c.ident, [frame, *rest], copy=False)
+        del frame  # unsent (its connection gone): let go of here, Flushed all the same
 
     def _send_data(self, c: E.SendData) -> None:
         lanes = self.lane_sets.get(c.ident) if c.let_go and self.lane_sets else None

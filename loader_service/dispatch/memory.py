@@ -20,6 +20,12 @@ dispatcher sends it from there). Live segments and reserves together never excee
   that fits ``max_bytes`` is never refused because a connected client sits on slots.
 * **lookahead**: a client's next epoch, started early, is best effort: it must leave room for
   a plain stream as large as the largest one live, lends nothing and never waits.
+* **held back**: a client's new stream waits, whatever memory is free, while its client is
+  behind in reading what its earlier streams were sent (:meth:`BatchMemory.behind`): libzmq
+  still holds the Accept of its last stream (so what came before it still waits in libzmq's
+  queue), or more than :data:`RETIRING_HELD_MAX` of its replaced streams still hold slots for
+  sends not gone yet. Without it a client that said Hello after Hello and read slowly grew
+  libzmq's queue and the slots held for it by a stream's worth each time (docs/reliability.md).
 
 :class:`BatchMemory` keeps all of it. It reads the streams being served from the ``live``
 callable it is given and the time from the ``now`` each call passes; it never reads a clock.
@@ -48,6 +54,11 @@ from loader_service.dispatch.streams import Opening, Stream
 from loader_service.shm import NoSpace, Segment
 
 log = logging.getLogger("loader_service.dispatch.memory")
+
+# A client's replaced streams that may still hold slots for sends libzmq has not let go of when
+# its new stream opens: one (the epoch that just ended, its last batches on their way), so a
+# client that reads what it asks for never waits; a second one means it is behind.
+RETIRING_HELD_MAX = 1
 
 
 def _write_line(level: int, template: str, *args) -> None:
@@ -106,8 +117,11 @@ class BatchMemory:
     def __init__(self, max_bytes: int, reclaim_idle_s: float, live: Callable[[], Iterable[Stream]],
                  connected: Callable[[bytes], bool], hint: str = "raise --max-shm-mb",
                  allocate: Callable[[int, str], Segment] = _new_segment,
-                 line: Optional[Callable[..., None]] = None):
+                 line: Optional[Callable[..., None]] = None,
+                 unflushed: Callable[[bytes], bool] = lambda ident: False):
         self.max_bytes = max_bytes
+        # whether libzmq still holds the Accept last sent to an ident (see :meth:`behind`)
+        self._unflushed = unflushed
         # how a line about one client's stream is written: ``line(level, template, *args)`` (the
         # dispatch state's, within its budget per kind: a client that opens stream after stream
         # cannot grow the log by a line each); by default straight to this module's log
@@ -127,6 +141,7 @@ class BatchMemory:
         self._segment_bytes = 0
         self._reserve_bytes = 0
         self.retiring: List[Stream] = []  # ended streams whose slots a task or send still reads
+        self._retiring_held: Dict[bytes, int] = {}  # ident -> its retiring streams holding slots (see :meth:`behind`)
         self.waiting: Dict[bytes, Opening] = {}  # ident -> its new stream, until slots free up for it
         self.starved: List[Stream] = []  # streams that asked for work after lending their slots, none free yet
         self._lend_due: Optional[float] = None  # when a quiet stream's slots become lendable to those
@@ -184,6 +199,11 @@ class BatchMemory:
     def check_counts(self) -> None:
         """Assert the kept byte counts equal the sums they stand for (for the tests)."""
         assert self._segment_bytes == sum(s.size for s in self._segments), "segment bytes drifted"
+        held: Dict[bytes, int] = {}
+        for s in self.retiring:
+            if s.segment is not None:
+                held[s.ident] = held.get(s.ident, 0) + 1
+        assert self._retiring_held == held, "the retiring streams' count per client drifted"
         assert self._reserve_bytes == sum(s.size for s in self._reserve.values()), "reserve bytes drifted"
         live = list(self._live())
         quiet = {q for q in live if q.segment is not None and q.state.settled}
@@ -311,7 +331,14 @@ class BatchMemory:
     # ------------------------------------------------------------------ streams
     def open(self, o: Opening, now: float) -> Union[Stream, NoSlots, None]:
         """Slots for a new stream: the :class:`Stream` on them, a refusal, or None: it waits in
-        :attr:`waiting` for memory that ending or quiet streams hold, and :meth:`retry` opens it."""
+        :attr:`waiting` for memory that ending or quiet streams hold, or for its client to catch up
+        (:meth:`behind`), and :meth:`retry` (or :meth:`reopen`) opens it."""
+        behind = self.behind(o.ident)
+        if behind:
+            if o.hello.lookahead:
+                return NoSlots(f"lookahead refused: {behind}", fatal=False)
+            self.waiting[o.ident] = o
+            return None
         try:
             if o.hello.lookahead:  # best effort: never at the cost of a current epoch, lent slots included
                 segment = self.acquire(o.ident, o.nbytes, o.what, headroom=self._lookahead_headroom())
@@ -361,6 +388,8 @@ class BatchMemory:
             return []
         s.state.retire()
         self.retiring.append(s)
+        if s.segment is not None:  # a retiring stream's segment stays as it is until it goes back
+            self._retiring_held[s.ident] = self._retiring_held.get(s.ident, 0) + 1
         self.changed(s)
         return self.release_idle(now)
 
@@ -376,6 +405,9 @@ class BatchMemory:
             if s.state.idle:
                 if s.segment is not None:
                     self.release(s.segment, s.ident if self._connected(s.ident) else None)
+                    self._retiring_held[s.ident] -= 1
+                    if not self._retiring_held[s.ident]:
+                        del self._retiring_held[s.ident]
                 gone.append(s)
             else:
                 keep.append(s)
@@ -401,19 +433,35 @@ class BatchMemory:
             if x is not None and x.ident == ident:
                 local.give_back(x)
 
+    def behind(self, ident: bytes) -> str:
+        """Why client ``ident`` is behind in reading what its earlier streams were sent (its new
+        stream waits till it catches up: see the module docstring), or "" if it is not."""
+        if self._unflushed(ident):
+            return "its client has not yet read what came before the Accept of its last stream"
+        held = self._retiring_held.get(ident, 0)
+        if held > RETIRING_HELD_MAX:
+            return f"{held} of its replaced streams still hold slots for batches its client has not read"
+        return ""
+
+    def reopen(self, ident: bytes, now: float) -> List[Tuple[Opening, Opened]]:
+        """Client ``ident`` caught up with what it was sent: its new stream, if one waits, is
+        tried again (as :meth:`retry` does)."""
+        o = self.waiting.pop(ident, None)
+        if o is None:
+            return []
+        try:
+            result: Optional[Opened] = self.open(o, now)
+        except Exception as exc:
+            result = Broke(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        return [] if result is None else [(o, result)]
+
     def retry(self, now: float) -> List[Tuple[Opening, Opened]]:
         """Retry whatever waits for slots: new streams first (oldest first), then lent ones.
         Returns the new streams that stopped waiting: opened, or refused now that they no
         longer fit even once the ending and quiet streams give their slots back."""
         out: List[Tuple[Opening, Opened]] = []
-        for ident, o in list(self.waiting.items()):
-            del self.waiting[ident]
-            try:
-                result: Optional[Opened] = self.open(o, now)
-            except Exception as exc:
-                result = Broke(f"{type(exc).__name__}: {exc}", traceback.format_exc())
-            if result is not None:
-                out.append((o, result))
+        for ident in list(self.waiting):
+            out.extend(self.reopen(ident, now))
         for s in list(self.starved):
             if s.state.done:  # retired (a stream that is replaced or whose client left is)
                 self.starved.remove(s)
@@ -450,6 +498,7 @@ class BatchMemory:
         """Unmap everything (after zmq has released every frame). Idempotent."""
         self.stop()
         self.retiring = []
+        self._retiring_held.clear()
         for seg in self._held():
             seg.close()
         self._closing = []

@@ -126,4 +126,13 @@ def frame(segment: Segment, offset: int, nbytes: int,
     return zmq.Frame(view, copy=False), True
 
 
-__all__ = ["BatchLayout", "Outgoing", "Output", "compact", "frame", "outgoing"]
+def tracked(data: bytes, on_sent: Callable[[], None]) -> zmq.Frame:
+    """``data`` as a zero-copy frame, however small, so that ``on_sent`` runs (on another thread)
+    once libzmq lets go of it: by then everything queued before it on its connection has gone to
+    the kernel (one pipe, sent in order), or the connection is gone."""
+    view = np.frombuffer(data, dtype=np.uint8)
+    weakref.finalize(view, on_sent)
+    return zmq.Frame(view, copy=False)
+
+
+__all__ = ["BatchLayout", "Outgoing", "Output", "compact", "frame", "outgoing", "tracked"]

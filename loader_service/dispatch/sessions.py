@@ -72,6 +72,11 @@ class Sessions:
         self._streams: Dict[bytes, object] = {}  # ident -> its stream being served
         self._jobs: Dict[str, Dict[bytes, Session]] = {}  # job -> sessions holding a rank of it
         self._job_of: Dict[bytes, str] = {}  # ident -> the job it is indexed under
+        # ident -> the stream whose Accept libzmq still holds: what was sent before it may still
+        # wait in libzmq's queue, so a new stream of that ident waits (memory.py). Kept past the
+        # session (a Bye leaves the connection and its queue as they were) until libzmq lets go
+        # of it: sent, or dropped with its connection (so it holds no more than the connections do).
+        self.unflushed: Dict[bytes, int] = {}
 
 
     def compact(self) -> None:

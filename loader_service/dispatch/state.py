@@ -104,7 +104,7 @@ class DispatchState:
         self.unread = unread.UnreadWatch()
         cap, hint = slot_cap(config.max_shm_bytes)
         self.memory = BatchMemory(cap, config.reclaim_idle_s, self.sessions.streams, self.sessions.__contains__, hint,
-                                  line=self._client_line)
+                                  line=self._client_line, unflushed=self.sessions.unflushed.__contains__)
         self.tasks = Tasks(TaskDeadlines(config.task_deadline_s, config.task_deadline_floor_s), config.on_error)
         self.scheduler: Scheduler[Stream] = Scheduler()
         self.totals = Totals()
@@ -136,6 +136,8 @@ class DispatchState:
             with self._for_client(event.stream.ident, "letting go of a sent batch"):
                 event.stream.state.send_complete(event.slot)
                 self._may_take_task(event.stream)
+        elif isinstance(event, E.Flushed):
+            self._on_flushed(event)
         elif isinstance(event, E.WorkerDone):
             self._on_worker_done(event)
         elif isinstance(event, E.WorkerLost):
@@ -383,11 +385,24 @@ class DispatchState:
             return self._refuse(session.ident, hello, Refuse(P.ErrorCode.NO_CAPACITY, (
                 f"{len(self.memory.waiting)} new streams already wait for batch slots, the cap (--max-waiting "
                 f"{self.config.max_waiting}); try again later"), fatal=False))
+        behind = self.memory.behind(session.ident)
         result = self.memory.open(opening, self._now)
-        if result is None:
+        if result is None and behind:
+            self.totals.held_back += 1
+            self._client_line(logging.INFO, "client %s stream %d waits: %s", session.name, hello.stream, behind)
+        elif result is None:
             self._client_line(logging.INFO, "client %s stream %d waits for %.1f MiB of slots that ending streams still "
                               "hold", session.name, hello.stream, opening.nbytes / 2**20)
         self._opened([] if result is None else [(opening, result)])
+
+    def _on_flushed(self, ev: E.Flushed) -> None:
+        """What ``ev.ident`` was sent before its last Accept has gone to the kernel: a new stream of
+        its that waited for that opens now, if memory allows."""
+        if self.sessions.unflushed.get(ev.ident) != ev.stream:
+            return  # an older Accept's
+        del self.sessions.unflushed[ev.ident]
+        with self._for_client(ev.ident, "opening a stream held back"):
+            self._opened(self.memory.reopen(ev.ident, self._now))
 
     def _opened(self, results: List[Tuple[Opening, Union[Stream, NoSlots, Broke]]]) -> None:
         """Start serving the streams that have their slots now; refuse those that cannot have them;
@@ -417,12 +432,12 @@ class DispatchState:
         hello, plan = s.hello, s.plan
         self.sessions.serve(session, s)
         self.totals.streams += 1
-        self._send(session.ident, P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=plan.num_batches,
-                                           num_samples=plan.num_samples, dataset_length=len(s.source),
-                                           dataset=s.source.name, service=self.instance,
-                                           fingerprint=s.source.fingerprint(),
-                                           decoding=self.admission.decoding(s.pipe), lanes=self.lane_port,
-                                           probe=self.probe))
+        self.sessions.unflushed[session.ident] = hello.stream  # its next stream opens once this has gone (memory.py)
+        accept = P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=plan.num_batches,
+                          num_samples=plan.num_samples, dataset_length=len(s.source), dataset=s.source.name,
+                          service=self.instance, fingerprint=s.source.fingerprint(),
+                          decoding=self.admission.decoding(s.pipe), lanes=self.lane_port, probe=self.probe)
+        self._out.append(E.Send(session.ident, accept, track=True))
         self._client_line(logging.INFO, "client %s job %r rank %d/%d epoch %d: stream %d asked at once for %d of %d "
                           "batches%s", session.name, hello.job, hello.rank, hello.spec.world_size, hello.epoch,
                           hello.stream, len(s.state.order), plan.num_batches, " (lookahead)" if hello.lookahead else "")

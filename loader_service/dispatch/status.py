@@ -116,6 +116,7 @@ class Totals:
     flooded_messages: int = 0  # messages dropped unread: past an allowance, or from a connection or identity cut
     silent_cut: int = 0  # connections cut for bringing nothing for 3 of their client's heartbeats (dispatch/silence.py)
     unread_cut: int = 0  # connections cut for reading nothing of what waited for them as long (dispatch/unread.py)
+    held_back: int = 0  # new streams that waited for their client to read what its earlier ones were sent (memory.py)
     denied_addresses: int = 0  # peer addresses refused new connections for their stranded ones (dispatch/silence.py)
     stale_messages: int = 0  # dropped unread: from an older connection on the fd number another client's now has
     heap_trims: int = 0  # free heap given back to the system after many sessions left (dispatch/heap.py)

@@ -17,6 +17,9 @@ either rule, and a trainer that is only busy is by neither, as the project's cli
 batch it asked for into its own buffers whatever its trainer does (its receive cap is above its
 window, and its lanes' readers do not wait for the trainer).
 
+A peer that reads, only slower than it asks, is not cut: its new streams wait instead while it
+is behind (:meth:`~.memory.BatchMemory.behind`), so what waits for it stays at two streams' worth.
+
 This module is the rule alone (pure); the shell reads the counters (:class:`~.events.Quiet`).
 """
 

@@ -13,13 +13,16 @@ import socket
 import threading
 import time
 
+import pytest
+
 from client import RemoteLoader
 from wire import protocol as P
 from wire.jobspec import JobSpec
 
 from tests.conftest import DEMO_SIZE
-from testkit.helpers import collect, indices_of
+from testkit.helpers import collect, indices_of, wait_for
 from testkit.hostile import PING, _frame, zmtp_dealer
+
 
 def _ask_and_never_read(port: int, heartbeat: float, deadline_s: float) -> float:
     """A hand-made client with a small receive buffer: a Hello for every batch of an epoch, then
@@ -103,3 +106,56 @@ def test_a_socket_its_peer_does_not_read_shows_data_waiting_and_nothing_acknowle
             while (r := Sending.read(conn)).waiting and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert not r.waiting and r.acked == sent
+
+
+@pytest.mark.parametrize("image, size, what", [(224, DEMO_SIZE, "zero-copy"), (32, 960, "copied")])
+def test_a_peer_that_says_hello_after_hello_without_reading_is_held_to_two_streams(serve_demo, image, size, what):
+    """A client behind in reading: each Hello a new stream asking for the whole epoch, the next one
+    said once the service has sent every batch its slots allow, none read. Its third stream waits
+    (``held_back``) until it has read what came before, whether the batches wait in their slots
+    (224 px: 2.4 MB, sent zero-copy) or in libzmq's queue (32 px: 49 KB, copied; only the Accept
+    of its second stream, tracked, tells when they have gone). So the service holds two of its
+    streams, not one more with every Hello. Then it reads everything, and its last stream comes
+    whole. Before: every replaced stream kept what it had sent (docs/benchmarks.md 19: 551 MiB of
+    slots at 30 s at 224 px, +44 MiB of RSS at 32 px)."""
+    import zmq
+
+    svc = serve_demo("--heartbeat", "10", "--demo-size", str(size))  # the unread limit: 30 s, past this client's pause
+    spec = JobSpec(batch_size=16, image_size=image, shuffle=False)
+    segment = 4 * 16 * image * image * 3  # slots=4 below
+    n = size // 16
+    sends = 4 if what == "zero-copy" else n  # a copied batch's slot is free again at once
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    for opt, value in ((zmq.RCVHWM, 1), (zmq.RCVBUF, 4096), (zmq.LINGER, 0), (zmq.RCVTIMEO, 60_000)):
+        sock.setsockopt(opt, value)
+    sock.connect(f"tcp://127.0.0.1:{svc.data_port}")
+    hellos = 6
+    try:
+        for stream in range(1, hellos + 1):
+            sock.send_multipart(P.encode(P.Hello(stream=stream, spec=spec, slots=4, batches=list(range(n)),
+                                                 heartbeat=10.0)))
+            if stream <= 2:  # all it can be sent, none read
+                wait_for(lambda: svc.status()["totals"]["batches"] == sends * stream, what=f"stream {stream}'s sends")
+        wait_for(lambda: svc.status()["totals"]["held_back"] == hellos - 2, what="the later Hellos held back")
+        st = svc.status()
+        assert st["totals"]["streams"] == 2 and st["totals"]["batches"] == 2 * sends, st["totals"]
+        assert st["shm_bytes"] == (2 if what == "zero-copy" else 1) * segment, st["shm_bytes"] / segment
+        assert [c["slots"] for c in st["clients"]] == ["waiting"], st["clients"]
+        got, streams = {}, set()  # the last stream's batches; every stream seen, read to the end now
+        while len(got) < n:
+            msg, _ = P.decode(sock.recv_multipart(copy=False))
+            assert not isinstance(msg, P.Error), msg
+            if isinstance(msg, P.Accept):
+                streams.add(msg.stream)
+            if isinstance(msg, P.Batch) and msg.stream == hellos:
+                assert msg.index not in got
+                got[msg.index] = msg.indices
+        assert streams == {1, 2, hellos}  # the streams in between were replaced while they waited
+        assert sorted(i for batch in got.values() for i in batch) == list(range(size))
+    finally:
+        sock.close()
+        ctx.term()
+    st = svc.status()
+    assert st["totals"]["internal_errors"] == 0 and st["totals"]["unread_cut"] == 0
+    svc.assert_alive()

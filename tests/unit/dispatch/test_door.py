@@ -5,7 +5,8 @@ The pure checks first; then a hypothesis state machine that drives the real
 processes: testkit/dispatcher.py) with every message type a client can send, well-formed
 or not, while streams wait for memory, run, are caught up, lend their slots, starve and end;
 two workers take tasks as the state hands them out and finish, fail or lose them at random,
-libzmq lets go of sent batches in any order, time passes past deadlines and reclaim times.
+libzmq lets go of sent batches in any order, clients stop and start reading (libzmq holds the
+Accepts sent them meanwhile, and lets go of them in any order), time passes past deadlines and reclaim times.
 After every step: nothing escaped, the last-resort guard never fired, what a connection holds
 stays within its window, no batch left twice, the bystander was never failed by what others
 sent, and each stream's life moved only as :data:`~loader_service.dispatch.door.MAY_BECOME` allows.
@@ -30,6 +31,7 @@ from loader_service.config import ServiceConfig
 from loader_service.dispatch import door
 from loader_service.dispatch.door import MAY_BECOME, Asked, Life
 from loader_service.dispatch.flood import REMEMBER_S
+from loader_service.dispatch.memory import RETIRING_HELD_MAX
 from loader_service.dispatch.streams import Stream
 from testkit.dispatcher import close, deliver, loopless
 
@@ -290,6 +292,21 @@ class DoorMachine(RuleBasedStateMachine):
         self.d.let_go(data.draw(st.integers(0, len(self.d.sending) - 1)))
         self._round()
 
+    @rule(reading=st.booleans())
+    def clients_read_or_stop(self, reading):
+        """Clients read what they are sent as it comes (the Accepts held till now go to the kernel),
+        or stop reading: libzmq holds each Accept until :meth:`libzmq_lets_go_of_an_accept`."""
+        self.d.reading = reading
+        if reading:
+            self.d.flush()
+        self._round()
+
+    @precondition(lambda self: self.d is not None and self.d.flushing)
+    @rule(data=st.data())
+    def libzmq_lets_go_of_an_accept(self, data):
+        self.d.flush(self.d.flushing[data.draw(st.integers(0, len(self.d.flushing) - 1))][1].ident)
+        self._round()
+
     @rule(seconds=st.sampled_from([0.5, 30.0, 5000.0]))
     def time_passes(self, seconds):
         self.d.now += seconds
@@ -367,10 +384,33 @@ class DoorMachine(RuleBasedStateMachine):
         lendable = [s for s in self.d.sessions.streams() if s.segment is not None and s.state.settled
                     and now - s.asked_at >= m.reclaim_idle_s]
         free = m.max_bytes - m.in_use() + m.reserved() + sum(s.nbytes for s in lendable)
+        held = {e.ident for _, e in self.d.flushing}
         for o in m.waiting.values():
-            assert o.nbytes > free, "a new stream waits although there is room"
+            behind = m.behind(o.ident)
+            if "Accept" in behind:
+                event("a new stream waits for its client to read what came before")
+                assert o.ident in held, "held back for an Accept libzmq let go of"
+            elif behind:
+                event("a new stream waits for its replaced streams' sends")
+                assert sum(s.ident == o.ident and s.segment is not None for s in m.retiring) > 1
+            else:
+                assert o.nbytes > free, "a new stream waits although there is room"
         for s in m.starved:
             assert s.nbytes > free, "a stream waits for its slots although there is room"
+
+    @invariant()
+    def a_client_behind_in_reading_is_sent_no_new_stream(self):
+        """What libzmq may hold for one connection stays bounded however often its client says
+        Hello without reading: one Accept at a time not let go of (the copied batches queued
+        before it are of one stream), and at most two replaced streams holding slots for sends."""
+        if self.d is None:
+            return
+        for client, ident in self.idents.items():
+            assert sum(e.ident == ident for _, e in self.d.flushing) <= 1, f"client {client}: two Accepts held"
+            held = sum(s.ident == ident and s.segment is not None for s in self.d.memory.retiring)
+            session = self.d.sessions.get(ident)
+            live = session is not None and session.stream is not None
+            assert held <= RETIRING_HELD_MAX + (0 if live else 1), f"client {client}: {held} replaced streams hold"
 
     @invariant()
     def the_memory_s_counts_and_each_life_move_are_right(self):

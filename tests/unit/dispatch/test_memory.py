@@ -26,7 +26,7 @@ from wire import protocol as P
 from wire.jobspec import JobSpec
 from wire.plan import make_plan
 from loader_service.decode.pipelines import Registry, job_pipeline
-from loader_service.dispatch.memory import BatchMemory, NoCapacity, NoSlots
+from loader_service.dispatch.memory import RETIRING_HELD_MAX, BatchMemory, NoCapacity, NoSlots
 from loader_service.dispatch.sending import BatchLayout
 from loader_service.dispatch.sessions import Session
 from loader_service.dispatch.stream_state import SendBatch, StreamLimits
@@ -296,7 +296,11 @@ class MemoryModel(RuleBasedStateMachine):
         quiet = [s for s in self.loop.live() if s.segment is not None and s.state.settled]  # all lendable: reclaim 0
         free = m.max_bytes - m.in_use() + m.reserved() + sum(s.nbytes for s in quiet)
         for o in m.waiting.values():
-            assert o.nbytes > free, "a new stream waits although there is room"
+            held = sum(s.ident == o.ident and s.segment is not None for s in m.retiring)
+            if held > RETIRING_HELD_MAX:  # its client is behind (its replaced streams' tasks run on)
+                assert m.behind(o.ident)
+            else:
+                assert not m.behind(o.ident) and o.nbytes > free, "a new stream waits although there is room"
         for s in m.starved:
             assert s.nbytes > free, "a stream waits for its slots although there is room"
 

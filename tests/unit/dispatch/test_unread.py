@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from wire import protocol as P
 from wire.jobspec import JobSpec
 from loader_service.config import ServiceConfig
+from loader_service.dispatch import events as E
 from loader_service.dispatch.silence import SILENT_AFTER
 from loader_service.dispatch.state import refused_log
 from loader_service.dispatch.unread import Sending, UnreadWatch
@@ -140,6 +141,70 @@ def test_a_connection_both_silent_and_unread_is_cut_once_and_counted_silent(sour
             d.quiet[30] = d.now
             _look(d, {}, after=0.5)
         assert d.cut == [30] and (d.totals.silent_cut, d.totals.unread_cut) == (1, 0)
+    finally:
+        close(d)
+
+
+# ------------------------------------------------------------------ a client behind in reading (memory.py)
+def _accepted(d, ident: bytes) -> List[int]:
+    return [m.stream for i, m in d.sent if i == ident and isinstance(m, P.Accept)]
+
+
+def test_a_new_stream_waits_until_libzmq_lets_go_of_the_last_accept_then_the_latest_opens(source, caplog):
+    d = _state(source)
+    d.reading = False  # libzmq holds every Accept until the test lets go of it
+    try:
+        ident = uuid.uuid4().bytes
+        deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0, 1]), fd=30)
+        assert _accepted(d, ident) == [1] and [e.stream for _, e in d.flushing] == [1]
+        with caplog.at_level(logging.INFO, logger="loader_service.dispatch"):
+            deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0]), fd=30)
+            deliver(d, ident, P.Hello(stream=3, spec=SPEC, slots=2, batches=[0]), fd=30)
+        assert _accepted(d, ident) == [1] and d.memory.waiting[ident].hello.stream == 3
+        assert d.totals.held_back == 2 and d.state.sessions.unflushed == {ident: 1}
+        assert f"client {ident.hex()[:12]} stream 3 waits: its client has not yet read what came before the Accept " \
+               "of its last stream" in caplog.text
+        d.flush()  # what came before stream 1's Accept has gone to the kernel
+        assert _accepted(d, ident) == [1, 3] and ident not in d.memory.waiting
+        assert d.state.sessions.unflushed == {ident: 3}  # its own Accept, held in turn; stream 2 never opened
+        assert d.totals.internal_errors == 0
+    finally:
+        close(d)
+
+
+def test_a_lookahead_of_a_client_behind_is_refused_and_may_be_asked_again(source):
+    d = _state(source)
+    d.reading = False
+    try:
+        ident = uuid.uuid4().bytes
+        deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=30)
+        deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0], lookahead=True), fd=30)
+        refused = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
+        assert [(m.code, m.stream, m.fatal) for m in refused] == [(P.ErrorCode.NO_CAPACITY, 2, False)]
+        assert refused[0].message.startswith("lookahead refused: its client has not yet read what came before")
+        assert ident not in d.memory.waiting and d.totals.held_back == 0
+        d.flush()
+        deliver(d, ident, P.Hello(stream=3, spec=SPEC, slots=2, batches=[0], lookahead=True), fd=30)
+        assert _accepted(d, ident) == [1, 3]
+    finally:
+        close(d)
+
+
+def test_an_accept_let_go_with_its_connection_frees_the_ident_and_an_older_one_changes_nothing(source):
+    d = _state(source)
+    d.reading = False
+    try:
+        ident = uuid.uuid4().bytes
+        deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=30)
+        deliver(d, ident, P.Bye(), fd=30)  # the session ends, the connection (and its queue) stays
+        deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0]), fd=30)
+        assert _accepted(d, ident) == [1] and ident in d.memory.waiting  # still behind stream 1's Accept
+        d.handle(E.Flushed(ident, 0))  # an older Accept's: nothing changes
+        assert d.state.sessions.unflushed == {ident: 1} and ident in d.memory.waiting
+        d.event(zmq.EVENT_DISCONNECTED, 30)
+        d.read_monitor()  # the connection closes: libzmq drops its queue, the Accept with it
+        assert d.state.sessions.unflushed == {} and ident not in d.sessions and not d.memory.waiting
+        assert _accepted(d, ident) == [1] and d.totals.internal_errors == 0
     finally:
         close(d)
 
