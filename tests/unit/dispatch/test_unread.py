@@ -6,9 +6,10 @@ reused fd number, the clock) checked against a recount from each connection's hi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 import zmq
@@ -150,13 +151,24 @@ def _accepted(d, ident: bytes) -> List[int]:
     return [m.stream for i, m in d.sent if i == ident and isinstance(m, P.Accept)]
 
 
-def test_a_new_stream_waits_until_libzmq_lets_go_of_the_last_accept_then_the_latest_opens(source, caplog):
+@contextlib.contextmanager
+def _not_reading(source) -> Iterator[Tuple[object, bytes]]:
+    """The dispatch state and a client whose first stream is open: libzmq holds every Accept
+    until the test lets go of it (``d.flush``)."""
     d = _state(source)
-    d.reading = False  # libzmq holds every Accept until the test lets go of it
+    d.reading = False
     try:
         ident = uuid.uuid4().bytes
         deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0, 1]), fd=30)
         assert _accepted(d, ident) == [1] and [e.stream for _, e in d.flushing] == [1]
+        yield d, ident
+        assert d.totals.internal_errors == 0
+    finally:
+        close(d)
+
+
+def test_a_new_stream_waits_until_libzmq_lets_go_of_the_last_accept_then_the_latest_opens(source, caplog):
+    with _not_reading(source) as (d, ident):
         with caplog.at_level(logging.INFO, logger="loader_service.dispatch"):
             deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0]), fd=30)
             deliver(d, ident, P.Hello(stream=3, spec=SPEC, slots=2, batches=[0]), fd=30)
@@ -167,17 +179,10 @@ def test_a_new_stream_waits_until_libzmq_lets_go_of_the_last_accept_then_the_lat
         d.flush()  # what came before stream 1's Accept has gone to the kernel
         assert _accepted(d, ident) == [1, 3] and ident not in d.memory.waiting
         assert d.state.sessions.unflushed == {ident: 3}  # its own Accept, held in turn; stream 2 never opened
-        assert d.totals.internal_errors == 0
-    finally:
-        close(d)
 
 
 def test_a_lookahead_of_a_client_behind_is_refused_and_may_be_asked_again(source):
-    d = _state(source)
-    d.reading = False
-    try:
-        ident = uuid.uuid4().bytes
-        deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=30)
+    with _not_reading(source) as (d, ident):
         deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0], lookahead=True), fd=30)
         refused = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
         assert [(m.code, m.stream, m.fatal) for m in refused] == [(P.ErrorCode.NO_CAPACITY, 2, False)]
@@ -186,16 +191,10 @@ def test_a_lookahead_of_a_client_behind_is_refused_and_may_be_asked_again(source
         d.flush()
         deliver(d, ident, P.Hello(stream=3, spec=SPEC, slots=2, batches=[0], lookahead=True), fd=30)
         assert _accepted(d, ident) == [1, 3]
-    finally:
-        close(d)
 
 
 def test_an_accept_let_go_with_its_connection_frees_the_ident_and_an_older_one_changes_nothing(source):
-    d = _state(source)
-    d.reading = False
-    try:
-        ident = uuid.uuid4().bytes
-        deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=30)
+    with _not_reading(source) as (d, ident):
         deliver(d, ident, P.Bye(), fd=30)  # the session ends, the connection (and its queue) stays
         deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0]), fd=30)
         assert _accepted(d, ident) == [1] and ident in d.memory.waiting  # still behind stream 1's Accept
@@ -204,9 +203,7 @@ def test_an_accept_let_go_with_its_connection_frees_the_ident_and_an_older_one_c
         d.event(zmq.EVENT_DISCONNECTED, 30)
         d.read_monitor()  # the connection closes: libzmq drops its queue, the Accept with it
         assert d.state.sessions.unflushed == {} and ident not in d.sessions and not d.memory.waiting
-        assert _accepted(d, ident) == [1] and d.totals.internal_errors == 0
-    finally:
-        close(d)
+        assert _accepted(d, ident) == [1]
 
 
 # ------------------------------------------------------------------ the model
