@@ -372,6 +372,7 @@ class Dispatcher:
         sentinels: Dict[int, int] = {}
         pool_version = -1
         try:
+            sending.start_letting_go()
             self.pool.scale(self.first_workers)
             while self._running_loop:
                 if pool_version != self.pool.state.version:

@@ -126,6 +126,16 @@ def frame(segment: Segment, offset: int, nbytes: int,
     return zmq.Frame(view, copy=False), True
 
 
+def start_letting_go() -> None:
+    """Start what reports each zero-copy frame libzmq lets go of: pyzmq's garbage-collection
+    thread, with a zmq context of its own (an I/O thread: 6 descriptors), and the socket the
+    reports go to it on (one more). The first zero-copy frame starts them; made lazily by the
+    first Accept, they would count as the first client's and outlive it. One frame made and
+    dropped here, so they are the service's from its start."""
+    frame = zmq.Frame(np.zeros(1, dtype=np.uint8), copy=False)
+    del frame
+
+
 def tracked(data: bytes, on_sent: Callable[[], None]) -> zmq.Frame:
     """``data`` as a zero-copy frame, however small, so that ``on_sent`` runs (on another thread)
     once libzmq lets go of it: by then everything queued before it on its connection has gone to
@@ -135,4 +145,4 @@ def tracked(data: bytes, on_sent: Callable[[], None]) -> zmq.Frame:
     return zmq.Frame(view, copy=False)
 
 
-__all__ = ["BatchLayout", "Outgoing", "Output", "compact", "frame", "outgoing", "tracked"]
+__all__ = ["BatchLayout", "Outgoing", "Output", "compact", "frame", "outgoing", "start_letting_go", "tracked"]
