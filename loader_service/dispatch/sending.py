@@ -122,8 +122,7 @@ def frame(segment: Segment, offset: int, nbytes: int,
     view = segment.array(np.uint8, (nbytes,), offset)
     if nbytes < P.ZERO_COPY_MIN_BYTES:
         return view.tobytes(), False
-    weakref.finalize(view, on_sent)
-    return zmq.Frame(view, copy=False), True
+    return _reported(view, on_sent), True
 
 
 def start_letting_go() -> None:
@@ -140,7 +139,11 @@ def tracked(data: bytes, on_sent: Callable[[], None]) -> zmq.Frame:
     """``data`` as a zero-copy frame, however small, so that ``on_sent`` runs (on another thread)
     once libzmq lets go of it: by then everything queued before it on its connection has gone to
     the kernel (one pipe, sent in order), or the connection is gone."""
-    view = np.frombuffer(data, dtype=np.uint8)
+    return _reported(np.frombuffer(data, dtype=np.uint8), on_sent)
+
+
+def _reported(view: np.ndarray, on_sent: Callable[[], None]) -> zmq.Frame:
+    """``view`` as a zero-copy frame; ``on_sent`` runs once pyzmq drops the view (libzmq let go)."""
     weakref.finalize(view, on_sent)
     return zmq.Frame(view, copy=False)
 
