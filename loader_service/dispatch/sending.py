@@ -128,9 +128,9 @@ def frame(segment: Segment, offset: int, nbytes: int,
 def start_letting_go() -> None:
     """Start what reports each zero-copy frame libzmq lets go of: pyzmq's garbage-collection
     thread, with a zmq context of its own (an I/O thread: 6 descriptors), and the socket the
-    reports go to it on (one more). The first zero-copy frame starts them; made lazily by the
-    first Accept, they would count as the first client's and outlive it. One frame made and
-    dropped here, so they are the service's from its start."""
+    reports go to it on (one more). The first zero-copy frame starts them; made lazily by a
+    client's first tracked Accept or large batch, they would count as that client's and outlive
+    it. One frame made and dropped here, so they are the service's from its start."""
     frame = zmq.Frame(np.zeros(1, dtype=np.uint8), copy=False)
     del frame
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from wire import protocol as P
 from wire.jobspec import JobSpec
@@ -77,6 +77,9 @@ class Sessions:
         # session (a Bye leaves the connection and its queue as they were) until libzmq lets go
         # of it: sent, or dropped with its connection (so it holds no more than the connections do).
         self.unflushed: Dict[bytes, int] = {}
+        # fds of open connections sent an Accept already (past a Bye too): only a later Accept is
+        # tracked, as nothing of a stream is queued before a connection's first (see :meth:`accepting`)
+        self._served: Set[int] = set()
 
 
     def compact(self) -> None:
@@ -196,7 +199,19 @@ class Sessions:
             return  # the report of the connection already opened on its first message
         self._open_new(fd)
 
+    def accepting(self, fd: int) -> bool:
+        """An Accept goes out on connection ``fd``: whether to track it (libzmq's letting go of it
+        comes back as Flushed), which only one after the connection's first needs. Tracking has
+        a cost (pyzmq's garbage-collection thread hears of each tracked frame), and a flood of
+        new connections that each say one Hello would pay it for nothing."""
+        if fd in self._served:
+            return True
+        if fd in self._open:
+            self._served.add(fd)
+        return False
+
     def _open_new(self, fd: int) -> None:
+        self._served.discard(fd)  # a new connection on a reused fd number
         self._serial += 1
         self._open[fd] = self._serial
         self._pending.pop(fd, None)  # keeps the order of acceptance
@@ -205,6 +220,7 @@ class Sessions:
     def disconnected(self, fd: int) -> Optional[bytes]:
         """The monitor saw ``fd`` disconnect: the identity to drop, if it was this connection's."""
         serial = self._open.pop(fd, None)
+        self._served.discard(fd)
         self._pending.pop(fd, None)
         self._early.pop(fd, None)
         ident = self._fd_owner.pop(fd, None)

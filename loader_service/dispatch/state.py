@@ -432,12 +432,14 @@ class DispatchState:
         hello, plan = s.hello, s.plan
         self.sessions.serve(session, s)
         self.totals.streams += 1
-        self.sessions.unflushed[session.ident] = hello.stream  # its next stream opens once this has gone (memory.py)
+        track = self.sessions.accepting(session.fd)
+        if track:  # its next stream opens once this has gone (memory.py)
+            self.sessions.unflushed[session.ident] = hello.stream
         accept = P.Accept(stream=hello.stream, epoch=hello.epoch, num_batches=plan.num_batches,
                           num_samples=plan.num_samples, dataset_length=len(s.source), dataset=s.source.name,
                           service=self.instance, fingerprint=s.source.fingerprint(),
                           decoding=self.admission.decoding(s.pipe), lanes=self.lane_port, probe=self.probe)
-        self._out.append(E.Send(session.ident, accept, track=True))
+        self._out.append(E.Send(session.ident, accept, track=track))
         self._client_line(logging.INFO, "client %s job %r rank %d/%d epoch %d: stream %d asked at once for %d of %d "
                           "batches%s", session.name, hello.job, hello.rank, hello.spec.world_size, hello.epoch,
                           hello.stream, len(s.state.order), plan.num_batches, " (lookahead)" if hello.lookahead else "")

@@ -153,14 +153,17 @@ def _accepted(d, ident: bytes) -> List[int]:
 
 @contextlib.contextmanager
 def _not_reading(source) -> Iterator[Tuple[object, bytes]]:
-    """The dispatch state and a client whose first stream is open: libzmq holds every Accept
-    until the test lets go of it (``d.flush``)."""
+    """The dispatch state and a client on its second stream: libzmq holds every tracked Accept
+    until the test lets go of it (``d.flush``). The connection's first Accept is not tracked
+    (nothing is queued before it), so the second stream opened at once; its Accept is."""
     d = _state(source)
     d.reading = False
     try:
         ident = uuid.uuid4().bytes
         deliver(d, ident, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0, 1]), fd=30)
-        assert _accepted(d, ident) == [1] and [e.stream for _, e in d.flushing] == [1]
+        assert _accepted(d, ident) == [1] and d.flushing == [] and d.state.sessions.unflushed == {}
+        deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0, 1]), fd=30)
+        assert _accepted(d, ident) == [1, 2] and [e.stream for _, e in d.flushing] == [2]
         yield d, ident
         assert d.totals.internal_errors == 0
     finally:
@@ -170,40 +173,53 @@ def _not_reading(source) -> Iterator[Tuple[object, bytes]]:
 def test_a_new_stream_waits_until_libzmq_lets_go_of_the_last_accept_then_the_latest_opens(source, caplog):
     with _not_reading(source) as (d, ident):
         with caplog.at_level(logging.INFO, logger="loader_service.dispatch"):
-            deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0]), fd=30)
             deliver(d, ident, P.Hello(stream=3, spec=SPEC, slots=2, batches=[0]), fd=30)
-        assert _accepted(d, ident) == [1] and d.memory.waiting[ident].hello.stream == 3
-        assert d.totals.held_back == 2 and d.state.sessions.unflushed == {ident: 1}
-        assert f"client {ident.hex()[:12]} stream 3 waits: its client has not yet read what came before the Accept " \
+            deliver(d, ident, P.Hello(stream=4, spec=SPEC, slots=2, batches=[0]), fd=30)
+        assert _accepted(d, ident) == [1, 2] and d.memory.waiting[ident].hello.stream == 4
+        assert d.totals.held_back == 2 and d.state.sessions.unflushed == {ident: 2}
+        assert f"client {ident.hex()[:12]} stream 4 waits: its client has not yet read what came before the Accept " \
                "of its last stream" in caplog.text
-        d.flush()  # what came before stream 1's Accept has gone to the kernel
-        assert _accepted(d, ident) == [1, 3] and ident not in d.memory.waiting
-        assert d.state.sessions.unflushed == {ident: 3}  # its own Accept, held in turn; stream 2 never opened
+        d.flush()  # what came before stream 2's Accept has gone to the kernel
+        assert _accepted(d, ident) == [1, 2, 4] and ident not in d.memory.waiting
+        assert d.state.sessions.unflushed == {ident: 4}  # its own Accept, held in turn; stream 3 never opened
 
 
 def test_a_lookahead_of_a_client_behind_is_refused_and_may_be_asked_again(source):
     with _not_reading(source) as (d, ident):
-        deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0], lookahead=True), fd=30)
+        deliver(d, ident, P.Hello(stream=3, spec=SPEC, slots=2, batches=[0], lookahead=True), fd=30)
         refused = [m for i, m in d.sent if i == ident and isinstance(m, P.Error)]
-        assert [(m.code, m.stream, m.fatal) for m in refused] == [(P.ErrorCode.NO_CAPACITY, 2, False)]
+        assert [(m.code, m.stream, m.fatal) for m in refused] == [(P.ErrorCode.NO_CAPACITY, 3, False)]
         assert refused[0].message.startswith("lookahead refused: its client has not yet read what came before")
         assert ident not in d.memory.waiting and d.totals.held_back == 0
         d.flush()
-        deliver(d, ident, P.Hello(stream=3, spec=SPEC, slots=2, batches=[0], lookahead=True), fd=30)
-        assert _accepted(d, ident) == [1, 3]
+        deliver(d, ident, P.Hello(stream=4, spec=SPEC, slots=2, batches=[0], lookahead=True), fd=30)
+        assert _accepted(d, ident) == [1, 2, 4]
 
 
 def test_an_accept_let_go_with_its_connection_frees_the_ident_and_an_older_one_changes_nothing(source):
     with _not_reading(source) as (d, ident):
         deliver(d, ident, P.Bye(), fd=30)  # the session ends, the connection (and its queue) stays
-        deliver(d, ident, P.Hello(stream=2, spec=SPEC, slots=2, batches=[0]), fd=30)
-        assert _accepted(d, ident) == [1] and ident in d.memory.waiting  # still behind stream 1's Accept
-        d.handle(E.Flushed(ident, 0))  # an older Accept's: nothing changes
-        assert d.state.sessions.unflushed == {ident: 1} and ident in d.memory.waiting
+        deliver(d, ident, P.Hello(stream=3, spec=SPEC, slots=2, batches=[0]), fd=30)
+        assert _accepted(d, ident) == [1, 2] and ident in d.memory.waiting  # still behind stream 2's Accept
+        d.handle(E.Flushed(ident, 1))  # an older Accept's: nothing changes
+        assert d.state.sessions.unflushed == {ident: 2} and ident in d.memory.waiting
         d.event(zmq.EVENT_DISCONNECTED, 30)
         d.read_monitor()  # the connection closes: libzmq drops its queue, the Accept with it
         assert d.state.sessions.unflushed == {} and ident not in d.sessions and not d.memory.waiting
-        assert _accepted(d, ident) == [1]
+        assert _accepted(d, ident) == [1, 2]
+
+
+def test_only_an_accept_after_a_connection_s_first_is_tracked_and_a_new_connection_starts_again(source):
+    with _not_reading(source) as (d, ident):
+        d.flush()
+        deliver(d, ident, P.Bye(), fd=30)
+        deliver(d, ident, P.Hello(stream=3, spec=SPEC, slots=2, batches=[0]), fd=30)
+        assert [e.stream for _, e in d.flushing] == [3]  # after a Bye, on the same connection: tracked
+        d.event(zmq.EVENT_DISCONNECTED, 30)
+        d.read_monitor()
+        other = uuid.uuid4().bytes  # the next connection on fd number 30 is new: its first Accept is not
+        deliver(d, other, P.Hello(stream=1, spec=SPEC, slots=2, batches=[0]), fd=30)
+        assert _accepted(d, other) == [1] and d.flushing == [] and d.state.sessions.unflushed == {}
 
 
 # ------------------------------------------------------------------ the model
